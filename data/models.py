@@ -12,8 +12,11 @@ import hashlib
 import importlib.metadata
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
+from typing import Any, Callable
+from urllib.parse import urlparse
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -64,6 +67,8 @@ def convert_bundled(name: str) -> Path:
         model.config.name_or_path = f"bundled:{name}"
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        if (target / "config.json").exists():
+            return target  # another process finished the same conversion first
         if target.exists():
             shutil.rmtree(target)
         tmp.rename(target)
@@ -87,19 +92,45 @@ def resolve_model_path(spec: str) -> str:
     return spec
 
 
-def _hub_offline_error(spec: str, err: Exception) -> ModelSourceError:
+def _hub_reachable(timeout_s: float = 3.0) -> bool:
+    """One quick connection attempt, so an offline machine fails at once instead of retrying for a minute."""
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def _from_pretrained(spec: str, path: str, loader: Callable[..., Any], **kwargs: Any) -> Any:
+    """Local folders load directly; a hub id is tried from the local HF cache first, then the hub."""
+    if Path(path).exists():
+        try:
+            return loader(path, **kwargs)
+        except (OSError, ValueError) as err:
+            first_line = (str(err).splitlines() or [""])[0]
+            raise ModelSourceError(f"{path}: cannot load ({err.__class__.__name__}: {first_line})") from None
+    try:
+        return loader(path, local_files_only=True, **kwargs)
+    except OSError:
+        pass
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or not _hub_reachable():
+        raise _hub_offline_error(spec) from None
+    try:
+        return loader(path, **kwargs)
+    except OSError as err:
+        raise ModelSourceError(f"{spec}: cannot load from the hub ({err.__class__.__name__})") from None
+
+
+def _hub_offline_error(spec: str) -> ModelSourceError:
     return ModelSourceError(
-        f"{spec}: not a local folder and the model hub could not be reached ({type(err).__name__}); "
+        f"{spec}: not a local folder, not in the local HF cache, and the model hub is unreachable; "
         "use a local HF folder or bundled:smollm2-135m-instruct"
     )
 
 
 def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
-    path = resolve_model_path(spec)
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except OSError as err:
-        raise _hub_offline_error(spec, err) from None
+    return _from_pretrained(spec, resolve_model_path(spec), AutoTokenizer.from_pretrained)
 
 
 def load_model(
@@ -110,18 +141,8 @@ def load_model(
     `dtype` applies to full-precision models; a quantized checkpoint keeps its own format.
     """
     path = resolve_model_path(spec)
-    is_hub = not Path(path).exists()
-    if is_hub:
-        # Fail in one line instead of retrying for minutes when the hub is unreachable.
-        os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "5")
-        os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "5")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), device_map=device)
-    except OSError as err:
-        if is_hub:
-            raise _hub_offline_error(spec, err) from None
-        raise ModelSourceError(f"{path}: cannot load model ({err.__class__.__name__}: {str(err).splitlines()[0]})") from None
+    tokenizer = _from_pretrained(spec, path, AutoTokenizer.from_pretrained)
+    model = _from_pretrained(spec, path, AutoModelForCausalLM.from_pretrained, dtype=getattr(torch, dtype), device_map=device)
     model.eval()
     return model, tokenizer
 

@@ -1,0 +1,48 @@
+"""`python -m data.prepare`: convert the target, load and tokenize ShareGPT, print what there is.
+
+The first thing a new machine runs: it warms the model cache and shows the data is usable.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import hydra
+from omegaconf import DictConfig
+
+from data.models import ModelSourceError, load_model
+from data.prompts import load_questions
+from data.sharegpt import DataError, chat_prompt_ids, load_tokenized
+
+
+def prepare(cfg: DictConfig) -> dict[str, int]:
+    model, tokenizer = load_model(cfg.model.name, cfg.model.dtype)
+    train, held_out = load_tokenized(cfg.data, tokenizer)
+    questions = load_questions(cfg.eval.get("questions"))
+    prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": questions[0].turns[0]}])
+    reply = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):]
+    counts = {
+        "train_conversations": len(train),
+        "held_out_conversations": len(held_out),
+        "train_tokens": sum(len(t.input_ids) for t in train),
+        "train_assistant_tokens": sum(sum(t.loss_mask) for t in train),
+        "questions": len(questions),
+    }
+    for k, v in counts.items():
+        print(f"{k:>24}: {v}")
+    print(f"{'sample reply':>24}: {tokenizer.decode(reply, skip_special_tokens=True)!r}")
+    return counts
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    try:
+        prepare(cfg)
+    except (ModelSourceError, DataError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
