@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
 import os
 import shutil
 import socket
@@ -129,6 +130,24 @@ def _hub_offline_error(spec: str) -> ModelSourceError:
     )
 
 
+# Fastest CPU int4 kernel measured for GPTQ checkpoints (quantize/kernels.py; README): GPTQModel's
+# TorchFusedLinear, which also keeps the rest of the model in the requested dtype (fp32 included).
+GPTQ_CPU_BACKEND = "torch_fused"
+
+
+def _gptq_loading_kwargs(path: str, device: str) -> dict[str, Any]:
+    """For a local GPTQ folder on CPU: pick the fast int4 kernel instead of transformers' default choice."""
+    config_file = Path(path) / "config.json"
+    if device != "cpu" or not config_file.exists():
+        return {}
+    quant = json.loads(config_file.read_text()).get("quantization_config") or {}
+    if quant.get("quant_method") != "gptq":
+        return {}
+    from transformers import GPTQConfig
+
+    return {"quantization_config": GPTQConfig(bits=quant["bits"], backend=GPTQ_CPU_BACKEND)}
+
+
 def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
     return _from_pretrained(spec, resolve_model_path(spec), AutoTokenizer.from_pretrained)
 
@@ -142,7 +161,10 @@ def load_model(
     """
     path = resolve_model_path(spec)
     tokenizer = _from_pretrained(spec, path, AutoTokenizer.from_pretrained)
-    model = _from_pretrained(spec, path, AutoModelForCausalLM.from_pretrained, dtype=getattr(torch, dtype), device_map=device)
+    model = _from_pretrained(
+        spec, path, AutoModelForCausalLM.from_pretrained, dtype=getattr(torch, dtype), device_map=device,
+        **_gptq_loading_kwargs(path, device),
+    )
     model.eval()
     return model, tokenizer
 

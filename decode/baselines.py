@@ -1,0 +1,105 @@
+"""Baselines behind the chain's API: plain autoregressive decoding of the target (the reference every
+speedup is measured against, and the greedy reference for losslessness), and transformers' own
+`generate` with an assistant model or with prompt lookup (what a user would try first)."""
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import DynamicCache, GenerationConfig, PreTrainedModel
+from transformers.generation.streamers import BaseStreamer
+
+from decode.chain import Generation, GenerationStats, LevelStats
+from decode.sampling import Sampling, probabilities, sample
+
+
+def _eos_set(eos_token_id: int | list[int] | None) -> set[int]:
+    return set([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or [])
+
+
+def _truncate(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
+    tokens = tokens[:max_new]
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+def autoregressive(
+    model: PreTrainedModel, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
+    top_k: int = 0, top_p: float = 1.0, seed: int | None = None, eos_token_id: int | list[int] | None = None,
+) -> Generation:
+    """One token per forward with a KV cache, sampling with the same logits processing as the chain."""
+    sampling = Sampling(temperature, top_k, top_p)
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    eos, stats = _eos_set(eos_token_id), LevelStats("target", "model")
+    cache, new, ttft = DynamicCache(config=model.config), [], 0.0
+    ids = list(prompt_ids)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        while len(new) < max_new_tokens and not (new and new[-1] in eos):
+            t0 = time.perf_counter()
+            logits = model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+            stats.forward_calls += 1
+            stats.verify_time_s += time.perf_counter() - t0
+            token = int(logits.argmax()) if sampling.greedy else sample(probabilities(logits, sampling), gen)
+            new.append(token)
+            ids = [token]
+            if len(new) == 1:
+                ttft = time.perf_counter() - start
+    wall = time.perf_counter() - start
+    stats.bookkeeping_time_s = wall - stats.verify_time_s
+    return Generation(new, GenerationStats(wall, ttft, len(new), 0.0, [stats]))
+
+
+class _FirstTokenClock(BaseStreamer):
+    """Records when generate emits its first new token (its first put is the prompt)."""
+
+    def __init__(self, start: float):
+        self.start, self.calls, self.ttft = start, 0, 0.0
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.ttft = time.perf_counter() - self.start
+
+    def end(self) -> None:
+        pass
+
+
+def _hf_generate(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, name, **extra) -> Generation:
+    eos = _eos_set(eos_token_id)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
+        top_k=top_k if temperature > 0 else None, top_p=top_p if temperature > 0 else None,
+        eos_token_id=sorted(eos) or None, pad_token_id=min(eos) if eos else 0,
+    )
+    if seed is not None:
+        torch.manual_seed(seed)
+    start = time.perf_counter()
+    clock = _FirstTokenClock(start)
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), generation_config=config, streamer=clock, **extra)
+    wall = time.perf_counter() - start
+    new = _truncate(out[0, len(prompt_ids):].tolist(), max_new_tokens, eos)
+    return Generation(new, GenerationStats(wall, clock.ttft, len(new), 0.0, [LevelStats(name, "hf")]))
+
+
+def hf_assisted(
+    model: PreTrainedModel, assistant: PreTrainedModel, prompt_ids: list[int], max_new_tokens: int,
+    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+) -> Generation:
+    """transformers' assisted generation (one assistant model, its own draft-length schedule)."""
+    return _hf_generate(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id,
+                        "hf_assisted", assistant_model=assistant)
+
+
+def hf_prompt_lookup(
+    model: PreTrainedModel, prompt_ids: list[int], max_new_tokens: int, prompt_lookup_num_tokens: int = 10,
+    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+) -> Generation:
+    """transformers' prompt lookup decoding (n-gram drafts copied from the context)."""
+    return _hf_generate(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id,
+                        "hf_prompt_lookup", prompt_lookup_num_tokens=prompt_lookup_num_tokens)

@@ -1,0 +1,243 @@
+"""The EAGLE-2 draft head (the chain's drafter M3): fc over [embed(token), feature] + one decoder layer.
+
+Pairing (EAGLE): `features[:, t]` is the verifier's last hidden state at position t (after its final
+norm, i.e. `output_hidden_states[-1]`), `input_ids[:, t]` is the token at position t+1. The head
+returns `hidden[:, t]`, its prediction of the feature at position t+1, and `logits[:, t]`, its
+prediction of the token at position t+2.
+
+The decoder layer is the target's own layer class, built from a one-layer copy of the target's
+config through the public transformers API (Llama, Qwen2, Mistral, Gemma families). The target's
+final norm closes the layer: the predicted feature is `final_norm(layer_out)`, so it lives where the
+real features live, can be fed back as the next feature, and `logits = lm_head(hidden)` equals the
+target's logits whenever the feature is predicted exactly. The embedding, final norm and LM head are
+the target's, frozen, held by reference and never saved: `state_dict()` and `parameters()` hold the
+head's own weights only (fc and the decoder layer), which is also what DeepSpeed trains.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import inspect
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+FORMAT_VERSION = 1
+
+
+class HeadError(RuntimeError):
+    """An unusable target or a head that does not belong to the chain's target; one-line message."""
+
+
+def _base_model(target: PreTrainedModel) -> nn.Module:
+    return getattr(target, target.base_model_prefix, target)
+
+
+def _layer_parts(target: PreTrainedModel) -> tuple[type, type, nn.Module]:
+    """(decoder-layer class, rotary-embedding class, final norm) of a target, or a one-line HeadError."""
+    base = _base_model(target)
+    layers, rotary, norm = getattr(base, "layers", None), getattr(base, "rotary_emb", None), getattr(base, "norm", None)
+    name = type(target).__name__
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0 or rotary is None or norm is None:
+        raise HeadError(
+            f"target {name} has no usable decoder-layer class (an EAGLE head needs <base>.layers[0], "
+            "<base>.rotary_emb and <base>.norm, as Llama/Qwen2/Mistral/Gemma models have)"
+        )
+    layer_cls = type(layers[0])
+    params = inspect.signature(layer_cls.__init__).parameters
+    if "config" not in params or "layer_idx" not in params:
+        raise HeadError(f"target {name}: decoder layer {layer_cls.__name__} cannot be built from (config, layer_idx)")
+    return layer_cls, type(rotary), norm
+
+
+def head_config(target_config: Any) -> Any:
+    """A one-layer, full-attention copy of the target's config: the draft head's decoder layer."""
+    config = copy.deepcopy(target_config)
+    config.num_hidden_layers = 1
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = ["full_attention"]
+    if config._attn_implementation not in ("eager", "sdpa"):
+        config._attn_implementation = "sdpa"  # the head always passes an explicit 4-D float mask
+    return config
+
+
+class EagleHead(nn.Module):
+    """fc(2h -> h) over [embed(token_{t+1}), feature_t], the target's decoder layer, its final norm and LM head."""
+
+    def __init__(self, target: PreTrainedModel, init_std: float | None = None):
+        super().__init__()
+        layer_cls, rotary_cls, norm = _layer_parts(target)
+        self.config = head_config(target.config)
+        h = self.config.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=True)
+        try:
+            self.layer = layer_cls(self.config, layer_idx=0)
+            self.rotary_emb = rotary_cls(config=self.config)
+        except Exception as err:  # a layer class whose constructor needs more than its config
+            raise HeadError(f"target {type(target).__name__}: cannot build {layer_cls.__name__} from its config ({err.__class__.__name__}: {err})") from None
+        self._rotary_takes_layer_type = "layer_type" in inspect.signature(self.rotary_emb.forward).parameters
+        std = init_std if init_std is not None else getattr(self.config, "initializer_range", 0.02)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        # Shared with the target, frozen, deliberately not registered as submodules (not saved, not trained).
+        self._shared = {"embed": target.get_input_embeddings(), "norm": norm, "lm_head": target.get_output_embeddings()}
+        for module in self._shared.values():
+            module.requires_grad_(False)
+        self.target_name = str(getattr(target.config, "name_or_path", "") or type(target).__name__)
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self._shared["embed"]
+
+    @property
+    def norm(self) -> nn.Module:
+        return self._shared["norm"]
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self._shared["lm_head"]
+
+    @classmethod
+    def for_target(cls, target_model: PreTrainedModel) -> "EagleHead":
+        """An untrained head for a target; its dtype follows the target's."""
+        return cls(target_model).to(next(target_model.parameters()).dtype)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        features: torch.Tensor,
+        past_key_values: Any = None,
+        position_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        compute_logits: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+        """(predicted features [B,T,h], logits [B,T,V], cache). `attention_mask` is an additive float mask
+        [B,1,T,past+T] (tree drafting); None means causal after the cached prefix. Positions default to
+        past..past+T-1. The cache (e.g. DynamicCache) is extended in place. `compute_logits=False` returns
+        None for logits (training applies the LM head to the loss positions only)."""
+        B, T = input_ids.shape
+        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        dtype = self.fc.weight.dtype
+        if position_ids is None:
+            position_ids = torch.arange(past, past + T, device=input_ids.device).unsqueeze(0).expand(B, T)
+        if attention_mask is None:
+            attention_mask = causal_mask(T, past, dtype, input_ids.device)
+        x = self.fc(torch.cat([self.embed_tokens(input_ids).to(dtype), features.to(dtype)], dim=-1))
+        rotary_args = ("full_attention",) if self._rotary_takes_layer_type else ()
+        position_embeddings = self.rotary_emb(x, position_ids, *rotary_args)
+        out = self.layer(
+            x,
+            attention_mask=attention_mask.to(dtype),
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=past_key_values is not None,
+            position_embeddings=position_embeddings,
+        )
+        out = out[0] if isinstance(out, tuple) else out
+        shared_dtype = self.lm_head.weight.dtype
+        hidden = self.norm(out.to(shared_dtype))
+        return hidden, self.logits(hidden) if compute_logits else None, past_key_values
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Token logits of (predicted) features: the target's LM head, with its logit soft-capping if any."""
+        logits = self.lm_head(hidden)
+        softcap = getattr(self.config, "final_logit_softcapping", None)
+        return torch.tanh(logits / softcap) * softcap if softcap else logits
+
+    def save_pretrained(self, path: str | Path, target_hash: str, tokenizer: PreTrainedTokenizerBase | None = None,
+                        feature_source: str = "target", training: dict | None = None, metrics: dict | None = None) -> Path:
+        """Write config.json, model.safetensors (head weights only) and metrics.json; atomic (temp dir + rename)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+        try:
+            config = {
+                "format": "polyspec-eagle-head",
+                "format_version": FORMAT_VERSION,
+                "architecture": {
+                    "fc": [2 * self.config.hidden_size, self.config.hidden_size],
+                    "decoder_layer": type(self.layer).__name__,
+                    "rotary_embedding": type(self.rotary_emb).__name__,
+                    "layer_config": self.config.to_dict(),
+                },
+                "target": {"name": self.target_name, "weights_hash": target_hash,
+                           "vocab_size": self.config.vocab_size, "hidden_size": self.config.hidden_size,
+                           "vocab_hash": vocab_hash(tokenizer) if tokenizer is not None else None},
+                "feature_source": feature_source,
+                "training": training or {},
+            }
+            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
+            save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(tmp / "model.safetensors"))
+            (tmp / "metrics.json").write_text(json.dumps(metrics or {}, indent=2, sort_keys=True, default=float) + "\n")
+            old = path.with_name(f".{path.name}.old")
+            if path.exists():
+                if old.exists():
+                    shutil.rmtree(old)
+                path.rename(old)
+            tmp.rename(path)
+            if old.exists():
+                shutil.rmtree(old)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        return path
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, target_model: PreTrainedModel,
+                        target_tokenizer: PreTrainedTokenizerBase | None = None) -> "EagleHead":
+        """Load a saved head onto its target; refuses (HeadError) a head trained for other weights or vocabulary."""
+        from data.models import weights_hash
+
+        path = Path(path)
+        if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+            raise HeadError(f"{path}: not an EAGLE head folder (needs config.json and model.safetensors)")
+        try:
+            config = json.loads((path / "config.json").read_text())
+            expected = config["target"]["weights_hash"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise HeadError(f"{path}/config.json: not an EAGLE head config ({err.__class__.__name__}: {err})") from None
+        actual = weights_hash(target_model)
+        if actual != expected:
+            raise HeadError(f"{path}: head was trained for target weights {expected}, but the chain's target hashes to {actual}")
+        if config["target"].get("vocab_size") != target_model.config.vocab_size:
+            raise HeadError(f"{path}: head vocabulary size {config['target'].get('vocab_size')} != target's {target_model.config.vocab_size}")
+        saved_vocab = config["target"].get("vocab_hash")
+        if target_tokenizer is not None and saved_vocab is not None:
+            if saved_vocab != vocab_hash(target_tokenizer):
+                raise HeadError(f"{path}: head was trained with a different tokenizer vocabulary than the chain's target")
+        head = cls.for_target(target_model)
+        state = load_file(str(path / "model.safetensors"))
+        missing, unexpected = head.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise HeadError(f"{path}/model.safetensors: does not fit this target's head (missing {list(missing)[:3]}, unexpected {list(unexpected)[:3]})")
+        head.feature_source = config.get("feature_source", "target")
+        head.saved_config = config
+        return head.eval()
+
+
+def vocab_hash(tokenizer: PreTrainedTokenizerBase) -> str:
+    """Content hash of a tokenizer's vocabulary (token -> id): a head only fits the vocabulary it learned."""
+    items = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def causal_mask(T: int, past: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Additive [1,1,T,past+T] mask: query i sees every cached key and the new keys up to itself."""
+    allowed = torch.ones(T, past + T, dtype=torch.bool, device=device).tril(diagonal=past)
+    return additive_mask(allowed, dtype)[None, None]
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where attention is allowed, the dtype's most negative value elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)

@@ -1,0 +1,101 @@
+"""`python -m quantize.kernels`: which CPU kernel runs the W4 checkpoint fastest, next to the target.
+
+Times one forward of 1 and of 8 new tokens over a KV cache of `quantize.eval.timing_context` tokens
+for the full-precision target (fp32, bf16) and for the W4 model under each GPTQModel CPU kernel and
+under plain `transformers` loading (its own kernel choice), all in one process, interleaved per
+repeat, medians. The winner is what `data.models.load_model` uses for GPTQ folders (GPTQ_CPU_BACKEND).
+Writes `${run_dir}/w4_kernels.json`.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig
+from transformers import AutoModelForCausalLM, GPTQConfig, PreTrainedModel
+
+from data.models import ModelSourceError, load_model, load_tokenizer, resolve_model_path
+from data.sharegpt import DataError, load_conversations, split_conversations, tokenize_conversation
+from data.tracking import write_json_atomic
+from quantize.w4 import QuantizeError, forward_ms
+
+# (label, backend or None for transformers' own choice, dtype of the non-quantized parts)
+W4_VARIANTS = [
+    ("W4 TorchFusedLinear, fp32 rest", "torch_fused", torch.float32),
+    ("W4 TorchFusedLinear, bf16 rest", "torch_fused", torch.bfloat16),
+    ("W4 TorchAtenLinear, bf16 rest", "gptq_torch_aten", torch.bfloat16),
+    ("W4 TorchInt8Linear, fp32 rest", "torch_int8", torch.float32),
+    ("W4 plain transformers (auto kernel)", None, None),
+]
+
+
+def load_w4(path: str, backend: str | None, dtype: torch.dtype | None) -> PreTrainedModel:
+    kwargs = {"quantization_config": GPTQConfig(bits=4, backend=backend)} if backend else {}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+
+
+def kernel_kind(model: PreTrainedModel) -> str:
+    kinds = {type(m).__name__ for m in model.modules() if type(m).__module__.startswith("gptqmodel.nn_modules.qlinear")}
+    return ", ".join(sorted(kinds)) or "none"
+
+
+def run(cfg: DictConfig) -> dict[str, dict[str, float | str]]:
+    w4_path = Path(cfg.quantize.output)
+    if not (w4_path / "config.json").exists():
+        raise QuantizeError(f"{w4_path}: no W4 checkpoint; run python -m quantize.w4 first")
+    src = resolve_model_path(cfg.model.name)
+    tokenizer = load_tokenizer(src)
+    _, held_out = split_conversations(load_conversations(cfg.data.source), cfg.data.held_out_fraction)
+    ecfg = cfg.quantize.eval
+    context: list[int] = []
+    for conv in held_out:
+        context += tokenize_conversation(tokenizer, conv, ecfg.timing_context).input_ids
+        if len(context) >= ecfg.timing_context:
+            break
+    context = context[: ecfg.timing_context]
+
+    models: dict[str, PreTrainedModel] = {
+        "target fp32": load_model(src, dtype="float32")[0],
+        "target bf16": load_model(src, dtype="bfloat16")[0],
+    }
+    kinds = {name: "dense" for name in models}
+    for label, backend, dtype in W4_VARIANTS:
+        try:
+            models[label] = load_w4(str(w4_path), backend, dtype)
+            kinds[label] = kernel_kind(models[label])
+        except Exception as err:  # a kernel that does not load here is a result, not a failure
+            print(f"{label}: not available ({err.__class__.__name__}: {(str(err).splitlines() or [''])[0][:120]})")
+    runnable = {}
+    for name, model in models.items():
+        try:
+            with torch.no_grad():
+                model(torch.tensor([context[:16]]))
+            runnable[name] = model
+        except Exception as err:
+            print(f"{name}: forward fails ({err.__class__.__name__}: {(str(err).splitlines() or [''])[0][:120]})")
+    ms = forward_ms(runnable, context, [1, 8], ecfg.timing_repeats)
+    base = ms["target fp32"]
+    print(f"\nmedian ms per forward, {len(context)}-token KV cache, {ecfg.timing_repeats} repeats, interleaved")
+    print(f"{'model':40s}{'1 tok':>9s}{'8 tok':>9s}{'vs fp32 (1/8)':>16s}  kernel")
+    for name, per in ms.items():
+        print(f"{name:40s}{per[1]:9.1f}{per[8]:9.1f}{per[1] / base[1]:8.2f}x{per[8] / base[8]:7.2f}x  {kinds[name]}")
+    result = {name: {"ms_1tok": per[1], "ms_8tok": per[8], "kernel": kinds[name]} for name, per in ms.items()}
+    write_json_atomic(Path(cfg.run_dir) / "w4_kernels.json", result)
+    return result
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    try:
+        run(cfg)
+    except (QuantizeError, ModelSourceError, DataError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

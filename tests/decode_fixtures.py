@@ -1,0 +1,55 @@
+"""Tiny random models and the greedy-equality check shared by the decode tests (not a test module)."""
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from decode.baselines import autoregressive
+
+
+def tiny_model(seed: int = 0, vocab: int = 300, layers: int = 4, hidden: int = 64, init: float = 0.08) -> LlamaForCausalLM:
+    """A tiny random Llama in fp32. A larger init than HF's 0.02 gives peaked next-token distributions,
+    so near-ties (which may legitimately flip an argmax) stay rare."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
+        initializer_range=init,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def noisy_copy(model: LlamaForCausalLM, noise: float, seed: int = 1) -> LlamaForCausalLM:
+    """The model with Gaussian noise on every weight: a drafter that agrees often but not always."""
+    clone = LlamaForCausalLM(model.config).eval()
+    clone.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in clone.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * noise * p.std().clamp(min=1e-3))
+    return clone
+
+
+def prompts(vocab: int, n: int = 3, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        body = torch.randint(0, vocab, (6 + 5 * i,), generator=gen).tolist()
+        out.append(body + body[:4] + body)  # repeats give prompt lookup something to find
+    return out
+
+
+def greedy_equal(target, prompt: list[int], got: list[int], tol: float = 1e-4) -> tuple[bool, int]:
+    """Compare a chain's greedy tokens with the target's plain greedy decoding (KV-cached AR).
+
+    A divergence passes only at a near-tie: the target's own top-2 logit margin at that position, in a
+    fresh full forward, within tol (relative to the top logit). Returns (ok, ties seen)."""
+    ref = autoregressive(target, prompt, len(got)).tokens
+    for i, (a, b) in enumerate(zip(ref, got)):
+        if a != b:
+            with torch.no_grad():
+                logits = target(torch.tensor([prompt + ref[:i]])).logits[0, -1].float()
+            top2 = logits.topk(2).values
+            margin = float(top2[0] - top2[1])
+            return margin <= tol * max(1.0, abs(float(top2[0]))), 1
+    return len(ref) == len(got), 0

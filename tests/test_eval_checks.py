@@ -1,0 +1,194 @@
+"""The eval's three checks and its publishing gate, on synthetic measurements (no models)."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from omegaconf import OmegaConf
+
+from decode.eval import (
+    Record,
+    check_agreement,
+    check_insertion,
+    check_lossless,
+    evaluate_insertion,
+    find_insertions,
+    folder_hash,
+    gate,
+    publish_bundle,
+    summarize,
+)
+
+
+def record(tokens, levels, turn=0, qid=1, wall=1.0, depth=0.0):
+    return Record(qid, "qa", turn, [5, 6, 7], tokens, wall, levels, depth)
+
+
+def level(name, calls, time_s, lengths):
+    return {"name": name, "kind": "model", "forward_calls": calls, "forward_time_s": time_s,
+            "bookkeeping_time_s": 0.0, "acceptance_lengths": lengths}
+
+
+def summary(times, lengths, beta):
+    """A chain summary as decode.eval.summarize makes it, from T_i and L_i."""
+    levels = [{"name": f"m{i}", "T_s": t, "L_mean": l} for i, (t, l) in enumerate(zip(times, [*lengths, None]))]
+    return {"levels": levels, "draft_depth": beta}
+
+
+def test_summarize_pools_levels_over_questions():
+    recs = [
+        record([1, 2, 3], [level("target", 2, 0.2, [2, 1]), level("head", 6, 0.06, [])], depth=3),
+        record([4, 5, 6, 7], [level("target", 2, 0.4, [3, 1]), level("head", 4, 0.04, [])], depth=2),
+    ]
+    s = summarize(recs)
+    target, head = s["levels"]
+    assert target["T_s"] == pytest.approx(0.6 / 4) and head["T_s"] == pytest.approx(0.01)
+    assert target["L_mean"] == pytest.approx(7 / 4) and target["L_var"] == pytest.approx(0.9166666)
+    assert target["L_histogram"] == {1: 2, 2: 1, 3: 1}
+    assert s["draft_depth"] == pytest.approx(10 / 4) and s["new_tokens"] == 7
+    assert s["tokens_per_s"] == pytest.approx(3.5)
+
+
+def test_lossless_passes_equal_outputs_and_excuses_only_near_ties():
+    ar = [record([1, 2, 3, 4], []), record([9, 9], [], turn=1)]
+    same = [record([1, 2, 3, 4], []), record([9, 9], [], turn=1)]
+    tie = [record([1, 2, 8, 4], []), record([9, 9], [], turn=1)]
+    check = check_lossless({"ar": ar, "chain": same}, lambda ids: pytest.fail("no divergence to inspect"), 1e-4)
+    assert check.passed and check.details["compared_turns"] == 2
+
+    seen = []
+    check = check_lossless({"ar": ar, "chain": tie}, lambda ids: seen.append(ids) or (5e-5, [3, 8]), 1e-4)
+    assert check.passed and len(check.details["near_ties"]) == 1
+    assert seen == [[5, 6, 7, 1, 2]]  # the margin is taken after the prompt and the common prefix
+
+    clear = check_lossless({"ar": ar, "chain": tie}, lambda ids: (0.2, [3, 8]), 1e-4)
+    assert not clear.passed and "chain: question 1 turn 1: token 2 is 8, AR has 3" in clear.reasons[0]
+    other = check_lossless({"ar": ar, "chain": tie}, lambda ids: (1e-6, [3, 5]), 1e-4)
+    assert not other.passed  # a tie between two other tokens does not excuse picking a third
+
+
+def test_lossless_fails_a_shorter_output():
+    check = check_lossless({"ar": [record([1, 2, 3], [])], "c": [record([1, 2], [])]}, lambda ids: (1, [0, 0]), 1e-4)
+    assert not check.passed and "2 tokens instead of 3" in check.reasons[0]
+
+
+def test_find_insertions_detects_one_extra_middle_level():
+    chains = {"dualistic": ["target", "head"], "polybasic": ["target", "w4", "head"],
+              "four": ["target", "w4", "w4-small", "head"], "other": ["target", "ngram"]}
+    found = {(f["with"], f["without"], f["level"]) for f in find_insertions(chains)}
+    assert found == {("polybasic", "dualistic", "w4"), ("four", "polybasic", "w4-small")}
+
+
+def test_insertion_uses_measured_values_in_the_paper_columns():
+    # Table 1 row 2 (compliant) as measurements in seconds; beta = 1
+    without, with_ = summary([0.022, 0.004], [4.34], 1), summary([0.022, 0.007, 0.004], [6.26, 4.67], 1)
+    ins = evaluate_insertion({"with": "p", "without": "d", "index": 1, "level": "w4", "between": ["m0", "m1"]},
+                             {"p": with_, "d": without}, "both")
+    assert ins["values"] == {"T_i": 0.022, "L_i_new": 6.26, "T_new": 0.007, "L_new": 4.67, "T_next": 0.004, "L_i": 4.34, "beta": 1}
+    assert ins["theorem_3_2"]["lhs_first"] == pytest.approx(7 / 22)
+    assert ins["improves"] and check_insertion([ins]).passed
+
+
+def test_slow_inserted_level_is_rejected_with_a_reason():
+    without, slow = summary([0.05, 0.002], [3.0], 4), summary([0.05, 0.04, 0.002], [3.5, 2.0], 4)
+    ins = evaluate_insertion({"with": "p", "without": "d", "index": 1, "level": "w4", "between": ["target", "head"]},
+                             {"p": slow, "d": without}, "both")
+    assert not ins["improves"] and not ins["direct"]["improves"]
+    check = check_insertion([ins])
+    assert not check.passed and check.reasons[0].startswith("w4 between target and head does not pay for itself")
+
+
+def test_insertion_rules_differ_where_the_closed_forms_do():
+    # first condition holds, but the drafter's extra rounds make the whole chain slower
+    without, with_ = summary([0.02, 0.01], [4.0], 8), summary([0.02, 0.002, 0.01], [8.0, 1.2], 8)
+    base = {"with": "p", "without": "d", "index": 1, "level": "x", "between": ["a", "b"]}
+    verdicts = {rule: evaluate_insertion(base, {"p": with_, "d": without}, rule)["improves"] for rule in ("theorem", "direct", "both")}
+    assert verdicts == {"theorem": True, "direct": False, "both": False}
+
+
+def test_unmeasured_level_fails_insertion_with_the_theory_message():
+    without, never = summary([0.05, 0.002], [3.0], 4), summary([0.05, None, 0.002], [3.0, 2.0], 4)
+    ins = evaluate_insertion({"with": "p", "without": "d", "index": 1, "level": "w4", "between": ["t", "h"]},
+                             {"p": never, "d": without}, "both")
+    check = check_insertion([ins])
+    assert not check.passed and "T_new is missing" in check.reasons[0]
+
+
+def test_agreement_within_tolerance_and_direction():
+    ok = {"d": {"predicted_speedup": 2.0, "measured_speedup": 1.8}, "p": {"predicted_speedup": 2.4, "measured_speedup": 2.2}}
+    assert check_agreement(ok, [], 0.3).passed
+    off = {"d": {"predicted_speedup": 3.0, "measured_speedup": 1.8}}
+    check = check_agreement(off, [], 0.3)
+    assert not check.passed and "predicts 3.00x, measured 1.80x (+67%" in check.reasons[0]
+    wrong_way = {"d": {"predicted_speedup": 2.0, "measured_speedup": 2.0}, "p": {"predicted_speedup": 2.2, "measured_speedup": 1.9}}
+    ins = [{"with": "p", "without": "d", "level": "w4", "improves": True}]
+    check = check_agreement(wrong_way, ins, 0.3)
+    assert not check.passed and "the theory says inserting w4 is faster" in check.reasons[0]
+    assert not check_agreement({"d": {"theory_error": "L_1 is missing", "measured_speedup": 1.0}}, [], 0.3).passed
+
+
+def test_gate_refuses_lists_one_line_per_failure_and_force_overrides():
+    checks = [{"name": "lossless", "passed": True, "reasons": []},
+              {"name": "insertion", "passed": False, "reasons": ["w4 too slow"]},
+              {"name": "agreement", "passed": False, "reasons": ["d off", "p off"]}]
+    refused = gate(checks, force=False)
+    assert not refused["publish"] and refused["failures"] == [
+        "check failed: insertion: w4 too slow", "check failed: agreement: d off", "check failed: agreement: p off"]
+    forced = gate(checks, force=True)
+    assert forced["publish"] and forced["forced"] and "publish.force=true" in forced["explanation"]
+    assert gate(checks[:1], force=False)["publish"]
+
+
+@pytest.fixture
+def bundle_inputs(tmp_path):
+    report = tmp_path / "eval"
+    report.mkdir()
+    (report / "report.json").write_text("{}")
+    folders = {}
+    for name in ("w4", "head"):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "weights.bin").write_bytes(name.encode() * 100)
+        folders[name] = folder
+    return report, folders
+
+
+def test_publish_writes_the_whole_bundle(tmp_path, bundle_inputs):
+    report, folders = bundle_inputs
+    bundle = publish_bundle(tmp_path / "publish", {"chain": "polybasic"}, report, folders)
+    assert json.loads((bundle / "chain.json").read_text()) == {"chain": "polybasic"}
+    assert (bundle / "report" / "report.json").exists()
+    assert folder_hash(bundle / "levels" / "w4") == folder_hash(folders["w4"]) != folder_hash(folders["head"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval", "head", "publish", "w4"]
+
+
+def test_interrupted_publish_leaves_no_partial_bundle(tmp_path, bundle_inputs, monkeypatch):
+    report, folders = bundle_inputs
+    previous = publish_bundle(tmp_path / "publish", {"chain": "old"}, report, folders)
+    real_copytree, calls = shutil.copytree, []
+
+    def interrupted(src, dst, *args, **kwargs):
+        calls.append(src)
+        if len(calls) == 3:  # report and w4 copied, then the process is interrupted while copying the head
+            raise KeyboardInterrupt
+        return real_copytree(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "copytree", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        publish_bundle(tmp_path / "publish", {"chain": "new"}, report, folders)
+    assert json.loads((previous / "chain.json").read_text()) == {"chain": "old"}  # the last good bundle stays whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval", "head", "publish", "w4"]  # no temp left behind
+
+    shutil.rmtree(previous)
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        publish_bundle(tmp_path / "publish", {"chain": "new"}, report, folders)
+    assert not (tmp_path / "publish").exists()
+
+
+def test_eval_config_is_valid_and_names_the_default_insertion():
+    cfg = OmegaConf.load("conf/eval/default.yaml")
+    names = {name: [lvl["name"] for lvl in levels] for name, levels in cfg.chains.items()}
+    assert [(i["with"], i["level"]) for i in find_insertions(names)] == [("polybasic", "w4")]
+    assert cfg.publish.chain in cfg.chains and cfg.publish.force is False

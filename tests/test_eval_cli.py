@@ -1,0 +1,50 @@
+"""`python -m decode.eval` as a user runs it: one-line errors on bad input, and a real (short) run."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_eval(tmp_path, *overrides: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    return subprocess.run(
+        [sys.executable, "-m", "decode.eval", f"run_dir={tmp_path}", *overrides],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+@pytest.mark.parametrize("override,message", [
+    ("eval.prompts=/nonexistent/question.jsonl", "error: /nonexistent/question.jsonl: no such question file"),
+    ("eval.publish.chain=nope", "error: eval.publish.chain='nope' is not one of eval.chains"),
+    ("eval.max_new_tokens=0", "error: eval.max_new_tokens must be >= 1"),
+])
+def test_bad_input_is_one_line_and_exit_1(tmp_path, override, message):
+    proc = run_eval(tmp_path, override)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1].startswith(message), proc.stderr[-1000:]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "publish").exists() and not (tmp_path / "eval").exists()
+
+
+@pytest.mark.slow
+def test_smoke_eval_on_the_bundled_model_evaluates_every_check(tmp_path):
+    """About 2-3 minutes: the bundled target with stand-in levels (eval=smoke), 6 questions x 16 tokens."""
+    proc = run_eval(tmp_path, "eval=smoke", "eval.max_new_tokens=16", timeout=900)
+    assert proc.returncode in (0, 2), proc.stderr[-3000:]
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    checks = {c["name"]: c for c in report["checks"]}
+    assert set(checks) == {"lossless", "insertion", "agreement"}
+    assert checks["lossless"]["passed"], checks["lossless"]["reasons"]
+    assert report["questions"] == 6 and set(report["categories"]) >= {"translation", "math_reasoning"}
+    assert [i["level"] for i in report["insertions"]] == ["early-exit"]
+    published = (tmp_path / "publish" / "chain.json").exists()
+    assert published == (proc.returncode == 0) == all(c["passed"] for c in checks.values())
+    for reason in (r for c in checks.values() for r in c["reasons"]):
+        assert reason in proc.stderr

@@ -1,0 +1,87 @@
+"""With sampling, a chain's output must be distributed exactly as the target's own sampling.
+
+The first new token comes from the target's prefill alone, so the test looks at new tokens 2 and 3,
+which the chain speculates: their exact joint distribution under the target (marginalised over token 1)
+is computed from the target's logits, and many chain samples are compared with it by a chi-square test. A deliberately broken acceptance rule
+(resampling from p instead of the residual norm(max(0, p - q)) after a rejection) must fail the same test,
+which shows the test has the power to catch a biased rule.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from decode_fixtures import noisy_copy, tiny_model
+
+import decode.sampling
+from decode.chain import Chain, ModelLevel, NgramLevel
+from decode.sampling import Sampling, probabilities
+
+VOCAB, SAMPLES, PROMPT = 8, 1200, [1, 2, 3, 1, 2]
+SAMPLING = Sampling(temperature=1.0, top_k=0, top_p=1.0)
+
+
+def exact_joint(target) -> torch.Tensor:
+    """P(new tokens 2 and 3) [V, V] under the target's own sampling."""
+    with torch.no_grad():
+        p1 = probabilities(target(torch.tensor([PROMPT])).logits[0, -1], SAMPLING)
+        p2 = probabilities(target(torch.tensor([PROMPT + [a] for a in range(VOCAB)])).logits[:, -1], SAMPLING)
+        pairs = torch.tensor([PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)])
+        p3 = probabilities(target(pairs).logits[:, -1], SAMPLING).view(VOCAB, VOCAB, VOCAB)
+    return (p1[:, None, None] * p2[:, :, None] * p3).sum(0)
+
+
+def chi_square_pvalue(counts: torch.Tensor, expected_p: torch.Tensor) -> float:
+    """Pearson chi-square against exact probabilities; cells with expected count < 5 are pooled."""
+    expected = expected_p.flatten().double() * counts.sum()
+    counts = counts.flatten().double()
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum()[None]]) if small.any() else counts
+    exp = torch.cat([expected[~small], expected[small].sum()[None]]) if small.any() else expected
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    dof = len(obs) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)))
+
+
+def chain_counts(chain: Chain) -> torch.Tensor:
+    counts = torch.zeros(VOCAB, VOCAB)
+    for seed in range(SAMPLES):
+        tokens = chain.generate(PROMPT, 3, temperature=SAMPLING.temperature, seed=seed).tokens
+        counts[tokens[1], tokens[2]] += 1
+    return counts
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_model(seed=3, vocab=VOCAB, layers=2, hidden=32, init=0.3)
+    # drafters that overlap with the target but clearly differ (total variation ~0.3), so that both
+    # acceptances and residual resampling happen often
+    middle = tiny_model(seed=9, vocab=VOCAB, layers=2, hidden=32, init=0.3)
+    return target, middle, noisy_copy(middle, 0.3, seed=5)
+
+
+def three_level(models) -> Chain:
+    target, middle, drafter = models
+    return Chain([ModelLevel("target", target), ModelLevel("middle", middle, mu=2),
+                  ModelLevel("drafter", drafter, draft={"mode": "chain", "length": 2})])
+
+
+def test_three_level_chain_samples_like_the_target(models):
+    p = chi_square_pvalue(chain_counts(three_level(models)), exact_joint(models[0]))
+    assert p > 1e-3, f"chain sampling differs from the target's (chi-square p={p:.2e})"
+
+
+def test_tree_and_prompt_lookup_proposals_sample_like_the_target(models):
+    target, middle, drafter = models
+    tree = Chain([ModelLevel("target", target),
+                  ModelLevel("drafter", drafter, draft={"mode": "tree", "depth": 2, "top_k": 2, "total_tokens": 5})])
+    ngram = Chain([ModelLevel("target", target), ModelLevel("middle", middle, mu=2), NgramLevel("lookup")])
+    joint = exact_joint(target)
+    for chain in (tree, ngram):
+        p = chi_square_pvalue(chain_counts(chain), joint)
+        assert p > 1e-3, f"{chain.levels[-1].name}: sampling differs from the target's (chi-square p={p:.2e})"
+
+
+def test_broken_acceptance_rule_is_caught(models, monkeypatch):
+    monkeypatch.setattr(decode.sampling, "residual", lambda p, q, token: p)  # the classic bug
+    p = chi_square_pvalue(chain_counts(three_level(models)), exact_joint(models[0]))
+    assert p < 1e-3, f"a biased acceptance rule went unnoticed (chi-square p={p:.2e})"

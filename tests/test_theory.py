@@ -1,0 +1,121 @@
+"""Theorems 3.1 and 3.2 against the paper's Table 1 (SPEC §3) and hand-computed chains."""
+from __future__ import annotations
+
+import math
+import re
+from decimal import ROUND_DOWN, Decimal
+
+import pytest
+
+from decode.theory import (
+    TheoryError,
+    insertion_conditions,
+    insertion_improves,
+    predicted_speedup,
+    predicted_time,
+)
+
+
+def printed(value: float, text: str) -> bool:
+    """True when `value`, truncated to the decimals of `text`, prints as `text` (the paper truncates)."""
+    exponent = Decimal(text).as_tuple().exponent
+    return Decimal(repr(value)).quantize(Decimal(1).scaleb(exponent), rounding=ROUND_DOWN) == Decimal(text)
+
+
+# case, (T_i, L_i-new, T_new, L_new, T_i+1, L_i), printed lhs, printed rhs, which form printed the rhs,
+# L_new-(i+1) for the second condition (beta = 1), speedup before -> after, compliant
+TABLE_1 = [
+    ("Vicuna-7B <- Vicuna-1B <- EAGLE", (22, 3.83, 17.61, 3.77, 4, 4.34), "0.80", "-0.117", "second", 3.83, (2.61, 1.08), False),
+    ("Vicuna-7B <- W4A4 Vicuna-7B <- EAGLE", (22, 6.26, 7.00, 4.67, 4, 4.34), "0.318", "0.330", "first", 4.67, (2.61, 3.48), True),
+    ("FLAN-T5-XXL <- base <- small", (47.52, 3.50, 19.16, 3.02, 12.42, 2.28), "0.403", "0.461", "first", 3.02, (3.19, 3.88), True),
+]
+
+
+@pytest.mark.parametrize("case,values,lhs,rhs,form,l_new_next,speedups,compliant", TABLE_1, ids=[r[0] for r in TABLE_1])
+def test_table_1_rows_reproduce_to_the_printed_digits(case, values, lhs, rhs, form, l_new_next, speedups, compliant):
+    result = insertion_conditions(*values, draft_depth=1, l_new_next=l_new_next)
+    assert printed(result.lhs_first, lhs)
+    assert printed(result.rhs_first if form == "first" else result.rhs_second, rhs)
+    assert result.improves is compliant
+    # the verdict agrees with what the paper measured: the speedup rose exactly for compliant insertions
+    assert (speedups[1] > speedups[0]) is compliant
+
+
+def test_row_1_rhs_is_not_the_first_condition():
+    """Documents the reading in decode/theory.py: the first form gives -0.11567, which prints as -0.115/-0.116."""
+    result = insertion_conditions(22, 3.83, 17.61, 3.77, 4, 4.34, draft_depth=1, l_new_next=3.83)
+    assert result.rhs_first == pytest.approx(-0.115671, abs=1e-6)
+    assert not printed(result.rhs_first, "-0.117")
+    assert result.rhs_second == pytest.approx(3.83 / 4.34 - 1)
+    assert not result.first_holds and not result.second_holds
+
+
+def test_truncation_not_rounding_is_the_printing_rule():
+    result = insertion_conditions(47.52, 3.50, 19.16, 3.02, 12.42, 2.28, draft_depth=1, l_new_next=3.02)
+    assert round(result.rhs_first, 3) == 0.462  # rounding would not give the printed 0.461
+    assert printed(result.rhs_first, "0.461")
+
+
+def test_theorem_3_1_by_hand():
+    # 3 levels: 100 tokens, T = (10, 4, 1) ms, L = (5, 2.5), beta = 4
+    # = 100/5*10 + 100/2.5*4 + 4*100/2.5*1 = 200 + 160 + 160
+    assert predicted_time([10, 4, 1], [5, 2.5], 4, 100) == pytest.approx(520)
+    assert predicted_time([10], [], 4, 100) == pytest.approx(1000)  # autoregressive: N * T_1
+    assert predicted_speedup([10, 4, 1], [5, 2.5], 4, target_time=10) == pytest.approx(1000 / 520)
+
+
+def test_nothing_accepted_means_no_speedup_from_verification():
+    """L = 1 is legal (the verifier's own token only): each token costs a full verification plus drafting."""
+    assert predicted_time([10, 1], [1], 3, 50) == pytest.approx(50 * 10 + 3 * 50 * 1)
+    assert predicted_speedup([10, 1], [1], 3, target_time=10) < 1
+
+
+def test_direct_test_matches_closed_form_when_it_is_exact():
+    """Inserting above a level that is not the drafter: the first condition is exactly Theorem 3.1's comparison."""
+    without = ([20, 5, 1], [3.0, 2.0], 4)  # M_1 <- M_2 <- drafter; insert between M_1 and M_2
+    for t_new, l_i_new, l_new in [(2, 6.0, 2.5), (9, 3.5, 1.2), (4, 4.0, 2.0)]:
+        with_new = ([20, t_new, 5, 1], [l_i_new, l_new, 2.0], 4)
+        direct = insertion_improves(without, with_new, new_tokens=100)
+        closed = insertion_conditions(20, l_i_new, t_new, l_new, 5, 3.0, draft_depth=4, l_new_next=l_new)
+        assert direct.improves is closed.first_holds
+        assert direct.time_without == pytest.approx(predicted_time(*without, new_tokens=100))
+
+
+def test_direct_test_on_table_1_with_unit_depth():
+    for _, (t_i, l_i_new, t_new, l_new, t_next, l_i), *_rest, compliant in TABLE_1:
+        direct = insertion_improves(([t_i, t_next], [l_i], 1), ([t_i, t_new, t_next], [l_i_new, l_new], 1))
+        assert direct.improves is compliant
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(l_i=0.9), "L_i must be >= 1"),
+    (dict(l_new=0), "L_new must be >= 1"),
+    (dict(t_new=0), "T_new must be a positive time"),
+    (dict(t_i=-3), "T_i must be a positive time"),
+    (dict(t_next=None), "T_i+1 is missing"),
+    (dict(l_i_new=None), "L_i-new is missing"),
+    (dict(draft_depth=None), "beta (draft depth) is missing"),
+    (dict(draft_depth=0), "beta (draft depth) must be positive"),
+    (dict(l_new_next=math.nan), "L_new-(i+1) must be finite"),
+    (dict(t_i="22"), "T_i must be a number"),
+])
+def test_insertion_rejects_bad_values_with_one_line(kwargs, message):
+    values = dict(t_i=22, l_i_new=6.26, t_new=7.0, l_new=4.67, t_next=4, l_i=4.34, draft_depth=1, l_new_next=4.67)
+    with pytest.raises(TheoryError, match=re.escape(message)) as err:
+        insertion_conditions(**{**values, **kwargs})
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("args,message", [
+    (([10, 0], [2], 3, 10), "T_2 must be a positive time"),
+    (([10, 1], [0.5], 3, 10), "L_1 must be >= 1"),
+    (([10, 1], [], 3, 10), "need 1 acceptance lengths"),
+    (([10, 1], None, 3, 10), "need 1 acceptance lengths"),
+    (([], [], 3, 10), "forward times are missing"),
+    (([10, 1], [2], 3, 0), "N must be positive"),
+    (([10, 1], [2], -1, 10), "beta"),
+    (([10, None], [2], 3, 10), "T_2 is missing"),
+])
+def test_predicted_time_rejects_bad_values(args, message):
+    with pytest.raises(TheoryError, match=message):
+        predicted_time(*args)

@@ -1,0 +1,194 @@
+"""`python -m train.eagle` on a tiny random target: evaluation = real drafting, resume, W4 features,
+the feature cache, data-parallel equivalence, one-line errors; plus a short real training (slow)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+import train.eagle as eagle
+from data.models import load_tokenizer, weights_hash
+from decode.head import EagleHead, HeadError
+
+REPO = Path(__file__).resolve().parents[1]
+# Stages this one does not read; dropping them keeps the test independent of their configs.
+UNUSED_GROUPS = ["~quantize", "~decode", "~eval"]
+
+
+def tiny_llama(seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    """A tiny random Llama with the real SmolLM2 tokenizer (chat template) and a small ShareGPT file."""
+    root = tmp_path_factory.mktemp("eagle")
+    tokenizer = load_tokenizer("bundled:smollm2-135m-instruct")
+    tiny_llama(0).save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    records = [{"id": f"conv{i}", "conversations": [
+        {"from": "human", "value": f"Question {i}: what is {i} plus {i}?"},
+        {"from": "gpt", "value": f"{i} plus {i} is {2 * i}. That was question number {i}."},
+    ]} for i in range(48)]
+    (root / "sharegpt.json").write_text(json.dumps(records))
+    return root
+
+
+def overrides(root: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [f"model.name={root / 'target'}", f"data.source={root / 'sharegpt.json'}", "data.held_out_fraction=0.15",
+            f"run_dir={run_dir}", "train.max_conversations=16", "train.epochs=2", "train.micro_batch=2",
+            "train.grad_accum=2", "train.checkpoint_every=2", "train.warmup_steps=2", "train.eval_every=0",
+            "train.eval.conversations=3", "train.eval.gen_tokens=8", "train.eval.depth=3", *UNUSED_GROUPS, *extra]
+
+
+def compose(root: Path, run_dir: Path, *extra: str):
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return hydra_compose("config", overrides=overrides(root, run_dir, *extra))
+
+
+def head_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "eagle" / "model.safetensors"))
+
+
+def test_batched_evaluation_drafts_exactly_like_sequential_decoding():
+    """chain_drafts (all starts at once, tree mask) = drafting each start alone with a KV cache."""
+    target = tiny_llama(1)
+    head = EagleHead.for_target(target).eval()
+    ids = torch.randint(0, 49152, (14,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        features = target(ids[None], output_hidden_states=True).hidden_states[-1][0]
+    depth = 3
+    drafts = eagle.chain_drafts(head, ids, features, depth)
+    n = len(ids) - 1 - depth
+    assert drafts.shape == (depth, n)
+    with torch.no_grad():
+        for s in range(n):
+            cache = DynamicCache()
+            hidden, logits, _ = head(ids[None, 1:s + 2], features[None, :s + 1], cache)
+            hidden, expected = hidden[:, -1:], [logits[0, -1].argmax()]
+            for j in range(2, depth + 1):
+                hidden, logits, _ = head(ids[None, s + j:s + j + 1], hidden, cache)
+                expected.append(logits[0, -1].argmax())
+            assert drafts[:, s].tolist() == [int(e) for e in expected]
+
+
+def test_config_errors_are_one_line(tiny_setup, tmp_path):
+    with pytest.raises(eagle.TrainError, match=r"train.feature_source='bogus': must be one of target, w4"):
+        eagle.validate(compose(tiny_setup, tmp_path, "train.feature_source=bogus"))
+    result = subprocess.run(
+        [sys.executable, "-m", "train.eagle", *overrides(tiny_setup, tmp_path, "train.zero_stage=7")],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "WANDB_MODE": "disabled"})
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == "error: train.zero_stage=7: DeepSpeed ZeRO stage must be one of 0, 1, 2, 3"
+    assert "Traceback" not in result.stderr
+
+
+def test_target_without_decoder_layer_class_is_refused(tiny_setup, tmp_path):
+    GPT2LMHeadModel(GPT2Config(vocab_size=49152, n_embd=32, n_layer=1, n_head=2)).save_pretrained(tmp_path / "gpt2")
+    load_tokenizer(str(tiny_setup / "target")).save_pretrained(tmp_path / "gpt2")
+    cfg = compose(tiny_setup, tmp_path / "run", f"model.name={tmp_path / 'gpt2'}")
+    with pytest.raises(HeadError, match="no usable decoder-layer class") as err:
+        eagle.train(cfg)
+    assert "\n" not in str(err.value)
+
+
+def test_training_writes_the_head_folder_and_learns(tiny_setup, tmp_path):
+    metrics = eagle.train(compose(tiny_setup, tmp_path, "train.epochs=6", "train.lr=3e-3"))
+    out = tmp_path / "eagle"
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "metrics.json", "model.safetensors"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["target"]["weights_hash"] == weights_hash(tiny_llama(0))
+    assert config["feature_source"] == "target" and config["training"]["lr"] == 3e-3
+    assert json.loads((out / "metrics.json").read_text())["train/steps"] == metrics["train/steps"] == 24
+    for j in (1, 2, 3):
+        assert 0 <= metrics[f"eval/top1_depth{j}"] <= 1
+    assert 1 <= metrics["eval/acceptance_length_depth3"] <= 4
+    target = LlamaForCausalLM.from_pretrained(tiny_setup / "target")
+    EagleHead.from_pretrained(out, target, load_tokenizer(str(tiny_setup / "target")))
+
+
+def test_interrupt_then_resume_gives_the_same_weights(tiny_setup, tmp_path, monkeypatch):
+    eagle.train(compose(tiny_setup, tmp_path / "straight"))
+
+    class InterruptAtStep3(eagle.Tracker):
+        def log(self, metrics, step=None):
+            super().log(metrics, step)
+            if step == 3:
+                signal.raise_signal(signal.SIGINT)  # a real Ctrl-C, through the stage's own handler
+
+    monkeypatch.setattr(eagle, "Tracker", InterruptAtStep3)
+    with pytest.raises(eagle.TrainingInterrupted, match="interrupted at step 3/8"):
+        eagle.train(compose(tiny_setup, tmp_path / "interrupted"))
+    assert (tmp_path / "interrupted" / "eagle_checkpoints" / "latest").read_text() == "step0000003"
+    assert not (tmp_path / "interrupted" / "eagle").exists()
+    monkeypatch.undo()
+    metrics = eagle.train(compose(tiny_setup, tmp_path / "interrupted", "train.resume=true"))
+    assert metrics["train/steps"] == 8
+    straight, resumed = head_weights(tmp_path / "straight"), head_weights(tmp_path / "interrupted")
+    assert straight.keys() == resumed.keys()
+    for name in straight:
+        torch.testing.assert_close(resumed[name], straight[name], rtol=0, atol=0)
+    with pytest.raises(eagle.TrainError, match=r"different training setup \(lr changed\)"):
+        eagle.train(compose(tiny_setup, tmp_path / "interrupted", "train.resume=true", "train.lr=0.5"))
+
+
+def test_feature_source_w4_trains_on_the_w4_models_features(tiny_setup, tmp_path):
+    with pytest.raises(eagle.TrainError, match=r"/w4: no W4 model there"):
+        eagle.train(compose(tiny_setup, tmp_path, "train.feature_source=w4"))
+    w4 = tiny_llama(7)  # stands in for the quantized copy: same architecture and vocabulary, other weights
+    w4.save_pretrained(tmp_path / "w4")
+    load_tokenizer(str(tiny_setup / "target")).save_pretrained(tmp_path / "w4")
+    metrics = eagle.train(compose(tiny_setup, tmp_path, "train.feature_source=w4", "train.epochs=1"))
+    config = json.loads((tmp_path / "eagle" / "config.json").read_text())
+    assert config["feature_source"] == "w4"
+    assert config["training"]["feature_model_hash"] == weights_hash(w4) != config["target"]["weights_hash"]
+    target_metrics = eagle.train(compose(tiny_setup, tmp_path / "t", "train.epochs=1"))
+    assert metrics["train/loss"] != pytest.approx(target_metrics["train/loss"], rel=1e-3)
+
+
+def test_feature_cache_is_opt_in_sized_first_and_matches_online_features(tiny_setup, tmp_path, capsys):
+    online = eagle.train(compose(tiny_setup, tmp_path / "online"))
+    assert not (tmp_path / "online" / "eagle_features").exists()
+    cached = eagle.train(compose(tiny_setup, tmp_path / "cached", "train.feature_cache=true"))
+    out = capsys.readouterr().out
+    assert "feature cache: " in out and " MiB in " in out
+    files = list((tmp_path / "cached" / "eagle_features").glob("*/*.safetensors"))
+    assert len(files) == online["train/conversations"]
+    assert cached["train/loss"] == pytest.approx(online["train/loss"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_two_process_torchrun_matches_one_process_with_the_same_global_batch(tiny_setup, tmp_path):
+    """ZeRO-2 over gloo: 2 ranks x accum 1 vs 1 rank x accum 2, 6 steps; tolerance 1e-4 relative on the
+    final loss and 1e-4 absolute on the weights (only the all-reduce summation order differs)."""
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    common = ["train.epochs=1", "train.max_conversations=24", "train.zero_stage=2"]
+    single = subprocess.run(
+        [sys.executable, "-m", "train.eagle", *overrides(tiny_setup, tmp_path / "one", *common, "train.grad_accum=2")],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert single.returncode == 0, single.stderr[-2000:]
+    double = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0", "-m", "train.eagle",
+         *overrides(tiny_setup, tmp_path / "two", *common, "train.grad_accum=1")],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert double.returncode == 0, double.stderr[-2000:]
+    one = json.loads((tmp_path / "one" / "eagle" / "metrics.json").read_text())
+    two = json.loads((tmp_path / "two" / "eagle" / "metrics.json").read_text())
+    assert one["train/steps"] == two["train/steps"] == 6 and two["train/world_size"] == 2
+    assert two["train/loss"] == pytest.approx(one["train/loss"], rel=1e-4)
+    w1, w2 = head_weights(tmp_path / "one"), head_weights(tmp_path / "two")
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=1e-4)

@@ -1,0 +1,1 @@
+"""Training stages: `python -m train.eagle` trains the EAGLE draft head."""
