@@ -40,15 +40,16 @@ def autoregressive(
         while len(new) < max_new_tokens and not (new and new[-1] in eos):
             t0 = time.perf_counter()
             logits = model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
-            stats.forward_calls += 1
-            stats.verify_time_s += time.perf_counter() - t0
+            if new:  # as in the chain, stats describe decoding steps; the prefill is time_to_first_token_s
+                stats.forward_calls += 1
+                stats.verify_time_s += time.perf_counter() - t0
             token = int(logits.argmax()) if sampling.greedy else sample(probabilities(logits, sampling), gen)
             new.append(token)
             ids = [token]
             if len(new) == 1:
                 ttft = time.perf_counter() - start
     wall = time.perf_counter() - start
-    stats.bookkeeping_time_s = wall - stats.verify_time_s
+    stats.bookkeeping_time_s = wall - ttft - stats.verify_time_s
     return Generation(new, GenerationStats(wall, ttft, len(new), 0.0, [stats]))
 
 
@@ -67,19 +68,21 @@ class _FirstTokenClock(BaseStreamer):
         pass
 
 
-def _hf_generate(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, name, **extra) -> Generation:
+def _hf_generate(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, name,
+                 assistant_model=None, **settings) -> Generation:
     eos = _eos_set(eos_token_id)
     config = GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
         top_k=top_k if temperature > 0 else None, top_p=top_p if temperature > 0 else None,
-        eos_token_id=sorted(eos) or None, pad_token_id=min(eos) if eos else 0,
+        eos_token_id=sorted(eos) or None, pad_token_id=min(eos) if eos else 0, **settings,
     )
     if seed is not None:
         torch.manual_seed(seed)
     start = time.perf_counter()
     clock = _FirstTokenClock(start)
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt_ids]), generation_config=config, streamer=clock, **extra)
+        out = model.generate(torch.tensor([prompt_ids]), generation_config=config, streamer=clock,
+                             **({"assistant_model": assistant_model} if assistant_model is not None else {}))
     wall = time.perf_counter() - start
     new = _truncate(out[0, len(prompt_ids):].tolist(), max_new_tokens, eos)
     return Generation(new, GenerationStats(wall, clock.ttft, len(new), 0.0, [LevelStats(name, "hf")]))

@@ -27,6 +27,8 @@ class DecodeError(RuntimeError):
 
 @dataclass
 class LevelStats:
+    """One level's work in one generation, after the prefill (whose time is time_to_first_token_s)."""
+
     name: str
     kind: str
     forward_calls: int = 0
@@ -132,6 +134,9 @@ class Level:
         self.stats = LevelStats(name, self.kind)
 
     def reset(self) -> None:
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
         self.stats = LevelStats(self.name, self.kind)
 
     def draft(self, ctx: list[int], budget: int, sampling: Sampling, gen: torch.Generator | None) -> Proposal:
@@ -388,8 +393,12 @@ class Chain:
     def generate(
         self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
         top_p: float = 1.0, seed: int | None = None, eos_token_id: int | list[int] | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None,
     ) -> Generation:
-        """Decode up to max_new_tokens after prompt_ids; distributed exactly as the target's own decoding."""
+        """Decode up to max_new_tokens after prompt_ids; distributed exactly as the target's own decoding.
+
+        `on_tokens` receives each block of tokens the target commits (streaming; may overshoot the limits
+        by the last block, the returned tokens do not)."""
         sampling = Sampling(temperature, top_k, top_p)
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         eos = set([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or [])
@@ -398,11 +407,16 @@ class Chain:
         seq, stop = list(prompt_ids), len(prompt_ids) + max_new_tokens
         start = time.perf_counter()
         with torch.inference_mode():
-            seq += self.target.verify(seq, Proposal([]), sampling, gen, record=False)[0]  # prefill
+            tokens = self.target.verify(seq, Proposal([]), sampling, gen, record=False)[0]  # prefill
             ttft = time.perf_counter() - start
-            while len(seq) < stop and seq[-1] not in eos:
-                tokens, _ = self.target.verify(seq, self._propose(1, seq, stop, eos, sampling, gen), sampling, gen)
+            self.target.reset_stats()  # per-level stats describe the decoding rounds; the prefill is ttft
+            while True:
                 seq += tokens
+                if on_tokens:
+                    on_tokens(tokens)
+                if len(seq) >= stop or eos.intersection(tokens):
+                    break
+                tokens, _ = self.target.verify(seq, self._propose(1, seq, stop, eos, sampling, gen), sampling, gen)
         return self._result(seq[len(prompt_ids) :], max_new_tokens, eos, time.perf_counter() - start, ttft)
 
     def _propose(self, i: int, ctx: list[int], stop: int, eos: set[int], sampling, gen) -> Proposal:
@@ -454,7 +468,7 @@ class Chain:
 
 def build_chain(
     chain_cfg: list[dict], target_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-    run_dir: str | Path = ".",
+    run_dir: str | Path = ".", dtype: str = "float32",
 ) -> Chain:
     """Build a chain from level configs (a list from conf/decode/chain.yaml); level 1 is the target.
 
@@ -464,7 +478,7 @@ def build_chain(
     folder loads the same way), `dtype`, `layers` (keep the first n decoder layers: an early-exit copy
     sharing the weights, a stand-in drafter). eagle: `path` (head folder, or `untrained`), `features`
     (nearest: the level above first, then upwards; target: the target first, then downwards).
-    ngram: max_ngram, min_ngram.
+    ngram: max_ngram, min_ngram. `dtype` is the default for model levels that set none.
     """
     if not chain_cfg:
         raise DecodeError("empty chain: list at least the target and one drafter")
@@ -475,7 +489,7 @@ def build_chain(
         if i == 0 and (kind != "model" or cfg.get("model", "target") != "target" or cfg.get("layers")):
             raise DecodeError(f"level 1 must be the target ({{kind: model, model: target}}), got {raw}")
         if kind == "model":
-            model = _level_model(cfg, target_model, tokenizer, Path(run_dir))
+            model = level_model(cfg, target_model, tokenizer, Path(run_dir), dtype)
             levels.append(ModelLevel(name, model, int(cfg.get("mu", 1)), cfg.get("draft")))
         elif kind == "eagle":
             head = _eagle_head(cfg, levels, tokenizer, Path(run_dir), target_model)
@@ -488,7 +502,8 @@ def build_chain(
     for i, (level, cfg) in enumerate(zip(levels, chain_cfg)):
         if isinstance(level, EagleLevel):
             above = levels[:i][::-1]  # nearest first
-            source = cfg.get("features") or getattr(level.head, "feature_source", None) or "nearest"
+            trained_on = getattr(level.head, "feature_source", None)  # what the head was trained on
+            source = cfg.get("features") or ("target" if trained_on == "target" else "nearest")
             order = {"nearest": above, "target": above[::-1]}.get(source)
             if order is None:
                 raise DecodeError(f"level {level.name!r}: features must be nearest or target, got {source!r}")
@@ -496,7 +511,7 @@ def build_chain(
     return chain
 
 
-def _level_model(cfg: dict, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, run_dir: Path) -> PreTrainedModel:
+def level_model(cfg: dict, target: PreTrainedModel, tokenizer, run_dir: Path, dtype: str) -> PreTrainedModel:
     spec = str(cfg.get("model", "target"))
     if spec == "target":
         model = target
@@ -504,10 +519,11 @@ def _level_model(cfg: dict, target: PreTrainedModel, tokenizer: PreTrainedTokeni
         from data.models import ModelSourceError, load_model, same_vocabulary
 
         path = Path(spec).expanduser()
-        if not path.is_absolute() and not path.exists() and (run_dir / path).exists():
-            spec = str(run_dir / path)
+        if not spec.startswith("bundled:") and not path.is_absolute() and not path.exists():
+            if (run_dir / path).exists() or "/" not in spec:
+                spec = str(run_dir / path)  # a run artifact such as `w4`
         try:
-            model, level_tokenizer = load_model(spec, dtype=str(cfg.get("dtype", "float32")))
+            model, level_tokenizer = load_model(spec, dtype=str(cfg.get("dtype") or dtype))
         except ModelSourceError as err:
             raise DecodeError(f"level {cfg.get('name', spec)!r}: {err}") from None
         if not same_vocabulary(tokenizer, level_tokenizer):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
-import os
 import platform
 import shutil
 import statistics
@@ -144,6 +143,12 @@ def speedup(records: list[Record], reference: list[Record]) -> float:
     return statistics.fmean(r.tokens_per_s for r in records) / statistics.fmean(r.tokens_per_s for r in reference)
 
 
+def time_speedup(summary: dict[str, Any], reference: dict[str, Any]) -> float:
+    """Seconds per token of the reference over the chain's, pooled over all turns: the quantity Theorem 3.1
+    predicts (a total time), and robust to load that changes during the run since methods are interleaved."""
+    return (reference["wall_time_s"] / reference["new_tokens"]) / (summary["wall_time_s"] / summary["new_tokens"])
+
+
 def theory_for_chain(summary: dict[str, Any], ar_summary: dict[str, Any]) -> dict[str, Any]:
     """Theorem 3.1 on the measured values: predicted time and speedup, or the reason it cannot be evaluated."""
     try:
@@ -158,6 +163,19 @@ def theory_for_chain(summary: dict[str, Any], ar_summary: dict[str, Any]) -> dic
         return {"theory_error": str(err)}
 
 
+def record_row(record: Record, reference: Record) -> dict[str, Any]:
+    """One turn of one method for report.json: its speedup over the same turn's AR, T_i and L_i per level."""
+    levels = summarize([record])["levels"]
+    return {
+        "question_id": record.question_id, "category": record.category, "turn": record.turn,
+        "prompt_len": len(record.prompt_ids), "tokens": record.tokens, "wall_time_s": record.wall_time_s,
+        "tokens_per_s": record.tokens_per_s, "speedup": record.tokens_per_s / reference.tokens_per_s if reference.tokens_per_s else None,
+        "draft_depth": record.draft_depth,
+        "levels": [{k: l[k] for k in ("name", "forward_calls", "T_s", "L_mean", "L_var")} | {"acceptance_lengths": raw["acceptance_lengths"]}
+                   for l, raw in zip(levels, record.levels)],
+    }
+
+
 def by_category(records: dict[str, list[Record]], reference: str = "ar") -> dict[str, dict[str, Any]]:
     table: dict[str, dict[str, Any]] = {}
     for category in dict.fromkeys(r.category for r in records[reference]):
@@ -168,7 +186,8 @@ def by_category(records: dict[str, list[Record]], reference: str = "ar") -> dict
             summary = summarize(mine)
             row[name] = {
                 "tokens_per_s": summary["tokens_per_s"], "speedup": speedup(mine, ref),
-                "L": [l["L_mean"] for l in summary["levels"][:-1]],
+                "T_s": [l["T_s"] for l in summary["levels"]], "L": [l["L_mean"] for l in summary["levels"][:-1]],
+                "L_var": [l["L_var"] for l in summary["levels"][:-1]],
             }
         table[category] = row
     return table
@@ -280,21 +299,22 @@ def check_insertion(insertions: list[dict[str, Any]]) -> Check:
 
 
 def check_agreement(chain_results: dict[str, dict[str, Any]], insertions: list[dict[str, Any]], tolerance: float) -> Check:
+    """Theorem 3.1's predicted speedup against the measured time speedup, and the insertions' direction."""
     reasons = []
     for name, res in chain_results.items():
         if "theory_error" in res:
             reasons.append(f"{name}: Theorem 3.1 cannot be evaluated ({res['theory_error']})")
             continue
-        error = res["predicted_speedup"] / res["measured_speedup"] - 1
+        error = res["predicted_speedup"] / res["time_speedup"] - 1
         res["speedup_error"] = error
         if abs(error) > tolerance:
             reasons.append(f"{name}: Theorem 3.1 predicts {res['predicted_speedup']:.2f}x, measured "
-                           f"{res['measured_speedup']:.2f}x ({error:+.0%}, tolerance {tolerance:.0%})")
+                           f"{res['time_speedup']:.2f}x ({error:+.0%}, tolerance {tolerance:.0%})")
     for ins in insertions:
         with_, without = chain_results[ins["with"]], chain_results[ins["without"]]
-        if ins["improves"] and with_["measured_speedup"] <= without["measured_speedup"]:
+        if ins["improves"] and with_["time_speedup"] <= without["time_speedup"]:
             reasons.append(f"{ins['with']}: the theory says inserting {ins['level']} is faster, but it measured "
-                           f"{with_['measured_speedup']:.2f}x vs {without['measured_speedup']:.2f}x for {ins['without']}")
+                           f"{with_['time_speedup']:.2f}x vs {without['time_speedup']:.2f}x for {ins['without']}")
     return Check("agreement", not reasons, reasons, {"tolerance": tolerance})
 
 
@@ -310,11 +330,12 @@ def evaluate(
     for name in chains:
         res = theory_for_chain(summaries[name], summaries[reference])
         res["measured_speedup"] = speedup(records[name], records[reference])
+        res["time_speedup"] = time_speedup(summaries[name], summaries[reference])
         chain_results[name] = res
     insertions = [evaluate_insertion(ins, summaries, checks_cfg.insertion_rule) for ins in find_insertions(chains)]
     for ins in insertions:
         ins["speedups"] = {side: {"predicted": chain_results[ins[side]].get("predicted_speedup"),
-                                  "measured": chain_results[ins[side]]["measured_speedup"]} for side in ("without", "with")}
+                                  "measured": chain_results[ins[side]]["time_speedup"]} for side in ("without", "with")}
     checks = [
         check_lossless(records, margin_fn, checks_cfg.near_tie_relative, reference),
         check_insertion(insertions),
@@ -323,9 +344,7 @@ def evaluate(
     return {
         "summaries": summaries, "chains": chain_results, "insertions": insertions,
         "categories": by_category(records, reference), "checks": [c.as_dict() for c in checks],
-        "records": {name: [{k: v for k, v in r.__dict__.items() if k != "prompt_ids"}
-                           | {"prompt_len": len(r.prompt_ids), "tokens_per_s": r.tokens_per_s} for r in recs]
-                    for name, recs in records.items()},
+        "records": {name: [record_row(r, ref) for r, ref in zip(recs, records[reference])] for name, recs in records.items()},
     }
 
 
@@ -408,7 +427,8 @@ def chain_manifest(
     manifest = {
         "chain": name, "run_name": cfg.run_name, "levels": levels,
         "measured": {
-            "speedup": result["measured_speedup"], "predicted_speedup": result.get("predicted_speedup"),
+            "speedup": result["measured_speedup"], "time_speedup": result["time_speedup"],
+            "predicted_speedup": result.get("predicted_speedup"),
             "T_s": [l["T_s"] for l in summary["levels"]], "L": [l["L_mean"] for l in summary["levels"][:-1]],
             "draft_depth": summary["draft_depth"],
         },
@@ -467,6 +487,8 @@ def run(cfg: DictConfig) -> int:
     target, tokenizer = load_model(cfg.model.name, cfg.model.dtype)
     decoders, chains = build_decoders(cfg, target, tokenizer)
     tracker = Tracker(cfg, "eval")
+    for art in ecfg.publish.lineage:  # this run consumed the head and the W4 model those stages logged
+        tracker.use_artifact(art.name, art.type)
     records = decode_questions(decoders, questions, tokenizer, ecfg.max_new_tokens, ecfg.warmup_tokens)
     return conclude(cfg, records, chains, lambda ids: top2_margin(target, ids), weights_hash(target), tracker,
                     questions=len(questions))
@@ -491,6 +513,7 @@ def conclude(
     out = write_report(report, ecfg.out_dir)
     tracker.summary({
         **{f"{n}/speedup": r["measured_speedup"] for n, r in report["chains"].items()},
+        **{f"{n}/time_speedup": r["time_speedup"] for n, r in report["chains"].items()},
         **{f"{n}/predicted_speedup": r.get("predicted_speedup") for n, r in report["chains"].items()},
         **{f"{n}/L_{i + 1}": l["L_mean"] for n in chains for i, l in enumerate(report["summaries"][n]["levels"][:-1])},
         **{f"{n}/T_{i + 1}_ms": (l["T_s"] or 0) * 1e3 for n in chains for i, l in enumerate(report["summaries"][n]["levels"])},
@@ -505,8 +528,6 @@ def conclude(
     if decision["publish"]:
         manifest, folders = chain_manifest(cfg, ecfg.publish.chain, target_hash, report, decision["forced"], decision["failures"])
         bundle = publish_bundle(ecfg.publish.dir, manifest, out, folders)
-        for art in ecfg.publish.lineage:
-            tracker.use_artifact(art.name, art.type)
         tracker.log_artifact(bundle, name=f"chain-{cfg.run_name}", type="chain", metadata=manifest)
         print(f"published{' (FORCED despite failed checks)' if decision['forced'] else ''}: {bundle}")
     else:

@@ -28,6 +28,7 @@ import hydra
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
@@ -154,6 +155,11 @@ def regroup_checkpoint(folder: Path, group_size: int, bits: int) -> dict[str, An
         "ragged_modules": len(ragged), "quantized_modules": len(widths),
         "ragged_example": f"{ragged[0]}: in_features {widths[ragged[0]]} = {widths[ragged[0]] // group_size} x {group_size} + {widths[ragged[0]] % group_size}" if ragged else None,
     }
+    info["description"] = (
+        f"ragged last group: {len(ragged)}/{len(widths)} modules have inputs not a multiple of {group_size} "
+        f"(e.g. {info['ragged_example']}); stored as {storage}-wide groups repeating each {group_size}-wide group's "
+        "scale and zero (lossless, verified)" if storage != group_size else f"exact: every input width is a multiple of {group_size}"
+    )
     if storage == group_size:
         return info
     if storage < 16:
@@ -170,7 +176,9 @@ def regroup_checkpoint(folder: Path, group_size: int, bits: int) -> dict[str, An
         if not torch.equal(before, after):
             raise QuantizeError(f"{p}: re-encoding {group_size}-wide groups as {storage}-wide changed the weights")
     for f, ts in tensors.items():
-        save_file(ts, f, metadata={"format": "pt"})
+        with safe_open(f, "pt") as handle:
+            header = handle.metadata() or {"format": "pt"}
+        save_file(ts, f, metadata=header)
     return info
 
 
@@ -362,10 +370,10 @@ def run(cfg: DictConfig) -> Path:
 
     from data.tracking import Tracker, write_json_atomic
 
-    tracker = Tracker(cfg, "quantize")
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tracker = Tracker(cfg, "quantize")
     try:
         cpu_recipe(qcfg)
         start = time.perf_counter()
@@ -373,31 +381,25 @@ def run(cfg: DictConfig) -> Path:
         quantize_s = time.perf_counter() - start
         groups = regroup_checkpoint(tmp, qcfg.group_size, qcfg.bits)
         meta["groups"] = groups
-        handling = (
-            f"{groups['handling']}: {groups['ragged_modules']}/{groups['quantized_modules']} modules have inputs not a multiple of "
-            f"{groups['quantized_group_size']} (e.g. {groups['ragged_example']}); stored as {groups['stored_group_size']}-wide groups "
-            f"sharing each 128-wide group's scale (lossless, verified)" if groups["stored_group_size"] != groups["quantized_group_size"]
-            else f"{groups['handling']}: every input width is a multiple of {groups['quantized_group_size']}"
-        )
-        print(f"w4: group size {qcfg.group_size}: {handling}")
+        print(f"w4: group size {qcfg.group_size}: {groups['description']}")
         write_metadata(tmp, meta, groups["stored_group_size"])
 
         w4, _ = load_model(str(tmp), dtype=cfg.model.dtype)
         metrics = evaluate(target, w4, tokenizer, held_out, qcfg.eval)
         metrics.update(
-            quantize_s=quantize_s, size_mb_target=folder_mb(src), size_mb_w4=folder_mb(tmp), group_handling=handling,
+            quantize_s=quantize_s, size_mb_target=folder_mb(src), size_mb_w4=folder_mb(tmp), group_handling=groups["description"],
             calibration_samples=len(calibration), calibration_tokens=sum(map(len, calibration)),
             stored_group_size=groups["stored_group_size"], quantized_group_size=qcfg.group_size,
         )
         write_json_atomic(tmp / "metrics.json", metrics)
         replace_dir(tmp, out)
+        print(report(metrics))
+        tracker.log(metrics)
+        tracker.summary(metrics)
+        tracker.log_artifact(out, "w4", "model", metadata={**meta, **metrics})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(report(metrics))
-    tracker.log(metrics)
-    tracker.summary(metrics)
-    tracker.log_artifact(out, "w4", "model", metadata={**meta, **metrics})
-    tracker.finish()
+        tracker.finish()
     return out
 
 

@@ -5,7 +5,6 @@ import json
 import shutil
 
 import pytest
-from omegaconf import OmegaConf
 
 from decode.eval import (
     Record,
@@ -18,6 +17,7 @@ from decode.eval import (
     gate,
     publish_bundle,
     summarize,
+    time_speedup,
 )
 
 
@@ -48,6 +48,7 @@ def test_summarize_pools_levels_over_questions():
     assert target["L_histogram"] == {1: 2, 2: 1, 3: 1}
     assert s["draft_depth"] == pytest.approx(10 / 4) and s["new_tokens"] == 7
     assert s["tokens_per_s"] == pytest.approx(3.5)
+    assert time_speedup(s, {"wall_time_s": 7.0, "new_tokens": 7}) == pytest.approx(3.5)  # 1 s/token vs 2/7
 
 
 def test_lossless_passes_equal_outputs_and_excuses_only_near_ties():
@@ -116,16 +117,16 @@ def test_unmeasured_level_fails_insertion_with_the_theory_message():
 
 
 def test_agreement_within_tolerance_and_direction():
-    ok = {"d": {"predicted_speedup": 2.0, "measured_speedup": 1.8}, "p": {"predicted_speedup": 2.4, "measured_speedup": 2.2}}
+    ok = {"d": {"predicted_speedup": 2.0, "time_speedup": 1.8}, "p": {"predicted_speedup": 2.4, "time_speedup": 2.2}}
     assert check_agreement(ok, [], 0.3).passed
-    off = {"d": {"predicted_speedup": 3.0, "measured_speedup": 1.8}}
+    off = {"d": {"predicted_speedup": 3.0, "time_speedup": 1.8}}
     check = check_agreement(off, [], 0.3)
     assert not check.passed and "predicts 3.00x, measured 1.80x (+67%" in check.reasons[0]
-    wrong_way = {"d": {"predicted_speedup": 2.0, "measured_speedup": 2.0}, "p": {"predicted_speedup": 2.2, "measured_speedup": 1.9}}
+    wrong_way = {"d": {"predicted_speedup": 2.0, "time_speedup": 2.0}, "p": {"predicted_speedup": 2.2, "time_speedup": 1.9}}
     ins = [{"with": "p", "without": "d", "level": "w4", "improves": True}]
     check = check_agreement(wrong_way, ins, 0.3)
     assert not check.passed and "the theory says inserting w4 is faster" in check.reasons[0]
-    assert not check_agreement({"d": {"theory_error": "L_1 is missing", "measured_speedup": 1.0}}, [], 0.3).passed
+    assert not check_agreement({"d": {"theory_error": "L_1 is missing", "time_speedup": 1.0}}, [], 0.3).passed
 
 
 def test_gate_refuses_lists_one_line_per_failure_and_force_overrides():
@@ -187,8 +188,12 @@ def test_interrupted_publish_leaves_no_partial_bundle(tmp_path, bundle_inputs, m
     assert not (tmp_path / "publish").exists()
 
 
-def test_eval_config_is_valid_and_names_the_default_insertion():
-    cfg = OmegaConf.load("conf/eval/default.yaml")
+@pytest.mark.parametrize("choice,inserted", [("default", "w4"), ("smoke", "exit12")])
+def test_eval_config_composes_and_names_the_insertion(choice, inserted):
+    from hydra import compose, initialize
+
+    with initialize(version_base="1.3", config_path="../conf"):
+        cfg = compose("config", overrides=[f"eval={choice}"]).eval
     names = {name: [lvl["name"] for lvl in levels] for name, levels in cfg.chains.items()}
-    assert [(i["with"], i["level"]) for i in find_insertions(names)] == [("polybasic", "w4")]
+    assert [(i["with"], i["level"]) for i in find_insertions(names)] == [("polybasic", inserted)]
     assert cfg.publish.chain in cfg.chains and cfg.publish.force is False

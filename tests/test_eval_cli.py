@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,17 +21,33 @@ def run_eval(tmp_path, *overrides: str, timeout: int = 120) -> subprocess.Comple
     )
 
 
+def compose(tmp_path, *overrides: str):
+    from hydra import compose as hydra_compose, initialize
+
+    with initialize(version_base="1.3", config_path="../conf"):
+        return hydra_compose("config", overrides=[f"run_dir={tmp_path}", *overrides])
+
+
 @pytest.mark.parametrize("override,message", [
-    ("eval.prompts=/nonexistent/question.jsonl", "error: /nonexistent/question.jsonl: no such question file"),
-    ("eval.publish.chain=nope", "error: eval.publish.chain='nope' is not one of eval.chains"),
-    ("eval.max_new_tokens=0", "error: eval.max_new_tokens must be >= 1"),
+    ("eval.prompts=/nonexistent/question.jsonl", "/nonexistent/question.jsonl: no such question file"),
+    ("eval.publish.chain=nope", "eval.publish.chain='nope' is not one of eval.chains"),
+    ("eval.max_new_tokens=0", "eval.max_new_tokens must be >= 1"),
 ])
-def test_bad_input_is_one_line_and_exit_1(tmp_path, override, message):
-    proc = run_eval(tmp_path, override)
+def test_bad_input_is_refused_before_any_work(tmp_path, override, message):
+    from data.sharegpt import DataError
+    from decode.eval import EvalError, run
+
+    with pytest.raises((EvalError, DataError), match=re.escape(message)) as err:
+        run(compose(tmp_path, override))
+    assert "\n" not in str(err.value)
+    assert not any(tmp_path.iterdir())
+
+
+def test_cli_prints_one_line_error_and_exits_1(tmp_path):
+    proc = run_eval(tmp_path, "eval.prompts=/nonexistent/question.jsonl")
     assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines()[-1].startswith(message), proc.stderr[-1000:]
-    assert "Traceback" not in proc.stderr
-    assert not (tmp_path / "publish").exists() and not (tmp_path / "eval").exists()
+    assert proc.stderr.strip().splitlines()[-1] == "error: /nonexistent/question.jsonl: no such question file"
+    assert "Traceback" not in proc.stderr and not (tmp_path / "publish").exists()
 
 
 @pytest.mark.slow
@@ -43,7 +60,7 @@ def test_smoke_eval_on_the_bundled_model_evaluates_every_check(tmp_path):
     assert set(checks) == {"lossless", "insertion", "agreement"}
     assert checks["lossless"]["passed"], checks["lossless"]["reasons"]
     assert report["questions"] == 6 and set(report["categories"]) >= {"translation", "math_reasoning"}
-    assert [i["level"] for i in report["insertions"]] == ["early-exit"]
+    assert [i["level"] for i in report["insertions"]] == ["exit12"]
     published = (tmp_path / "publish" / "chain.json").exists()
     assert published == (proc.returncode == 0) == all(c["passed"] for c in checks.values())
     for reason in (r for c in checks.values() for r in c["reasons"]):

@@ -68,6 +68,10 @@ def test_slow_inserted_level_is_rejected_and_nothing_is_published(models, tmp_pa
     # multi-turn: the second turn's prompt holds the first answer, and every method saw the same prompts
     turns = [r for r in report["records"]["polybasic"] if r["question_id"] == 1]
     assert [r["turn"] for r in turns] == [0, 1] and turns[1]["prompt_len"] > turns[0]["prompt_len"]
+    # per question and per category: speedup over AR, T_i and L_i (mean, variance) for every level
+    assert all(r["speedup"] > 0 and len(r["levels"]) == 3 for r in report["records"]["polybasic"])
+    math = report["categories"]["math"]["polybasic"]
+    assert len(math["T_s"]) == 3 and len(math["L"]) == len(math["L_var"]) == 2
 
 
 def test_lossy_chain_fails_the_lossless_check(models, tmp_path, capsys):

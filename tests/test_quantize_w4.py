@@ -162,7 +162,7 @@ def test_load_model_gives_an_hf_model_the_chain_can_use(quantized):
         step = model(ids[:, 15:], past_key_values=cache, use_cache=True)
         plain = AutoModelForCausalLM.from_pretrained(quantized)(ids).logits
     assert len(full.hidden_states) == model.config.num_hidden_layers + 1
-    assert torch.allclose(step.logits[0], full.logits[0, 15:], atol=1e-3, rtol=1e-3)
+    assert torch.allclose(step.logits[0], full.logits[0, 15:], atol=5e-2)  # the kernel computes in bf16
     assert (full.logits.argmax(-1) == plain.argmax(-1)).float().mean() > 0.9
 
 

@@ -16,7 +16,7 @@ import decode.sampling
 from decode.chain import Chain, ModelLevel, NgramLevel
 from decode.sampling import Sampling, probabilities
 
-VOCAB, SAMPLES, PROMPT = 8, 1200, [1, 2, 3, 1, 2]
+VOCAB, SAMPLES, PROMPT = 8, 1500, [1, 2, 3, 1, 2]
 SAMPLING = Sampling(temperature=1.0, top_k=0, top_p=1.0)
 
 
@@ -50,13 +50,22 @@ def chain_counts(chain: Chain) -> torch.Tensor:
     return counts
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run ~8x faster on one thread than on two contended ones."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def models():
     target = tiny_model(seed=3, vocab=VOCAB, layers=2, hidden=32, init=0.3)
     # drafters that overlap with the target but clearly differ (total variation ~0.3), so that both
     # acceptances and residual resampling happen often
-    middle = tiny_model(seed=9, vocab=VOCAB, layers=2, hidden=32, init=0.3)
-    return target, middle, noisy_copy(middle, 0.3, seed=5)
+    middle = tiny_model(seed=11, vocab=VOCAB, layers=2, hidden=32, init=0.3)
+    return target, middle, noisy_copy(middle, 0.5, seed=5)
 
 
 def three_level(models) -> Chain:
@@ -85,3 +94,16 @@ def test_broken_acceptance_rule_is_caught(models, monkeypatch):
     monkeypatch.setattr(decode.sampling, "residual", lambda p, q, token: p)  # the classic bug
     p = chi_square_pvalue(chain_counts(three_level(models)), exact_joint(models[0]))
     assert p < 1e-3, f"a biased acceptance rule went unnoticed (chi-square p={p:.2e})"
+
+
+def test_sampling_is_reproducible_per_seed_for_every_level_kind(models):
+    from decode.chain import build_chain
+
+    target = models[0]
+    tree = {"mode": "tree", "depth": 3, "top_k": 2, "total_tokens": 6}
+    for levels in ([{"kind": "model"}, {"kind": "model", "model": "target", "layers": 1, "mu": 2},
+                    {"kind": "eagle", "path": "untrained", "draft": tree}],
+                   [{"kind": "model"}, {"kind": "eagle", "path": "untrained", "draft": {"length": 3}}]):
+        chain = build_chain(levels, target, tokenizer=None)
+        runs = [chain.generate(PROMPT, 12, temperature=0.8, top_k=5, top_p=0.9, seed=s).tokens for s in (7, 7, 8)]
+        assert runs[0] == runs[1] and len(runs[0]) == 12 and all(0 <= t < VOCAB for t in runs[0])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -173,15 +174,19 @@ def test_feature_cache_is_opt_in_sized_first_and_matches_online_features(tiny_se
 @pytest.mark.slow
 def test_two_process_torchrun_matches_one_process_with_the_same_global_batch(tiny_setup, tmp_path):
     """ZeRO-2 over gloo: 2 ranks x accum 1 vs 1 rank x accum 2, 6 steps; tolerance 1e-4 relative on the
-    final loss and 1e-4 absolute on the weights (only the all-reduce summation order differs)."""
+    final loss and 1e-4 absolute on the weights (only the all-reduce summation order differs; measured:
+    equal loss, weights within 1e-8). About 45 s."""
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     common = ["train.epochs=1", "train.max_conversations=24", "train.zero_stage=2"]
     single = subprocess.run(
         [sys.executable, "-m", "train.eagle", *overrides(tiny_setup, tmp_path / "one", *common, "train.grad_accum=2")],
         cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert single.returncode == 0, single.stderr[-2000:]
+    with socket.socket() as free:  # torchrun's --master_port=0 hangs in the static rendezvous
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
     double = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0", "-m", "train.eagle",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}", "-m", "train.eagle",
          *overrides(tiny_setup, tmp_path / "two", *common, "train.grad_accum=1")],
         cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert double.returncode == 0, double.stderr[-2000:]

@@ -1,0 +1,156 @@
+"""`python -m decode.bench`: tokens/s and the ratio to plain autoregressive decoding, side by side.
+
+Methods: AR (the target alone, KV cache), transformers assisted generation, transformers prompt
+lookup, the two-level chain and the three-level chain (decode.bench.two_level / three_level; a
+chain whose artifacts are missing is replaced by its configured stand-in, and the table says so).
+All methods run in one process, interleaved per prompt (the order rotates from prompt to prompt),
+and the table reports medians, so machine noise hits every method alike.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+from typing import Callable
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from decode.chain import DecodeError, Generation, level_model
+from decode.generate import chain_from_config, sampling_args
+
+Method = Callable[[list[int], int], Generation]
+
+
+def methods(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Method], dict[str, str]]:
+    """The decoders to compare, and a note per method on what it actually is."""
+    from decode.baselines import autoregressive, hf_assisted, hf_prompt_lookup
+    from decode.head import HeadError
+
+    b, eos, kw = cfg.decode.bench, tokenizer.eos_token_id, sampling_args(cfg)
+    assistant_cfg = OmegaConf.to_container(b.assistant, resolve=True)
+    assistant = level_model(assistant_cfg, target, tokenizer, cfg.run_dir, cfg.model.dtype)
+    found: dict[str, Method] = {
+        "ar": lambda p, n: autoregressive(target, p, n, eos_token_id=eos, **kw),
+        "hf_assisted": lambda p, n: hf_assisted(target, assistant, p, n, eos_token_id=eos, **kw),
+        "hf_prompt_lookup": lambda p, n: hf_prompt_lookup(target, p, n, int(b.prompt_lookup_num_tokens), eos_token_id=eos, **kw),
+    }
+    notes = {"ar": "target alone", "hf_assisted": f"assistant {assistant_cfg}",
+             "hf_prompt_lookup": f"{b.prompt_lookup_num_tokens} tokens"}
+    for slot in ("two_level", "three_level"):
+        name = b[slot]
+        try:
+            chain = chain_from_config(cfg, name, target, tokenizer)
+        except (DecodeError, HeadError) as err:
+            stand_in = b.stand_ins.get(name)
+            if not stand_in:
+                raise
+            print(f"{slot}: chain {name!r} unavailable ({err}); using stand-in {stand_in!r}", file=sys.stderr)
+            name, chain = stand_in, chain_from_config(cfg, stand_in, target, tokenizer)
+        found[slot] = lambda p, n, chain=chain: chain.generate(p, n, eos_token_id=eos, **kw)
+        notes[slot] = f"{name}: " + " <- ".join(f"{l.name}({l.kind})" for l in chain.levels)
+        found[slot].chain = chain  # type: ignore[attr-defined]
+    return found, notes
+
+
+def summarise(runs: dict[str, list[Generation]], ar_tokens: list[list[int]]) -> dict[str, dict]:
+    ar_tps = [g.stats.tokens_per_s for g in runs["ar"]]
+    summary = {}
+    for name, gens in runs.items():
+        tps = [g.stats.tokens_per_s for g in gens]
+        ratios = [t / a for t, a in zip(tps, ar_tps) if a > 0]
+        entry = {
+            "median_tokens_per_s": statistics.median(tps),
+            "median_ratio_vs_ar": statistics.median(ratios),
+            "speedup_spec_bench": statistics.fmean(tps) / statistics.fmean(ar_tps),  # mean method tok/s / mean AR tok/s
+            "median_ttft_s": statistics.median(g.stats.time_to_first_token_s for g in gens),
+            "identical_to_ar": sum(g.tokens == ref for g, ref in zip(gens, ar_tokens)),
+            "runs": len(gens),
+        }
+        levels = gens[0].stats.levels
+        if len(levels) > 1:
+            per_level = []
+            for i, level in enumerate(levels):
+                stats = [g.stats.levels[i] for g in gens]
+                lengths = [x for s in stats for x in s.acceptance_lengths]
+                calls = sum(s.forward_calls for s in stats)
+                per_level.append({
+                    "name": level.name, "kind": level.kind, "forward_calls": calls,
+                    "T_ms": 1000 * sum(s.draft_time_s + s.verify_time_s for s in stats) / max(calls, 1),
+                    "bookkeeping_s": sum(s.bookkeeping_time_s for s in stats),
+                    "L_mean": statistics.fmean(lengths) if lengths else None,
+                })
+            entry["levels"] = per_level
+            entry["draft_depth"] = statistics.fmean(g.stats.draft_depth for g in gens)
+        summary[name] = entry
+    return summary
+
+
+def table(summary: dict[str, dict], notes: dict[str, str]) -> str:
+    rows = [f"{'method':<17} {'tok/s':>7} {'x AR':>6} {'x AR(sb)':>8} {'TTFT s':>7} {'same':>6}  details"]
+    for name, s in summary.items():
+        detail = notes.get(name, "")
+        if "levels" in s:
+            detail += " | " + ", ".join(
+                f"{l['name']}: T={l['T_ms']:.0f}ms" + (f" L={l['L_mean']:.2f}" if l["L_mean"] else "") for l in s["levels"])
+        rows.append(f"{name:<17} {s['median_tokens_per_s']:>7.2f} {s['median_ratio_vs_ar']:>6.2f} "
+                    f"{s['speedup_spec_bench']:>8.2f} {s['median_ttft_s']:>7.2f} {s['identical_to_ar']:>3}/{s['runs']:<2}  {detail}")
+    return "\n".join(rows)
+
+
+def run(cfg: DictConfig) -> dict:
+    from data.models import load_model
+    from data.prompts import load_questions
+    from data.sharegpt import chat_prompt_ids
+    from data.tracking import write_json_atomic
+
+    b = cfg.decode.bench
+    if cfg.decode.get("threads"):
+        torch.set_num_threads(int(cfg.decode.threads))
+    target, tokenizer = load_model(cfg.model.name, cfg.model.dtype)
+    decoders, notes = methods(cfg, target, tokenizer)
+    questions = load_questions(b.prompts, per_category=b.per_category)
+    prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]
+    for decode in decoders.values():  # untimed warm-up: lazy initialisation, allocator
+        decode(prompts[0], int(b.warmup_tokens))
+    names = list(decoders)
+    runs: dict[str, list[Generation]] = {name: [] for name in names}
+    ar_tokens: list[list[int]] = []
+    n = int(b.max_new_tokens)
+    work = [(r, i) for r in range(int(b.repeats)) for i in range(len(prompts))]
+    for step, (_, i) in enumerate(tqdm(work, desc="bench", unit="prompt")):
+        order = names[step % len(names):] + names[: step % len(names)]  # rotate: no method always runs first
+        for name in order:
+            runs[name].append(decoders[name](prompts[i], n))
+        ar_tokens.append(runs["ar"][-1].tokens)
+    summary = summarise(runs, ar_tokens)
+    print(f"\n{len(work)} prompts x {len(names)} methods, {n} new tokens, temperature {cfg.decode.temperature}, "
+          f"{torch.get_num_threads()} threads; medians (x AR = median per-prompt ratio; sb = Spec-Bench mean ratio)")
+    print(table(summary, notes))
+    result = {"config": OmegaConf.to_container(b, resolve=True), "threads": torch.get_num_threads(),
+              "notes": notes, "summary": summary}
+    write_json_atomic(b.out, result)
+    print(f"written {b.out}")
+    return result
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    from data.models import ModelSourceError
+    from data.sharegpt import DataError
+    from decode.head import HeadError
+
+    try:
+        run(cfg)
+    except (DecodeError, ModelSourceError, DataError, HeadError) as err:  # caught here: Hydra would add its own lines
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
+
+
+def cli() -> None:
+    main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,116 @@
+"""Chains come from config: every shipped chain parses, and bad levels fail with one clear line."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from decode_fixtures import tiny_model
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from transformers import PreTrainedTokenizerFast
+
+from decode.chain import DecodeError, EagleLevel, ModelLevel, NgramLevel, build_chain
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+VOCAB = 300
+
+
+def word_tokenizer(prefix: str) -> PreTrainedTokenizerFast:
+    vocab = {f"{prefix}{i}": i for i in range(VOCAB)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token=f"{prefix}0")))
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(seed=0, vocab=VOCAB), word_tokenizer("w")
+
+
+def saved_level(tmp_path: Path, prefix: str) -> str:
+    folder = tmp_path / f"level_{prefix}"
+    tiny_model(seed=1, vocab=VOCAB).save_pretrained(folder)
+    word_tokenizer(prefix).save_pretrained(folder)
+    return str(folder)
+
+
+def test_shipped_chains_are_well_formed():
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["run_dir=/tmp/unused"])
+    chains = OmegaConf.to_container(cfg.decode.chains, resolve=True)
+    assert {"dualistic", "polybasic", "standin2", "standin3"} <= set(chains)
+    for name, levels in chains.items():
+        assert levels[0]["kind"] == "model" and levels[0]["model"] == "target", name
+        assert all(level["kind"] in ("model", "eagle", "ngram") for level in levels), name
+    assert cfg.decode.bench.two_level in chains and cfg.decode.bench.three_level in chains
+    assert len(chains[cfg.decode.bench.three_level]) == 3
+
+
+def test_levels_built_from_config(target, tmp_path):
+    model, tokenizer = target
+    chain = build_chain([
+        {"kind": "model", "name": "t"},
+        {"kind": "model", "name": "same_vocab", "model": saved_level(tmp_path, "w"), "mu": 2},
+        {"kind": "model", "name": "exit", "model": "target", "layers": 2, "mu": 3},
+        {"kind": "ngram", "name": "lookup", "max_ngram": 2, "draft": {"mode": "chain", "length": 3}},
+    ], model, tokenizer)
+    kinds = [type(level) for level in chain.levels]
+    assert kinds == [ModelLevel, ModelLevel, ModelLevel, NgramLevel]
+    assert [level.mu for level in chain.levels[:3]] == [1, 2, 3]
+    exit_model = chain.levels[2].model
+    assert len(exit_model.get_decoder().layers) == 2 and len(model.get_decoder().layers) == 4
+    assert exit_model.get_decoder().layers[0] is model.get_decoder().layers[0]  # shared, not copied
+    assert chain.generate([1, 2, 3, 1, 2], 12).stats.new_tokens == 12
+
+
+def test_eagle_level_from_config(target):
+    model, tokenizer = target
+    chain = build_chain([{"kind": "model"}, {"kind": "eagle", "path": "untrained"}], model, tokenizer)
+    assert isinstance(chain.levels[1], EagleLevel) and chain.levels[0].keep_hidden
+
+
+@pytest.mark.parametrize("levels, message", [
+    ([], "empty chain"),
+    ([{"kind": "model"}], "at least two levels"),
+    ([{"kind": "ngram"}, {"kind": "model"}], "level 1 must be the target"),
+    ([{"kind": "model"}, {"kind": "lstm"}], "unknown kind 'lstm'"),
+    ([{"kind": "model"}, {"kind": "ngram"}, {"kind": "ngram"}], "only models verify"),
+    ([{"kind": "model"}, {"kind": "model", "model": "target", "mu": 0}, {"kind": "ngram"}], "mu must be >= 1"),
+    ([{"kind": "model"}, {"kind": "model", "model": "target", "draft": {"mode": "tree"}}, {"kind": "ngram"}],
+     "only the last level can draft a tree"),
+    ([{"kind": "model"}, {"kind": "model", "model": "target", "layers": 9}], "layers must be between 1 and 3"),
+    ([{"kind": "model"}, {"kind": "eagle", "path": "no_such_head"}], "no EAGLE head folder"),
+    ([{"kind": "model"}, {"kind": "eagle", "path": "untrained", "features": "w7"}], "features must be nearest or target"),
+])
+def test_bad_chains_fail_with_one_line(target, levels, message):
+    model, tokenizer = target
+    with pytest.raises(DecodeError) as err:
+        build_chain(levels, model, tokenizer, run_dir="/nonexistent-run")
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_level_with_other_vocabulary_is_refused(target, tmp_path):
+    model, tokenizer = target
+    folder = saved_level(tmp_path, "x")
+    with pytest.raises(DecodeError, match="different vocabulary") as err:
+        build_chain([{"kind": "model"}, {"kind": "model", "name": "foreign", "model": folder}], model, tokenizer)
+    assert "\n" not in str(err.value)
+
+
+def test_relative_level_folder_resolves_against_run_dir(target, tmp_path):
+    model, tokenizer = target
+    saved = Path(saved_level(tmp_path, "w"))
+    saved.rename(tmp_path / "w4")
+    chain = build_chain([{"kind": "model"}, {"kind": "model", "model": "w4"}], model, tokenizer, run_dir=tmp_path)
+    assert chain.levels[1].model is not model
+
+
+def test_generate_cli_reports_bad_input_in_one_line():
+    out = subprocess.run([sys.executable, "-m", "decode.generate", "chain=polybasic"], capture_output=True, text=True,
+                         cwd=CONF.parent, env={"WANDB_MODE": "disabled", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
+                         timeout=300)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == 'error: no prompt: python -m decode.generate prompt="your question"'

@@ -1,0 +1,125 @@
+"""Greedy output of every chain shape must be token-identical to the target's plain greedy decoding.
+
+A divergence only passes at a numerical near-tie of the target's own top-2 logits (see
+decode_fixtures.greedy_equal); ties are counted and reported, and must stay rare.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from decode_fixtures import greedy_equal, noisy_copy, prompts, tiny_model
+
+from decode.chain import Chain, EagleLevel, ModelLevel, NgramLevel, build_chain
+
+VOCAB = 300
+TREE = {"mode": "tree", "depth": 4, "top_k": 3, "total_tokens": 10}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_model(seed=0, vocab=VOCAB)
+    # a close copy (agrees often) and a rough one (agrees sometimes): acceptance paths of every length
+    return target, noisy_copy(target, 0.03, seed=1), noisy_copy(target, 0.1, seed=2)
+
+
+SHAPES = {
+    "2 levels, model drafter, chain": lambda t, m, d: [ModelLevel("t", t), ModelLevel("d", m, draft={"length": 4})],
+    "2 levels, model drafter, tree": lambda t, m, d: [ModelLevel("t", t), ModelLevel("d", d, draft=TREE)],
+    "2 levels, prompt lookup": lambda t, m, d: [ModelLevel("t", t), NgramLevel("n", draft={"length": 5})],
+    "3 levels, mu 1": lambda t, m, d: [ModelLevel("t", t), ModelLevel("m", m), ModelLevel("d", d, draft={"length": 3})],
+    "3 levels, mu 4": lambda t, m, d: [ModelLevel("t", t), ModelLevel("m", m, mu=4), ModelLevel("d", d, draft={"length": 3})],
+    "3 levels, tree, mu 3": lambda t, m, d: [ModelLevel("t", t), ModelLevel("m", m, mu=3), ModelLevel("d", d, draft=TREE)],
+    "4 levels, mu 4/2": lambda t, m, d: [ModelLevel("t", t), ModelLevel("m", m, mu=4), ModelLevel("m2", d, mu=2),
+                                         NgramLevel("n", draft={"length": 3})],
+    "4 levels, tree": lambda t, m, d: [ModelLevel("t", t), ModelLevel("m", m, mu=2), ModelLevel("m2", d, mu=1),
+                                       ModelLevel("d", noisy_copy(t, 0.2, seed=3), draft=TREE)],
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_chain_greedy_equals_target_greedy(models, shape):
+    target = models[0]
+    chain = Chain(SHAPES[shape](*models))
+    ties, accepted = 0, 0
+    for prompt in prompts(VOCAB):
+        generation = chain.generate(prompt, 40)
+        ok, tie = greedy_equal(target, prompt, generation.tokens)
+        assert ok, f"{shape}: output differs from the target's greedy decoding at a clear margin"
+        ties += tie
+        accepted += generation.stats.levels[0].accepted
+        assert len(generation.tokens) == 40
+    assert ties <= 1, f"{shape}: {ties} near-ties in 3 prompts; fp32 tiny models should almost never tie"
+    assert accepted > 0, f"{shape}: the target never accepted a proposed token; the test exercises nothing"
+
+
+EAGLE = {
+    "2 levels, eagle chain": [{"kind": "model"}, {"kind": "eagle", "path": "untrained", "draft": {"length": 4}}],
+    "2 levels, eagle tree": [{"kind": "model"}, {"kind": "eagle", "path": "untrained", "draft": TREE}],
+    "3 levels, eagle tree, nearest features": [
+        {"kind": "model"}, {"kind": "model", "model": "target", "layers": 3, "mu": 3},
+        {"kind": "eagle", "path": "untrained", "features": "nearest", "draft": TREE}],
+    "3 levels, eagle chain, target features": [
+        {"kind": "model"}, {"kind": "model", "model": "target", "layers": 3, "mu": 2},
+        {"kind": "eagle", "path": "untrained", "features": "target", "draft": {"length": 3}}],
+}
+
+
+@pytest.mark.parametrize("shape", EAGLE)
+def test_eagle_chains_greedy_equal_target_greedy(models, shape):
+    """An untrained head proposes poorly, but whatever it proposes must not change the output."""
+    target = models[0]
+    chain = build_chain(EAGLE[shape], target, tokenizer=None)
+    assert isinstance(chain.levels[-1], EagleLevel)
+    for prompt in prompts(VOCAB, n=2):
+        generation = chain.generate(prompt, 30)
+        ok, _ = greedy_equal(target, prompt, generation.tokens)
+        assert ok, f"{shape}: output differs from the target's greedy decoding at a clear margin"
+        assert chain.levels[-1].stats.forward_calls > 0
+
+
+def test_eos_stops_generation(models):
+    target, middle, _ = models
+    prompt = prompts(VOCAB, n=1)[0]
+    reference = Chain([ModelLevel("t", target), ModelLevel("d", middle)]).generate(prompt, 30).tokens
+    eos = reference[10]
+    chain = Chain([ModelLevel("t", target), ModelLevel("m", middle, mu=3), NgramLevel("n")])
+    tokens = chain.generate(prompt, 30, eos_token_id=eos).tokens
+    assert tokens == reference[: reference.index(eos) + 1]
+
+
+@pytest.mark.slow
+def test_real_model_three_level_chain_is_lossless(bundled_target):
+    """SmolLM2-135M target <- 12-layer early-exit copy (mu 3) <- prompt lookup, on a real chat prompt.
+
+    About 15 s on this 2-core machine."""
+    from data.sharegpt import chat_prompt_ids
+
+    model, tokenizer = bundled_target
+    prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": "List three uses of a hash table, briefly."}])
+    chain = build_chain([{"kind": "model"}, {"kind": "model", "model": "target", "layers": 12, "mu": 3},
+                         {"kind": "ngram", "draft": {"length": 4}}], model, tokenizer)
+    generation = chain.generate(prompt, 48, eos_token_id=tokenizer.eos_token_id)
+    ok, ties = greedy_equal(model, prompt, generation.tokens)
+    assert ok, "the chain changed the target's greedy output at a clear margin"
+
+
+@pytest.mark.slow
+def test_real_model_tree_drafting_is_lossless(bundled_target):
+    """SmolLM2-135M target <- 10-layer early-exit copy drafting an EAGLE-2 tree. About 10 s here."""
+    from data.sharegpt import chat_prompt_ids
+
+    model, tokenizer = bundled_target
+    prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": "Write one sentence about the sea."}])
+    chain = build_chain([{"kind": "model"}, {"kind": "model", "model": "target", "layers": 10,
+                          "draft": {"mode": "tree", "depth": 4, "top_k": 4, "total_tokens": 12}}], model, tokenizer)
+    generation = chain.generate(prompt, 32, eos_token_id=tokenizer.eos_token_id)
+    ok, _ = greedy_equal(model, prompt, generation.tokens)
+    assert ok, "tree drafting changed the target's greedy output at a clear margin"
