@@ -422,6 +422,8 @@ def chain_manifest(
             folders[level_cfg.name] = folder
         elif level_cfg.get("model") == "target":
             entry |= {"source": cfg.model.name, "dtype": cfg.model.dtype, "content_hash": target_hash}
+        elif level_cfg.get("kind", "model") != "ngram":
+            entry["source"] = str(level_cfg.get("model") or level_cfg.get("path"))  # a hub id, or `untrained`
         levels.append(entry)
     summary, result = report["summaries"][name], report["chains"][name]
     manifest = {

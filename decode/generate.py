@@ -93,9 +93,16 @@ def main(cfg: DictConfig) -> None:
         sys.exit(1)
 
 
+def shorthand(arg: str) -> str:
+    """prompt=TEXT -> decode.prompt='TEXT' (quoted: any text, commas included); chain=X -> decode.chain=X."""
+    if arg.startswith("prompt="):
+        text = arg[len("prompt="):].replace("'", "\\'")
+        return f"decode.prompt='{text}'"
+    return "decode." + arg if arg.startswith("chain=") else arg
+
+
 def cli() -> None:
-    shorthands = {"prompt=": "decode.prompt=", "chain=": "decode.chain="}
-    sys.argv = [next((full + a[len(short):] for short, full in shorthands.items() if a.startswith(short)), a) for a in sys.argv]
+    sys.argv = sys.argv[:1] + [shorthand(a) for a in sys.argv[1:]]
     main()
 
 

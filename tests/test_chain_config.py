@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from decode_fixtures import tiny_model
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
