@@ -118,18 +118,32 @@ def plot_acceptance(name: str, summary: dict[str, Any], path: Path) -> None:
 
 
 def plot_predicted_vs_measured(report: dict[str, Any], path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(4.5, 4.5))
-    top = 0.0
-    for name, res in report["chains"].items():
+    """One panel of whole-run totals per chain, one of single turns (each turn's own T_i, L_i, beta, N)."""
+    from decode.theory import TheoryError, predicted_time
+
+    fig, (total, turns) = plt.subplots(1, 2, figsize=(9, 4.5))
+    for k, (name, res) in enumerate(report["chains"].items()):
+        color = f"C{k}"
         if "predicted_time_s" in res:
-            measured = report["summaries"][name]["wall_time_s"]
-            ax.scatter([measured], [res["predicted_time_s"]], label=name, s=60)
-            top = max(top, measured, res["predicted_time_s"])
-    ax.plot([0, top * 1.1], [0, top * 1.1], color="gray", ls="--", lw=1)
-    ax.set_xlabel("measured time (s)")
-    ax.set_ylabel("Theorem 3.1 predicted time (s)")
-    if report["chains"]:
-        ax.legend()
+            total.scatter([report["summaries"][name]["wall_time_s"]], [res["predicted_time_s"]], label=name, s=60, c=color)
+        points = []
+        for row in report["records"][name]:
+            levels = row["levels"]
+            try:
+                points.append((row["wall_time_s"], predicted_time([l["T_s"] for l in levels], [l["L_mean"] for l in levels[:-1]],
+                                                                  row["draft_depth"], len(row["tokens"]))))
+            except TheoryError:
+                continue  # a turn too short to measure every level
+        if points:
+            turns.scatter(*zip(*points), s=12, alpha=0.6, label=name, c=color)
+    for ax, title in ((total, "whole run"), (turns, "per turn")):
+        top = max([*ax.get_xlim(), *ax.get_ylim()])
+        ax.plot([0, top], [0, top], color="gray", ls="--", lw=1)
+        ax.set_xlabel("measured time (s)")
+        ax.set_ylabel("Theorem 3.1 predicted time (s)")
+        ax.set_title(title)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

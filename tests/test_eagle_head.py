@@ -120,3 +120,16 @@ def test_target_without_decoder_layer_class_is_refused():
     with pytest.raises(HeadError, match="no usable decoder-layer class") as err:
         EagleHead.for_target(gpt2)
     assert "\n" not in str(err.value)
+
+
+def test_head_of_another_vocabulary_is_refused(tmp_path):
+    from data.models import load_tokenizer, weights_hash
+
+    tokenizer = load_tokenizer("bundled:smollm2-135m-instruct")
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(**{**TINY, "vocab_size": len(tokenizer)})).eval()
+    out = EagleHead.for_target(target).save_pretrained(tmp_path / "eagle", weights_hash(target), tokenizer)
+    EagleHead.from_pretrained(out, target, tokenizer)
+    tokenizer.add_tokens(["<polyspec-new-token>"])
+    with pytest.raises(HeadError, match="different tokenizer vocabulary"):
+        EagleHead.from_pretrained(out, target, tokenizer)

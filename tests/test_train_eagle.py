@@ -197,3 +197,26 @@ def test_two_process_torchrun_matches_one_process_with_the_same_global_batch(tin
     w1, w2 = head_weights(tmp_path / "one"), head_weights(tmp_path / "two")
     for name in w1:
         torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=1e-4)
+
+
+def test_bf16_training_keeps_bf16_head_weights(tiny_setup, tmp_path):
+    eagle.train(compose(tiny_setup, tmp_path, "train.precision=bf16", "train.zero_stage=1", "train.epochs=1"))
+    assert {t.dtype for t in head_weights(tmp_path).values()} == {torch.bfloat16}
+
+
+@pytest.mark.slow
+def test_short_real_training_beats_the_untrained_head(tmp_path):
+    """The bundled SmolLM2 + ShareGPT, 10 optimizer steps of 4 conversations (<=256 tokens each): the
+    held-out depth-4 acceptance length rises above the untrained head's (measured: 1.071 vs 1.000, top-1
+    at depth 1 0.067). About 3 min on 2 quiet cores, 7 min when the cores are shared."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = hydra_compose("config", overrides=[
+            f"run_dir={tmp_path}", "train.max_conversations=64", "train.max_len=256", "train.epochs=1",
+            "train.grad_accum=2", "train.max_steps=10", "train.eval_every=0", "train.eval.conversations=8",
+            "train.eval.gen_tokens=32", *UNUSED_GROUPS])
+    metrics = eagle.train(cfg)
+    assert metrics["train/steps"] == 10
+    assert metrics["eval/top1_depth1"] > 0.03
+    assert metrics["eval/acceptance_length_depth4"] > metrics["untrained/acceptance_length_depth4"] + 0.03

@@ -484,6 +484,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                 during = evaluate_on_rank0(head, eval_sequences, t.eval.depth, rank)
                 if rank == 0:
                     tracker.log({f"eval/{k}": v for k, v in during.items()}, step=step)
+                    tqdm.write(f"step {step}: held-out acceptance length {during[f'acceptance_length_depth{t.eval.depth}']:.3f}, "
+                               f"top-1@1 {during['top1_depth1']:.3f}")
             client = {"step": step, "fingerprint": fingerprint, "untrained_eval": untrained}
             if stop.agreed():
                 save_checkpoint(engine, ckpt_dir, step, client, t.keep_checkpoints, rank)
