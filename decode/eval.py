@@ -7,8 +7,11 @@ after a warm-up. Three named checks decide whether the chain is published:
              at a numerical near-tie of the target's top-2 logits, SPEC §2);
   insertion  every level inserted between two others (a chain equal to another plus one middle level)
              lowers the time by Theorem 3.2 on the measured T and L;
-  agreement  Theorem 3.1's speedup from the measured T_i, L_i agrees with the measured speedup within
-             a tolerance, and an insertion the theory admits is measured faster.
+  agreement  Theorem 3.1's speedup from the measured T_i, L_i agrees with the measured time speedup
+             (AR seconds per token over the chain's, pooled) within a tolerance, and an insertion the
+             theory admits is measured faster.
+T_i is the engine's mean forward time (prefill forwards included, for AR and chains alike); L_i and
+its variance pool every verification of the run (Theorem 3.3: the variance is reported per level).
 Exit codes: 0 published, 1 bad input (one-line error), 2 a check failed and nothing was published.
 """
 from __future__ import annotations

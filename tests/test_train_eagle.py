@@ -106,14 +106,14 @@ def test_target_without_decoder_layer_class_is_refused(tiny_setup, tmp_path):
     assert "\n" not in str(err.value)
 
 
-def test_training_writes_the_head_folder_and_learns(tiny_setup, tmp_path):
-    metrics = eagle.train(compose(tiny_setup, tmp_path, "train.epochs=6", "train.lr=3e-3"))
+def test_training_writes_a_loadable_head_folder(tiny_setup, tmp_path):
+    metrics = eagle.train(compose(tiny_setup, tmp_path, "train.lr=3e-3"))
     out = tmp_path / "eagle"
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "metrics.json", "model.safetensors"]
     config = json.loads((out / "config.json").read_text())
     assert config["target"]["weights_hash"] == weights_hash(tiny_llama(0))
     assert config["feature_source"] == "target" and config["training"]["lr"] == 3e-3
-    assert json.loads((out / "metrics.json").read_text())["train/steps"] == metrics["train/steps"] == 24
+    assert json.loads((out / "metrics.json").read_text())["train/steps"] == metrics["train/steps"] == 8
     for j in (1, 2, 3):
         assert 0 <= metrics[f"eval/top1_depth{j}"] <= 1
     assert 1 <= metrics["eval/acceptance_length_depth3"] <= 4
