@@ -93,7 +93,9 @@ def cpu_recipe(qcfg: DictConfig) -> None:
 def gptq_quantize(src: str, dst: Path, qcfg: DictConfig, calibration: list[list[int]]) -> None:
     """Run GPTQModel on `src` and save the checkpoint into `dst` (which must not exist yet)."""
     from gptqmodel import GPTQModel, QuantizeConfig
+    from gptqmodel.looper import loop_processor
 
+    loop_processor._PROJECT_LOG_DIR = dst.parent / "gptq_logs"  # its per-module log, else written to ./logs (pinned 7.6.0)
     config = QuantizeConfig(
         bits=qcfg.bits, group_size=qcfg.group_size, sym=qcfg.sym, desc_act=qcfg.desc_act,
         act_group_aware=qcfg.act_group_aware and not qcfg.desc_act, damp_percent=qcfg.damp_percent,
