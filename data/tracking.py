@@ -42,6 +42,7 @@ class Tracker:
 
         self.stage = stage
         self.metrics: dict[str, Any] = {}
+        self.inputs: list[dict[str, str]] = []
         wcfg = cfg.get("wandb", {}) or {}
         mode = os.environ.get("WANDB_MODE") or wcfg.get("mode", "offline")
         if mode == "online" and not (os.environ.get("WANDB_API_KEY") or Path.home().joinpath(".netrc").exists()):
@@ -74,7 +75,8 @@ class Tracker:
     def log_artifact(self, path: str | Path, name: str, type: str, metadata: dict | None = None) -> None:
         import wandb
 
-        art = wandb.Artifact(name=name, type=type, metadata=_jsonable(metadata or {}))
+        metadata = {**(metadata or {}), **({"inputs": self.inputs} if self.inputs else {})}
+        art = wandb.Artifact(name=name, type=type, metadata=_jsonable(metadata))
         path = Path(path)
         if path.is_dir():
             art.add_dir(str(path))
@@ -83,10 +85,17 @@ class Tracker:
         self.run.log_artifact(art)
 
     def use_artifact(self, name: str, type: str) -> None:
-        """Record lineage to an artifact an earlier stage logged (skipped when it is unknown)."""
+        """Declare an earlier stage's artifact as an input of this run.
+
+        Online, W&B links it (lineage graph). Offline runs cannot use artifacts at all, so the input is
+        recorded in the metadata of every artifact this run logs (`inputs`) instead.
+        """
+        self.inputs.append({"name": name, "type": type})
+        if self.run.settings.mode != "online":
+            return
         try:
             self.run.use_artifact(f"{name}:latest", type=type)
-        except Exception as err:  # offline runs cannot resolve artifacts of other runs
+        except Exception as err:  # an artifact this W&B project never received
             print(f"wandb: lineage to {name} not recorded ({err.__class__.__name__})")
 
     def finish(self, metrics_path: str | Path | None = None) -> None:

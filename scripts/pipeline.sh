@@ -7,6 +7,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "${POLYSPEC_SKIP_SETUP:-0}" = 1 ] || bash scripts/setup.sh
 export WANDB_MODE="${WANDB_MODE:-offline}"
-python -m train.eagle "$@"
+python -m train.eagle train.resume=true train.skip_if_valid=true "$@"
 python -m quantize.w4 quantize.skip_if_valid=true "$@"
 python -m decode.eval "$@"

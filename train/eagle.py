@@ -12,6 +12,7 @@ split across ranks, so the result does not depend on how many processes share it
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import os
@@ -393,6 +394,24 @@ def deepspeed_config(t: DictConfig) -> dict[str, Any]:
     }
 
 
+RUN_CONTROL_KEYS = ("resume", "skip_if_valid")  # how a run is driven, not what it trains
+
+
+def head_is_current(cfg: DictConfig, target_hash: str) -> bool:
+    """True when ${run_dir}/eagle holds a finished head for this target and this training config."""
+    out_dir = Path(cfg.run_dir) / "eagle"
+    try:
+        saved = json.loads((out_dir / "config.json").read_text())
+        json.loads((out_dir / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return False
+    wanted = {**OmegaConf.to_container(cfg.train, resolve=True), "seed": cfg.seed,
+              "data": OmegaConf.to_container(cfg.data, resolve=True)}
+    trained = saved.get("training", {})
+    same = all(trained.get(k) == v for k, v in wanted.items() if k not in RUN_CONTROL_KEYS)
+    return same and saved.get("target", {}).get("weights_hash") == target_hash
+
+
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Run the stage; returns the final metrics (also in ${run_dir}/eagle/metrics.json)."""
     validate(cfg)
@@ -404,6 +423,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     target, tokenizer, feature_model = load_verifiers(cfg)
     target_hash = weights_hash(target)
+    if t.skip_if_valid and head_is_current(cfg, target_hash):
+        if rank == 0:
+            print(f"EAGLE head in {Path(cfg.run_dir) / 'eagle'} is up to date (same target and training config); skipping")
+        return json.loads((Path(cfg.run_dir) / "eagle" / "metrics.json").read_text())
     feature_hash = target_hash if feature_model is target else weights_hash(feature_model)
     examples, prompts = load_examples(cfg, tokenizer)
     per_step = t.micro_batch * t.grad_accum * world
