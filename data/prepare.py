@@ -4,13 +4,12 @@ The first thing a new machine runs: it warms the model cache and shows the data 
 """
 from __future__ import annotations
 
-import sys
-
-import torch
 
 import hydra
+import torch
 from omegaconf import DictConfig
 
+from data.cli import run_or_exit
 from data.models import ModelSourceError, load_model
 from data.prompts import load_questions
 from data.sharegpt import DataError, chat_prompt_ids, load_tokenized
@@ -37,11 +36,7 @@ def prepare(cfg: DictConfig) -> dict[str, int]:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    try:
-        prepare(cfg)
-    except (ModelSourceError, DataError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+    run_or_exit(prepare, cfg, errors=(ModelSourceError, DataError))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from data.cli import run_or_exit
 from decode.chain import DecodeError, Generation, level_model
 from decode.generate import chain_from_config, sampling_args
 
@@ -141,11 +142,7 @@ def main(cfg: DictConfig) -> None:
     from data.sharegpt import DataError
     from decode.head import HeadError
 
-    try:
-        run(cfg)
-    except (DecodeError, ModelSourceError, DataError, HeadError) as err:  # caught here: Hydra would add its own lines
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+    run_or_exit(run, cfg, errors=(DecodeError, ModelSourceError, DataError, HeadError))
 
 
 def cli() -> None:

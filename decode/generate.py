@@ -12,6 +12,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from data.cli import run_or_exit
 from decode.chain import Chain, DecodeError, Generation, build_chain
 
 
@@ -86,11 +87,7 @@ def main(cfg: DictConfig) -> None:
     from data.sharegpt import DataError
     from decode.head import HeadError
 
-    try:
-        run(cfg)
-    except (DecodeError, ModelSourceError, DataError, HeadError) as err:  # caught here: Hydra would add its own lines
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+    run_or_exit(run, cfg, errors=(DecodeError, ModelSourceError, DataError, HeadError))
 
 
 def shorthand(arg: str) -> str:

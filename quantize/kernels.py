@@ -8,7 +8,6 @@ Writes `${run_dir}/w4_kernels.json`.
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import hydra
@@ -16,6 +15,7 @@ import torch
 from omegaconf import DictConfig
 from transformers import AutoModelForCausalLM, GPTQConfig, PreTrainedModel
 
+from data.cli import run_or_exit
 from data.models import ModelSourceError, load_model, load_tokenizer, resolve_model_path
 from data.sharegpt import DataError, load_conversations, split_conversations, tokenize_conversation
 from data.tracking import write_json_atomic
@@ -90,11 +90,7 @@ def run(cfg: DictConfig) -> dict[str, dict[str, float | str]]:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    try:
-        run(cfg)
-    except (QuantizeError, ModelSourceError, DataError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+    run_or_exit(run, cfg, errors=(QuantizeError, ModelSourceError, DataError))
 
 
 if __name__ == "__main__":

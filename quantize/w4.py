@@ -19,7 +19,6 @@ import os
 import random
 import shutil
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from data.cli import run_or_exit
 from data.models import ModelSourceError, load_model, load_tokenizer, resolve_model_path, weights_hash
 from data.sharegpt import (
     Conversation, DataError, TokenizedConversation, chat_prompt_ids, load_conversations, split_conversations,
@@ -407,11 +407,7 @@ def run(cfg: DictConfig) -> Path:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    try:
-        run(cfg)
-    except (QuantizeError, ModelSourceError, DataError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+    run_or_exit(run, cfg, errors=(QuantizeError, ModelSourceError, DataError))
 
 
 if __name__ == "__main__":

@@ -7,14 +7,7 @@ from decode_fixtures import noisy_copy, prompts, tiny_model
 
 from decode.baselines import autoregressive, hf_assisted, hf_prompt_lookup
 from decode.chain import Generation
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -6,21 +6,13 @@ decode_fixtures.greedy_equal); ties are counted and reported, and must stay rare
 from __future__ import annotations
 
 import pytest
-import torch
 from decode_fixtures import greedy_equal, noisy_copy, prompts, tiny_model
 
 from decode.chain import Chain, EagleLevel, ModelLevel, NgramLevel, build_chain
 
 VOCAB = 300
 TREE = {"mode": "tree", "depth": 4, "top_k": 3, "total_tokens": 10}
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 SMALL = [
-    "train.max_conversations=8", "train.max_len=128", "train.eval_every=0", "train.checkpoint_every=100",
+    "train.max_conversations=16", "train.max_len=128", "train.grad_accum=2", "train.max_steps=3", "train.eval_every=0", "train.checkpoint_every=100",
     "train.eval.conversations=2", "train.eval.gen_tokens=16",
     "quantize.calibration.samples=8", "quantize.calibration.max_len=128", "quantize.mse=0",
     "quantize.eval.ppl_conversations=4", "quantize.eval.agreement_prompts=2",

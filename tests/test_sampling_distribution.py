@@ -18,6 +18,7 @@ from decode.sampling import Sampling, probabilities
 
 VOCAB, SAMPLES, PROMPT = 8, 1500, [1, 2, 3, 1, 2]
 SAMPLING = Sampling(temperature=1.0, top_k=0, top_p=1.0)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def exact_joint(target) -> torch.Tensor:
@@ -48,15 +49,6 @@ def chain_counts(chain: Chain) -> torch.Tensor:
         tokens = chain.generate(PROMPT, 3, temperature=SAMPLING.temperature, seed=seed).tokens
         counts[tokens[1], tokens[2]] += 1
     return counts
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run ~8x faster on one thread than on two contended ones."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
