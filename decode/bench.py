@@ -1,10 +1,12 @@
 """`python -m decode.bench`: tokens/s and the ratio to plain autoregressive decoding, side by side.
 
-Methods: AR (the target alone, KV cache), transformers assisted generation, transformers prompt
-lookup, the two-level chain and the three-level chain (decode.bench.two_level / three_level; a
-chain whose artifacts are missing is replaced by its configured stand-in, and the table says so).
-All methods run in one process, interleaved per prompt (the order rotates from prompt to prompt),
-and the table reports medians, so machine noise hits every method alike.
+Methods: AR (the target alone, KV cache), transformers assisted generation (the W4 model as the
+assistant), transformers prompt lookup, the two-level chain, the three-level chain and any extra
+chains (decode.bench.two_level / three_level / extra; a chain or assistant whose artifacts are
+missing is replaced by its configured stand-in, and the table says so). All methods run in one
+process, interleaved per prompt (the order rotates from prompt to prompt), and the table reports
+medians, so machine noise hits every method alike. Each chain's measured decoding time is printed
+next to Theorem 3.1's prediction from its own measured T_i, L_i and draft depth.
 """
 from __future__ import annotations
 
@@ -31,7 +33,12 @@ def methods(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Method], dict
 
     b, eos, kw = cfg.decode.bench, tokenizer.eos_token_id, sampling_args(cfg)
     assistant_cfg = OmegaConf.to_container(b.assistant, resolve=True)
-    assistant = level_model(assistant_cfg, target, tokenizer, cfg.run_dir, cfg.model.dtype)
+    try:
+        assistant = level_model(assistant_cfg, target, tokenizer, cfg.run_dir, cfg.model.dtype)
+    except DecodeError as err:
+        print(f"hf_assisted: assistant unavailable ({err}); using stand-in {dict(b.assistant_stand_in)}", file=sys.stderr)
+        assistant_cfg = OmegaConf.to_container(b.assistant_stand_in, resolve=True)
+        assistant = level_model(assistant_cfg, target, tokenizer, cfg.run_dir, cfg.model.dtype)
     found: dict[str, Method] = {
         "ar": lambda p, n: autoregressive(target, p, n, eos_token_id=eos, **kw),
         "hf_assisted": lambda p, n: hf_assisted(target, assistant, p, n, eos_token_id=eos, **kw),
@@ -39,8 +46,8 @@ def methods(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Method], dict
     }
     notes = {"ar": "target alone", "hf_assisted": f"assistant {assistant_cfg}",
              "hf_prompt_lookup": f"{b.prompt_lookup_num_tokens} tokens"}
-    for slot in ("two_level", "three_level"):
-        name = b[slot]
+    slots = {"two_level": b.two_level, "three_level": b.three_level, **{name: name for name in b.get("extra") or []}}
+    for slot, name in slots.items():
         try:
             chain = chain_from_config(cfg, name, target, tokenizer)
         except (DecodeError, HeadError) as err:
@@ -84,8 +91,29 @@ def summarise(runs: dict[str, list[Generation]], ar_tokens: list[list[int]]) -> 
                 })
             entry["levels"] = per_level
             entry["draft_depth"] = statistics.fmean(g.stats.draft_depth for g in gens)
+            entry.update(theorem_3_1(gens))
         summary[name] = entry
     return summary
+
+
+def theorem_3_1(gens: list[Generation]) -> dict[str, float | None]:
+    """Theorem 3.1's decoding time from the run's own pooled T_i, L_i and β, next to the measured time
+    (wall time after the first token: the engine's per-level stats exclude the prefill too)."""
+    from decode.theory import TheoryError, predicted_time
+
+    levels = range(len(gens[0].stats.levels))
+    calls = [sum(g.stats.levels[i].forward_calls for g in gens) for i in levels]
+    times = [sum(g.stats.levels[i].draft_time_s + g.stats.levels[i].verify_time_s for g in gens) / max(c, 1)
+             for i, c in zip(levels, calls)]
+    lengths = [[x for g in gens for x in g.stats.levels[i].acceptance_lengths] for i in levels][:-1]
+    measured = sum(g.stats.wall_time_s - g.stats.time_to_first_token_s for g in gens)
+    try:
+        predicted = predicted_time(times, [statistics.fmean(l) for l in lengths],
+                                   statistics.fmean(g.stats.draft_depth for g in gens),
+                                   sum(max(g.stats.new_tokens - 1, 1) for g in gens))
+    except (TheoryError, statistics.StatisticsError):
+        return {"measured_decode_s": measured, "predicted_decode_s": None, "prediction_error": None}
+    return {"measured_decode_s": measured, "predicted_decode_s": predicted, "prediction_error": predicted / measured - 1}
 
 
 def table(summary: dict[str, dict], notes: dict[str, str]) -> str:
@@ -95,6 +123,9 @@ def table(summary: dict[str, dict], notes: dict[str, str]) -> str:
         if "levels" in s:
             detail += " | " + ", ".join(
                 f"{l['name']}: T={l['T_ms']:.0f}ms" + (f" L={l['L_mean']:.2f}" if l["L_mean"] else "") for l in s["levels"])
+            if s.get("predicted_decode_s"):
+                detail += (f" | Thm 3.1: {s['predicted_decode_s']:.1f}s predicted vs {s['measured_decode_s']:.1f}s"
+                           f" measured ({100 * s['prediction_error']:+.0f}%)")
         rows.append(f"{name:<17} {s['median_tokens_per_s']:>7.2f} {s['median_ratio_vs_ar']:>6.2f} "
                     f"{s['speedup_spec_bench']:>8.2f} {s['median_ttft_s']:>7.2f} {s['identical_to_ar']:>3}/{s['runs']:<2}  {detail}")
     return "\n".join(rows)
