@@ -527,6 +527,7 @@ def conclude(
         "published": decision["publish"], "forced": decision["forced"],
     })
     tracker.log_artifact(out, name=f"eval-{cfg.run_name}", type="eval-report")
+    print((out / "report.md").read_text())  # the summary a pipeline run ends with
     for line in decision["failures"]:
         print(line, file=sys.stderr)
     print(f"report: {out / 'report.md'}")
