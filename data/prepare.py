@@ -18,7 +18,7 @@ from data.sharegpt import DataError, chat_prompt_ids, load_tokenized
 def prepare(cfg: DictConfig) -> dict[str, int]:
     model, tokenizer = load_model(cfg.model.name, cfg.model.dtype)
     train, held_out = load_tokenized(cfg.data, tokenizer)
-    questions = load_questions(cfg.eval.get("questions"))
+    questions = load_questions(cfg.eval.get("prompts"))
     prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": questions[0].turns[0]}])
     reply = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):]
     counts = {
