@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,15 @@ def write_json_atomic(path: str | Path, payload: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(_jsonable(payload), indent=2, sort_keys=True) + "\n")
     tmp.replace(path)
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Move a finished temp folder into place; an old output is removed only once the new one is there."""
+    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 class Tracker:

@@ -94,6 +94,14 @@ class Generation:
     stats: GenerationStats
 
 
+
+def choose(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator | None, qs: list[torch.Tensor]) -> int:
+    """A drafted token: the argmax when greedy, else a sample whose distribution joins qs (the proposal q)."""
+    if sampling.greedy:
+        return int(logits.argmax())
+    qs.append(probabilities(logits, sampling))
+    return sample(qs[-1], gen)
+
 @dataclass
 class Proposal:
     """What a level hands to the level above: tokens (or a tree) and the proposer's distributions."""
@@ -247,11 +255,7 @@ class ModelLevel(Level):
             tokens, qs = [], []
             for _ in range(min(int(self.draft_cfg.get("length", 4)), budget)):
                 logits = self.forward(ctx + tokens, 1, "draft")[-1]
-                if sampling.greedy:
-                    tokens.append(int(logits.argmax()))
-                else:
-                    qs.append(probabilities(logits, sampling))
-                    tokens.append(sample(qs[-1], gen))
+                tokens.append(choose(logits, sampling, gen, qs))
             proposal = Proposal(tokens, torch.stack(qs) if qs else None)
         self._bookkeeping(start, fwd)
         return proposal
@@ -348,11 +352,7 @@ class EagleLevel(Level):
                 if i:
                     h, lg = self._head([tokens[-1]], hidden, [real + i - 1])
                     hidden, logits = h[:, -1:], lg[0, -1]
-                if sampling.greedy:
-                    tokens.append(int(logits.argmax()))
-                else:
-                    qs.append(probabilities(logits, sampling))
-                    tokens.append(sample(qs[-1], gen))
+                tokens.append(choose(logits, sampling, gen, qs))
             proposal = Proposal(tokens, torch.stack(qs) if qs else None)
         crop_cache(self.cache, real)  # drafted positions used predicted features: never keep them
         self.stats.bookkeeping_time_s += time.perf_counter() - start - (self.stats.draft_time_s - fwd)

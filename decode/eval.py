@@ -33,7 +33,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from decode.report import replace_dir
+from data.tracking import replace_dir
 from decode.theory import TheoryError, insertion_conditions, insertion_improves, predicted_speedup, predicted_time
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -13,6 +12,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the headless backend)
 from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from data.tracking import replace_dir  # noqa: E402
 
 
 def _f(value: Any, fmt: str = ".2f") -> str:
@@ -148,14 +149,6 @@ def plot_predicted_vs_measured(report: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
-
-def replace_dir(tmp: Path, final: Path) -> None:
-    """Move a finished folder into place: the old one is renamed away first, then dropped."""
-    old = final.with_name(f".{final.name}.old-{os.getpid()}")
-    if final.exists():
-        final.rename(old)
-    tmp.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def write_report(report: dict[str, Any], out_dir: str | Path) -> Path:

@@ -38,6 +38,7 @@ from data.sharegpt import (
     Conversation, DataError, TokenizedConversation, chat_prompt_ids, load_conversations, split_conversations,
     tokenize_conversation,
 )
+from data.tracking import replace_dir
 
 
 class QuantizeError(RuntimeError):
@@ -325,14 +326,6 @@ def remove_stale_temps(out: Path) -> None:
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             shutil.rmtree(tmp, ignore_errors=True)
 
-
-def replace_dir(tmp: Path, out: Path) -> None:
-    """Move a finished temp dir into place; an old output is removed only after the new one is in place."""
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
-    if out.exists():
-        out.rename(old)
-    tmp.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def report(metrics: dict[str, Any]) -> str:
