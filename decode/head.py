@@ -12,6 +12,13 @@ real features live, can be fed back as the next feature, and `logits = lm_head(h
 target's logits whenever the feature is predicted exactly. The embedding, final norm and LM head are
 the target's, frozen, held by reference and never saved: `state_dict()` and `parameters()` hold the
 head's own weights only (fc and the decoder layer), which is also what DeepSpeed trains.
+
+Draft vocabulary (FR-Spec / EAGLE-3): a head may carry `draft_vocab`, the sorted ids of the N tokens
+it can propose (the most frequent ones in the training replies). Its logits then cover those N tokens
+only, through the matching rows of the target's LM head: most of the head's cost on a small model is
+that LM head, so N = V/6 makes a draft step several times cheaper. It is lossless by construction: a
+token outside the subset has draft probability 0 and can only come from a verifier. The token map is
+saved in model.safetensors (buffer `draft_vocab`).
 """
 from __future__ import annotations
 
@@ -71,7 +78,7 @@ def head_config(target_config: Any) -> Any:
 class EagleHead(nn.Module):
     """fc(2h -> h) over [embed(token_{t+1}), feature_t], the target's decoder layer, its final norm and LM head."""
 
-    def __init__(self, target: PreTrainedModel, init_std: float | None = None):
+    def __init__(self, target: PreTrainedModel, init_std: float | None = None, draft_vocab: torch.Tensor | None = None):
         super().__init__()
         layer_cls, rotary_cls, norm = _layer_parts(target)
         self.config = head_config(target.config)
@@ -94,6 +101,14 @@ class EagleHead(nn.Module):
         for module in self._shared.values():
             module.requires_grad_(False)
         self.target_name = str(getattr(target.config, "name_or_path", "") or type(target).__name__)
+        if draft_vocab is not None:
+            draft_vocab = torch.as_tensor(draft_vocab, dtype=torch.long).unique(sorted=True)
+            if draft_vocab.numel() == 0 or draft_vocab[0] < 0 or draft_vocab[-1] >= self.config.vocab_size:
+                raise HeadError(f"draft vocabulary must be token ids in [0, {self.config.vocab_size}), got {draft_vocab.numel()} ids")
+            self.register_buffer("draft_vocab", draft_vocab)
+        else:
+            self.draft_vocab = None
+        self._draft_lm_weight: torch.Tensor | None = None  # lm_head rows of draft_vocab, derived on first use
 
     @property
     def embed_tokens(self) -> nn.Module:
@@ -108,9 +123,9 @@ class EagleHead(nn.Module):
         return self._shared["lm_head"]
 
     @classmethod
-    def for_target(cls, target_model: PreTrainedModel) -> "EagleHead":
-        """An untrained head for a target; its dtype follows the target's."""
-        return cls(target_model).to(next(target_model.parameters()).dtype)
+    def for_target(cls, target_model: PreTrainedModel, draft_vocab: torch.Tensor | None = None) -> "EagleHead":
+        """An untrained head for a target (optionally with a draft vocabulary); its dtype follows the target's."""
+        return cls(target_model, draft_vocab=draft_vocab).to(next(target_model.parameters()).dtype)
 
     def forward(
         self,
@@ -150,10 +165,29 @@ class EagleHead(nn.Module):
         return hidden, self.logits(hidden) if compute_logits else None, past_key_values
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Token logits of (predicted) features: the target's LM head, with its logit soft-capping if any."""
-        logits = self.lm_head(hidden)
+        """Logits of (predicted) features over the draft vocabulary (all V tokens if none): the target's LM
+        head rows, with its logit soft-capping if any. Index i of the last dim is token `token_ids(i)`."""
+        if self.draft_vocab is None:
+            logits = self.lm_head(hidden)
+        else:
+            weight = self._draft_lm_weight
+            if weight is None or weight.dtype != self.lm_head.weight.dtype:
+                weight = self._draft_lm_weight = self.lm_head.weight.detach()[self.draft_vocab].contiguous()
+            bias = getattr(self.lm_head, "bias", None)
+            logits = nn.functional.linear(hidden, weight, None if bias is None else bias[self.draft_vocab])
         softcap = getattr(self.config, "final_logit_softcapping", None)
         return torch.tanh(logits / softcap) * softcap if softcap else logits
+
+    def token_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Target token ids of positions in `logits`' last dimension."""
+        return index if self.draft_vocab is None else self.draft_vocab[index]
+
+    def full_vocab(self, probs: torch.Tensor) -> torch.Tensor:
+        """Probabilities over the draft vocabulary [..., N] spread onto the full vocabulary [..., V] (0 elsewhere)."""
+        if self.draft_vocab is None:
+            return probs
+        full = probs.new_zeros(*probs.shape[:-1], self.config.vocab_size)
+        return full.index_copy_(-1, self.draft_vocab, probs)
 
     def save_pretrained(self, path: str | Path, target_hash: str, tokenizer: PreTrainedTokenizerBase | None = None,
                         feature_source: str = "target", training: dict | None = None, metrics: dict | None = None) -> Path:
@@ -216,8 +250,8 @@ class EagleHead(nn.Module):
         if target_tokenizer is not None and saved_vocab is not None:
             if saved_vocab != vocab_hash(target_tokenizer):
                 raise HeadError(f"{path}: head was trained with a different tokenizer vocabulary than the chain's target")
-        head = cls.for_target(target_model)
         state = load_file(str(path / "model.safetensors"))
+        head = cls(target_model, draft_vocab=state.get("draft_vocab")).to(next(target_model.parameters()).dtype)
         missing, unexpected = head.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise HeadError(f"{path}/model.safetensors: does not fit this target's head (missing {list(missing)[:3]}, unexpected {list(unexpected)[:3]})")

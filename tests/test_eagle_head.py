@@ -133,3 +133,28 @@ def test_head_of_another_vocabulary_is_refused(tmp_path):
     tokenizer.add_tokens(["<polyspec-new-token>"])
     with pytest.raises(HeadError, match="different tokenizer vocabulary"):
         EagleHead.from_pretrained(out, target, tokenizer)
+
+
+def test_draft_vocabulary_logits_are_the_full_logits_at_its_tokens_and_survive_save_load(tmp_path):
+    from data.models import weights_hash
+
+    target = tiny_target("llama")
+    vocab = torch.tensor([250, 3, 17, 42, 3])  # unsorted, with a repeat: stored sorted and unique
+    head = EagleHead.for_target(target, draft_vocab=vocab).eval()
+    full = EagleHead.for_target(target).eval()
+    full.load_state_dict({k: v for k, v in head.state_dict().items() if k != "draft_vocab"})
+    ids, feats = head_inputs(target)
+    with torch.no_grad():
+        _, sub_logits, _ = head(ids, feats)
+        _, full_logits, _ = full(ids, feats)
+    assert head.draft_vocab.tolist() == [3, 17, 42, 250]
+    torch.testing.assert_close(sub_logits, full_logits[..., head.draft_vocab])
+    assert head.token_ids(torch.tensor([0, 3])).tolist() == [3, 250]
+    probs = torch.softmax(sub_logits[0, 0], -1)
+    spread = head.full_vocab(probs)
+    assert spread.shape == (target.config.vocab_size,) and spread[head.draft_vocab].equal(probs) and spread.sum().item() == pytest.approx(1.0)
+    head.save_pretrained(tmp_path / "head", target_hash=weights_hash(target))
+    loaded = EagleHead.from_pretrained(tmp_path / "head", target)
+    assert loaded.draft_vocab.tolist() == [3, 17, 42, 250]
+    with pytest.raises(HeadError, match="draft vocabulary"):
+        EagleHead(target, draft_vocab=torch.tensor([target.config.vocab_size]))
