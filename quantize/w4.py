@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from data.cli import run_or_exit
 from data.models import ModelSourceError, load_model, load_tokenizer, resolve_model_path, weights_hash
@@ -38,6 +38,7 @@ from data.sharegpt import (
     Conversation, DataError, TokenizedConversation, chat_prompt_ids, load_conversations, split_conversations,
     tokenize_conversation,
 )
+from data.timing import cached_forward, median_ms
 from data.tracking import replace_dir
 
 
@@ -249,23 +250,7 @@ def acceptance_lengths(matches: list[bool], depth: int) -> list[int]:
 @torch.no_grad()
 def forward_ms(models: dict[str, PreTrainedModel], context: list[int], new_tokens: list[int], repeats: int, warmup: int = 2) -> dict[str, dict[int, float]]:
     """Median ms of one forward of `n` new tokens over a KV cache of `context`, models interleaved per repeat."""
-    caches = {}
-    for name, model in models.items():
-        caches[name] = DynamicCache(config=model.config)
-        model(torch.tensor([context]), past_key_values=caches[name], use_cache=True)
-    times: dict[str, dict[int, list[float]]] = {name: {n: [] for n in new_tokens} for name in models}
-    for r in range(warmup + repeats):
-        for n in new_tokens:
-            ids = torch.tensor([context[-n:]])
-            for name, model in models.items():
-                extra = caches[name].get_seq_length() - len(context)
-                if extra:
-                    caches[name].crop(-extra)
-                start = time.perf_counter()
-                model(ids, past_key_values=caches[name], use_cache=True)
-                if r >= warmup:
-                    times[name][n].append((time.perf_counter() - start) * 1000)
-    return {name: {n: statistics.median(ts) for n, ts in per.items()} for name, per in times.items()}
+    return median_ms({name: cached_forward(model, context) for name, model in models.items()}, new_tokens, repeats, warmup)
 
 
 def folder_mb(path: str | Path) -> float:

@@ -1,0 +1,44 @@
+"""Side-by-side timing: median milliseconds of several forwards, interleaved so machine noise hits all alike."""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+Step = Callable[[int], object]  # one forward of k new tokens on a fixed context
+
+
+def median_ms(steps: dict[str, Step], ks: list[int], repeats: int, warmup: int = 2) -> dict[str, dict[int, float]]:
+    """{name: {k: median ms}}: for each repeat and each k, every step runs once in turn (order rotating)."""
+    names = list(steps)
+    times: dict[str, dict[int, list[float]]] = {name: {k: [] for k in ks} for name in names}
+    for r in range(warmup + repeats):
+        for k in ks:
+            order = names[r % len(names):] + names[: r % len(names)]
+            for name in order:
+                start = time.perf_counter()
+                steps[name](k)
+                if r >= warmup:
+                    times[name][k].append((time.perf_counter() - start) * 1000)
+    return {name: {k: statistics.median(ts) for k, ts in per.items()} for name, per in times.items()}
+
+
+def cached_forward(model, context: list[int]) -> Step:
+    """A step for `median_ms`: one forward of k new tokens of a causal LM on top of a KV cache of `context`
+    (computed once; each call first crops the cache back to it) with all k logits, as a verification does."""
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(torch.tensor([context]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    ids = torch.tensor([context])
+
+    def step(k: int) -> object:
+        extra = cache.get_seq_length() - len(context)
+        if extra:
+            cache.crop(-extra)
+        with torch.inference_mode():
+            return model(ids[:, -k:], past_key_values=cache, use_cache=True, logits_to_keep=k)
+
+    return step

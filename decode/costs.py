@@ -1,0 +1,124 @@
+"""`python -m decode.costs`: each level's forward time against the tokens it carries (the cost curve).
+
+For the target (plain eager and packed, see decode.fast), the W4 copy and the EAGLE head of a run
+dir (and heads with draft vocabularies of the sizes in `decode.costs.head_vocab`), the median time of
+one forward of k = 1, 2, 4, 8, 12, 16 new tokens on top of a KV cache of a real context, all in one
+process, interleaved. Every ratio is to the packed target's 1-token forward, the chain's T_1: this
+curve is what decides draft lengths, tree sizes and mu, and whether a level pays (Theorem 3.2).
+Writes `decode.costs.out` (json).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig
+from transformers import DynamicCache
+
+from data.cli import run_or_exit
+from data.timing import Step, cached_forward, median_ms
+
+
+def head_forward(head, context: list[int], features: torch.Tensor) -> Step:
+    """A step: one head forward of k new tokens (with k features) after a cached context."""
+    cache = DynamicCache()
+    ids = torch.tensor([context])
+    with torch.inference_mode():
+        head(ids[:, 1:], features[:, :-1], cache)
+    n = cache.get_seq_length()
+
+    def step(k: int) -> object:
+        extra = cache.get_seq_length() - n
+        if extra:
+            cache.crop(-extra)
+        with torch.inference_mode():
+            return head(ids[:, -k:], features[:, -k:], cache)
+
+    return step
+
+
+def context_ids(cfg: DictConfig, tokenizer, length: int) -> list[int]:
+    """`length` tokens of real chat text: held-out ShareGPT conversations, templated, concatenated."""
+    from data.sharegpt import load_conversations, split_conversations, tokenize_conversation
+
+    _, held_out = split_conversations(load_conversations(cfg.data.source), cfg.data.held_out_fraction)
+    ids: list[int] = []
+    for conv in held_out:
+        ids += tokenize_conversation(tokenizer, conv, length).input_ids
+        if len(ids) >= length:
+            return ids[:length]
+    return ids
+
+
+def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
+    """The forwards to time, and a note per row on what it is."""
+    from data.models import load_model
+    from decode.fast import pack
+    from decode.head import EagleHead
+
+    c = cfg.decode.costs
+    target, tokenizer = load_model(cfg.model.name, cfg.model.dtype)
+    fast_target, _ = load_model(cfg.model.name, cfg.model.dtype)
+    pack(fast_target)
+    context = context_ids(cfg, tokenizer, int(c.context))
+    steps = {"target eager": cached_forward(target, context), "target": cached_forward(fast_target, context)}
+    notes = {"target eager": f"{cfg.model.dtype}, plain nn.Linear", "target": f"{cfg.model.dtype}, packed (decode.fast)"}
+    w4_dir = Path(cfg.quantize.output)
+    if (w4_dir / "config.json").is_file():
+        w4, _ = load_model(str(w4_dir), cfg.model.dtype)
+        pack(w4)
+        steps["w4"], notes["w4"] = cached_forward(w4, context), f"{w4_dir}, packed dense layers"
+    else:
+        print(f"costs: no W4 model in {w4_dir}; skipping it", file=sys.stderr)
+    with torch.inference_mode():
+        features = target(torch.tensor([context]), output_hidden_states=True).hidden_states[-1]
+    head_dir = Path(cfg.run_dir) / "eagle"
+    heads = {}
+    if (head_dir / "config.json").is_file():
+        heads["head"] = EagleHead.from_pretrained(head_dir, fast_target, tokenizer)
+        n = heads["head"].draft_vocab
+        notes["head"] = f"{head_dir}, draft vocabulary {'full' if n is None else len(n)}"
+    for size in c.head_vocab or []:
+        vocab = None if size is None else torch.arange(int(size))  # cost depends on the size only
+        heads[f"head V={size or 'full'}"] = EagleHead.for_target(fast_target, draft_vocab=vocab)
+        notes[f"head V={size or 'full'}"] = "untrained head, timing only"
+    for name, head in heads.items():
+        steps[name] = head_forward(head.eval(), context, features)
+    return steps, notes
+
+
+def run(cfg: DictConfig) -> dict:
+    from data.tracking import write_json_atomic
+
+    c = cfg.decode.costs
+    if cfg.decode.get("threads"):
+        torch.set_num_threads(int(cfg.decode.threads))
+    steps, notes = steps_for(cfg)
+    ks = [int(k) for k in c.ks]
+    ms = median_ms(steps, ks, int(c.repeats))
+    base = ms["target"][1]
+    print(f"\nmedian ms per forward of k new tokens on a {c.context}-token context, {c.repeats} repeats interleaved, "
+          f"{torch.get_num_threads()} threads; (x) = ratio to the packed target's 1-token forward")
+    print(f"{'level':<18}" + "".join(f"{f'k={k}':>15}" for k in ks) + "  note")
+    for name, per in ms.items():
+        print(f"{name:<18}" + "".join(f"{per[k]:8.1f} ({per[k] / base:4.2f})" for k in ks) + f"  {notes[name]}")
+    result = {"context": int(c.context), "threads": torch.get_num_threads(), "repeats": int(c.repeats), "notes": notes,
+              "ms": ms, "ratio_to_target_1": {n: {k: v / base for k, v in per.items()} for n, per in ms.items()}}
+    write_json_atomic(c.out, result)
+    print(f"written {c.out}")
+    return result
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    from data.models import ModelSourceError
+    from data.sharegpt import DataError
+    from decode.head import HeadError
+
+    run_or_exit(run, cfg, errors=(ModelSourceError, DataError, HeadError))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Fast CPU forwards for any HF causal LM: every `nn.Linear` runs on a oneDNN weight packed once.
+
+On this project's CPUs a forward of a small model is almost all small-M matrix products (1-16 new
+tokens against 0.5-50k-wide weights). PyTorch's default fp32 path (MKL sgemm) re-packs the weight on
+every call and, for a few rows, runs far below the machine's rate: measured on a 2-core AMD EPYC, a
+576->49,152 LM head takes 26 ms for 8 rows through `F.linear` and 7.4 ms through oneDNN with the
+weight packed ahead of time; a 576->1536 projection 0.28 ms vs 0.15 ms. Packing keeps the math
+(same weights and dtype, fp32 accumulation), and each output row does not depend on how many rows
+are computed with it; only the summation order differs from MKL's, so a packed model is a
+*configuration* of the target: the chain and its AR reference must both use it (`decode.fast`).
+
+The original parameters stay in place (state_dict, weights hashes and training see the same model);
+the packed copy is an inference-time cache. `unpack` restores plain `nn.Linear` forwards.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def packing_available() -> bool:
+    """oneDNN linear with prepacked weights exists in this torch build (CPU builds with MKL-DNN)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class PackedLinear(nn.Module):
+    """Inference-only stand-in for an nn.Linear: same parameters, forward through a packed oneDNN weight."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias  # shared, not copied: state_dict is unchanged
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.weight.dtype or torch.is_grad_enabled() and x.requires_grad:
+            return nn.functional.linear(x, self.weight, self.bias)
+        flat = x.reshape(-1, self.in_features)
+        bias = None if self.bias is None else self.bias.detach()
+        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, bias, "none", [], "")
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def to_linear(self) -> nn.Linear:
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                           device=self.weight.device, dtype=self.weight.dtype)
+        linear.weight, linear.bias = self.weight, self.bias
+        return linear
+
+
+def _children(model: nn.Module):
+    for parent in model.modules():
+        for name, child in list(parent.named_children()):
+            yield parent, name, child
+
+
+def pack(model: nn.Module) -> int:
+    """Swap every CPU nn.Linear of a float32/bfloat16 model for a PackedLinear, in place; returns how many.
+
+    Quantized linears (GPTQ kernels) are not nn.Linear and stay as they are; their model's dense
+    layers (e.g. the LM head) are packed. A no-op where oneDNN is unavailable."""
+    if not packing_available():
+        return 0
+    count = 0
+    for parent, name, child in _children(model):
+        if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype in PACKABLE_DTYPES:
+            setattr(parent, name, PackedLinear(child))
+            count += 1
+    return count
+
+
+def unpack(model: nn.Module) -> int:
+    """Undo `pack`: plain nn.Linear forwards again (e.g. before training or moving to another device)."""
+    count = 0
+    for parent, name, child in _children(model):
+        if isinstance(child, PackedLinear):
+            setattr(parent, name, child.to_linear())
+            count += 1
+    return count
