@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from data.cli import run_or_exit
-from decode.chain import DecodeError, Generation, level_model
+from decode.chain import DecodeError, Generation, level_model, load_target
 from decode.generate import chain_from_config, sampling_args
 
 Method = Callable[[list[int], int], Generation]
@@ -28,7 +28,9 @@ Method = Callable[[list[int], int], Generation]
 
 def methods(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Method], dict[str, str]]:
     """The decoders to compare, and a note per method on what it actually is."""
+    from data.models import load_model
     from decode.baselines import autoregressive, hf_assisted, hf_prompt_lookup
+    from decode.fast import pack
     from decode.head import HeadError
 
     b, eos, kw = cfg.decode.bench, tokenizer.eos_token_id, sampling_args(cfg)
@@ -39,12 +41,17 @@ def methods(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Method], dict
         print(f"hf_assisted: assistant unavailable ({err}); using stand-in {dict(b.assistant_stand_in)}", file=sys.stderr)
         assistant_cfg = OmegaConf.to_container(b.assistant_stand_in, resolve=True)
         assistant = level_model(assistant_cfg, target, tokenizer, cfg.run_dir, cfg.model.dtype)
+    if cfg.decode.get("fast"):
+        pack(assistant)
+    eager_target = load_model(cfg.model.name, cfg.model.dtype)[0]  # plain nn.Linear forwards, for comparison
     found: dict[str, Method] = {
         "ar": lambda p, n: autoregressive(target, p, n, eos_token_id=eos, **kw),
+        "ar_eager": lambda p, n: autoregressive(eager_target, p, n, eos_token_id=eos, **kw),
         "hf_assisted": lambda p, n: hf_assisted(target, assistant, p, n, eos_token_id=eos, **kw),
         "hf_prompt_lookup": lambda p, n: hf_prompt_lookup(target, p, n, int(b.prompt_lookup_num_tokens), eos_token_id=eos, **kw),
     }
-    notes = {"ar": "target alone", "hf_assisted": f"assistant {assistant_cfg}",
+    notes = {"ar": "target alone" + (" (packed: decode.fast)" if cfg.decode.get("fast") else ""),
+             "ar_eager": "target alone, plain eager nn.Linear", "hf_assisted": f"assistant {assistant_cfg}",
              "hf_prompt_lookup": f"{b.prompt_lookup_num_tokens} tokens"}
     slots = {"two_level": b.two_level, "three_level": b.three_level, **{name: name for name in b.get("extra") or []}}
     for slot, name in slots.items():
@@ -132,7 +139,6 @@ def table(summary: dict[str, dict], notes: dict[str, str]) -> str:
 
 
 def run(cfg: DictConfig) -> dict:
-    from data.models import load_model
     from data.prompts import load_questions
     from data.sharegpt import chat_prompt_ids
     from data.tracking import write_json_atomic
@@ -140,7 +146,7 @@ def run(cfg: DictConfig) -> dict:
     b = cfg.decode.bench
     if cfg.decode.get("threads"):
         torch.set_num_threads(int(cfg.decode.threads))
-    target, tokenizer = load_model(cfg.model.name, cfg.model.dtype)
+    target, tokenizer = load_target(cfg)
     decoders, notes = methods(cfg, target, tokenizer)
     questions = load_questions(b.prompts, per_category=b.per_category)
     prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]

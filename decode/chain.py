@@ -18,6 +18,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from decode import tree as trees
+from decode.fast import pack
 from decode.sampling import Sampling, probabilities, sample, verify_greedy, verify_sampled
 
 
@@ -352,8 +353,9 @@ class EagleLevel(Level):
                 if i:
                     h, lg = self._head([tokens[-1]], hidden, [real + i - 1])
                     hidden, logits = h[:, -1:], lg[0, -1]
-                tokens.append(choose(logits, sampling, gen, qs))
-            proposal = Proposal(tokens, torch.stack(qs) if qs else None)
+                index = choose(logits, sampling, gen, qs)  # a position in the head's draft vocabulary
+                tokens.append(int(self.head.token_ids(torch.tensor(index))))
+            proposal = Proposal(tokens, self.head.full_vocab(torch.stack(qs)) if qs else None)
         crop_cache(self.cache, real)  # drafted positions used predicted features: never keep them
         self.stats.bookkeeping_time_s += time.perf_counter() - start - (self.stats.draft_time_s - fwd)
         return proposal
@@ -364,14 +366,22 @@ class EagleLevel(Level):
 
         def step(tree: trees.Tree | None, lo: int, hi: int) -> torch.Tensor:
             if tree is None:
-                return torch.log_softmax(root_logits.float(), -1)
+                return self._full_log_probs(root_logits)
             feats = torch.cat([node_hidden[p] if p >= 0 else root_hidden for p in tree.parents[lo:hi]], dim=1)
             mask = tree.attention_mask(real, real, feats.dtype, lo, hi)
             hidden, logits = self._head(tree.tokens[lo:hi], feats, tree.position_ids(real, real, lo, hi)[0].tolist(), mask)
             node_hidden.extend(hidden[:, i : i + 1] for i in range(hi - lo))
-            return torch.log_softmax(logits[0].float(), -1)
+            return self._full_log_probs(logits[0])
 
         return step
+
+    def _full_log_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities over the full vocabulary (-inf outside the head's draft vocabulary)."""
+        logp = torch.log_softmax(logits.float(), -1)
+        if self.head.draft_vocab is None:
+            return logp
+        full = logp.new_full((*logp.shape[:-1], self.head.config.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.head.draft_vocab, logp)
 
 
 class Chain:
@@ -466,9 +476,21 @@ class Chain:
         return torch.zeros(1, 0, h, dtype=self.target.model.dtype)
 
 
+def load_target(cfg: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The chain's target as configured: `model.name` in `model.dtype`, its linears packed when
+    `decode.fast` (decode.fast: the AR reference and every chain then share that same configuration)."""
+    from data.models import load_model
+    from decode.fast import pack
+
+    target, tokenizer = load_model(cfg.model.name, cfg.model.dtype)
+    if cfg.decode.get("fast"):
+        pack(target)
+    return target, tokenizer
+
+
 def build_chain(
     chain_cfg: list[dict], target_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-    run_dir: str | Path = ".", dtype: str = "float32",
+    run_dir: str | Path = ".", dtype: str = "float32", fast: bool = False,
 ) -> Chain:
     """Build a chain from level configs (a list from conf/decode/chain.yaml); level 1 is the target.
 
@@ -478,7 +500,8 @@ def build_chain(
     folder loads the same way), `dtype`, `layers` (keep the first n decoder layers: an early-exit copy
     sharing the weights, a stand-in drafter). eagle: `path` (head folder, or `untrained`), `features`
     (nearest: the level above first, then upwards; target: the target first, then downwards).
-    ngram: max_ngram, min_ngram. `dtype` is the default for model levels that set none.
+    ngram: max_ngram, min_ngram. `dtype` is the default for model levels that set none. `fast` packs the
+    linears of every model level loaded here (decode.fast; pack the target itself with `load_target`).
     """
     if not chain_cfg:
         raise DecodeError("empty chain: list at least the target and one drafter")
@@ -490,6 +513,8 @@ def build_chain(
             raise DecodeError(f"level 1 must be the target ({{kind: model, model: target}}), got {raw}")
         if kind == "model":
             model = level_model(cfg, target_model, tokenizer, Path(run_dir), dtype)
+            if fast and model is not target_model:
+                pack(model)
             levels.append(ModelLevel(name, model, int(cfg.get("mu", 1)), cfg.get("draft")))
         elif kind == "eagle":
             head = _eagle_head(cfg, levels, tokenizer, Path(run_dir), target_model)

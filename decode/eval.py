@@ -335,6 +335,9 @@ def evaluate(
         res["measured_speedup"] = speedup(records[name], records[reference])
         res["time_speedup"] = time_speedup(summaries[name], summaries[reference])
         chain_results[name] = res
+    baselines = {name: {"measured_speedup": speedup(records[name], records[reference]),  # e.g. ar_eager
+                        "time_speedup": time_speedup(summaries[name], summaries[reference])}
+                 for name in records if name != reference and name not in chains}
     insertions = [evaluate_insertion(ins, summaries, checks_cfg.insertion_rule) for ins in find_insertions(chains)]
     for ins in insertions:
         ins["speedups"] = {side: {"predicted": chain_results[ins[side]].get("predicted_speedup"),
@@ -345,7 +348,7 @@ def evaluate(
         check_agreement(chain_results, insertions, checks_cfg.agreement_tolerance),
     ]
     return {
-        "summaries": summaries, "chains": chain_results, "insertions": insertions,
+        "summaries": summaries, "chains": chain_results, "baselines": baselines, "insertions": insertions,
         "categories": by_category(records, reference), "checks": [c.as_dict() for c in checks],
         "records": {name: [record_row(r, ref) for r, ref in zip(recs, records[reference])] for name, recs in records.items()},
     }
@@ -463,6 +466,11 @@ def build_decoders(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Decode
 
     eos = target.generation_config.eos_token_id if target.generation_config.eos_token_id is not None else tokenizer.eos_token_id
     decoders: dict[str, Decoder] = {"ar": lambda p, n: autoregressive(target, p, n, eos_token_id=eos)}
+    if cfg.decode.get("fast"):  # the reference is the packed target; show what plain eager decoding costs too
+        from data.models import load_model
+
+        eager = load_model(cfg.model.name, cfg.model.dtype)[0]
+        decoders["ar_eager"] = lambda p, n: autoregressive(eager, p, n, eos_token_id=eos)
     names: dict[str, list[str]] = {}
     for name, levels in cfg.eval.chains.items():
         if name == "ar":
@@ -470,7 +478,7 @@ def build_decoders(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Decode
         if levels is None:
             continue  # a chain switched off from the command line (eval.chains.polybasic=null)
         chain = build_chain(OmegaConf.to_container(levels, resolve=True), target, tokenizer, run_dir=cfg.run_dir,
-                            dtype=cfg.model.dtype)
+                            dtype=cfg.model.dtype, fast=bool(cfg.decode.get("fast")))
         decoders[name] = lambda p, n, chain=chain: chain.generate(p, n, eos_token_id=eos)
         names[name] = [level.name for level in chain.levels]
     if not names:
@@ -479,8 +487,9 @@ def build_decoders(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Decode
 
 
 def run(cfg: DictConfig) -> int:
-    from data.models import load_model, weights_hash
+    from data.models import weights_hash
     from data.prompts import load_questions
+    from decode.chain import load_target
     from data.tracking import Tracker
 
     ecfg = cfg.eval
@@ -489,7 +498,7 @@ def run(cfg: DictConfig) -> int:
     if ecfg.chains.get(ecfg.publish.chain) is None:
         raise EvalError(f"eval.publish.chain={ecfg.publish.chain!r} is not one of eval.chains ({', '.join(ecfg.chains)})")
     questions = load_questions(ecfg.prompts, ecfg.per_category)
-    target, tokenizer = load_model(cfg.model.name, cfg.model.dtype)
+    target, tokenizer = load_target(cfg)
     decoders, chains = build_decoders(cfg, target, tokenizer)
     tracker = Tracker(cfg, "eval")
     for art in ecfg.publish.lineage:  # this run consumed the head and the W4 model those stages logged

@@ -42,6 +42,18 @@ class PackedLinear(nn.Module):
         out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)
 
+    def __deepcopy__(self, memo: dict) -> "PackedLinear":
+        """Parameters are copied as usual; the packed weight (an opaque oneDNN tensor that cannot be
+        copied) is shared with the copy, which is correct while weights stay frozen, as at inference."""
+        import copy
+
+        clone = copy.copy(self)
+        clone._parameters = copy.deepcopy(self._parameters, memo)
+        clone._buffers = copy.deepcopy(self._buffers, memo)
+        clone._modules = {}
+        clone.__dict__ = {**clone.__dict__}
+        return clone
+
     def to_linear(self) -> nn.Linear:
         linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
                            device=self.weight.device, dtype=self.weight.dtype)

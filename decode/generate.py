@@ -21,7 +21,7 @@ def chain_from_config(cfg: DictConfig, name: str, target, tokenizer) -> Chain:
     if name not in chains or chains[name] is None:
         raise DecodeError(f"decode.chain={name!r}: no such chain in conf/decode/chain.yaml; known: {', '.join(chains)}")
     levels = OmegaConf.to_container(chains[name], resolve=True)
-    return build_chain(levels, target, tokenizer, run_dir=cfg.run_dir, dtype=cfg.model.dtype)
+    return build_chain(levels, target, tokenizer, run_dir=cfg.run_dir, dtype=cfg.model.dtype, fast=bool(cfg.decode.get("fast")))
 
 
 def sampling_args(cfg: DictConfig) -> dict:
@@ -45,16 +45,16 @@ def level_table(generation: Generation) -> str:
 
 
 def run(cfg: DictConfig) -> None:
-    from data.models import load_model
     from data.sharegpt import chat_prompt_ids
     from decode.baselines import autoregressive
+    from decode.chain import load_target
 
     d = cfg.decode
     if not d.prompt:
         raise DecodeError('no prompt: python -m decode.generate prompt="your question"')
     if d.get("threads"):
         torch.set_num_threads(int(d.threads))
-    target, tokenizer = load_model(cfg.model.name, cfg.model.dtype)
+    target, tokenizer = load_target(cfg)
     chain = chain_from_config(cfg, d.chain, target, tokenizer)
     prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": str(d.prompt)}])
     eos = tokenizer.eos_token_id

@@ -43,14 +43,15 @@ def markdown(report: dict[str, Any]) -> str:
 
     lines += ["## Chains", ""]
     rows = []
-    for name in ["ar", *chains]:
+    baselines = report.get("baselines", {})
+    for name in ["ar", *baselines, *chains]:
         s = report["summaries"][name]
-        res = report["chains"].get(name, {})
+        res = report["chains"].get(name) or baselines.get(name, {})
         levels = s["levels"]
         rows.append([
             name, " <- ".join(l["name"] for l in levels), _f(s["tokens_per_s"], ".1f"),
             _f(res.get("measured_speedup", 1.0)), _f(res.get("time_speedup", 1.0)),
-            _f(res.get("predicted_speedup", None if name != "ar" else 1.0)),
+            _f(res.get("predicted_speedup", 1.0 if name == "ar" else None)),
             " / ".join(_ms(l["T_s"]) for l in levels),
             " / ".join(f"{_f(l['L_mean'])} (var {_f(l['L_var'])})" for l in levels[:-1]) or "-",
             _f(s["draft_depth"]), _f(res.get("prediction_error"), "+.0%"),

@@ -30,6 +30,17 @@ def noisy_copy(model: LlamaForCausalLM, noise: float, seed: int = 1) -> LlamaFor
     return clone
 
 
+def packed(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """A copy of the model whose linears run through decode.fast's packed oneDNN weights."""
+    import copy
+
+    from decode.fast import pack
+
+    clone = copy.deepcopy(model)
+    assert pack(clone) > 0, "oneDNN packing is unavailable in this torch build"
+    return clone
+
+
 def prompts(vocab: int, n: int = 3, seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     out = []

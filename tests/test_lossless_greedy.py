@@ -6,7 +6,8 @@ decode_fixtures.greedy_equal); ties are counted and reported, and must stay rare
 from __future__ import annotations
 
 import pytest
-from decode_fixtures import greedy_equal, noisy_copy, prompts, tiny_model
+import torch
+from decode_fixtures import greedy_equal, noisy_copy, packed, prompts, tiny_model
 
 from decode.chain import Chain, EagleLevel, ModelLevel, NgramLevel, build_chain
 
@@ -15,11 +16,13 @@ TREE = {"mode": "tree", "depth": 4, "top_k": 3, "total_tokens": 10}
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def models():
+@pytest.fixture(scope="module", params=["eager", "packed"])
+def models(request):
+    """Every test runs on plain eager models and on decode.fast's packed ones (the default fast path)."""
     target = tiny_model(seed=0, vocab=VOCAB)
     # a close copy (agrees often) and a rough one (agrees sometimes): acceptance paths of every length
-    return target, noisy_copy(target, 0.03, seed=1), noisy_copy(target, 0.1, seed=2)
+    trio = target, noisy_copy(target, 0.03, seed=1), noisy_copy(target, 0.1, seed=2)
+    return tuple(packed(m) for m in trio) if request.param == "packed" else trio
 
 
 SHAPES = {
@@ -77,6 +80,23 @@ def test_eagle_chains_greedy_equal_target_greedy(models, shape):
         assert chain.levels[-1].stats.forward_calls > 0
 
 
+@pytest.mark.parametrize("mode", [{"length": 4}, TREE])
+def test_eagle_with_draft_vocabulary_greedy_equals_target_greedy(models, mode):
+    """A head that can only propose 40 of the 300 tokens: the rest must still come out, from the target."""
+    from decode.head import EagleHead
+
+    target = models[0]
+    chain = build_chain([{"kind": "model"}, {"kind": "eagle", "path": "untrained", "draft": mode}], target, tokenizer=None)
+    chain.levels[-1].head = EagleHead.for_target(target, draft_vocab=torch.arange(0, VOCAB, 7)).eval()
+    outside = 0
+    for prompt in prompts(VOCAB, n=2):
+        generation = chain.generate(prompt, 30)
+        ok, _ = greedy_equal(target, prompt, generation.tokens)
+        assert ok, "a draft vocabulary changed the target's greedy output at a clear margin"
+        outside += sum(t % 7 != 0 for t in generation.tokens)
+    assert outside > 0, "every token was inside the draft vocabulary; the test exercises nothing"
+
+
 def test_eos_stops_generation(models):
     target, middle, _ = models
     prompt = prompts(VOCAB, n=1)[0]
@@ -115,3 +135,37 @@ def test_real_model_tree_drafting_is_lossless(bundled_target):
     generation = chain.generate(prompt, 32, eos_token_id=tokenizer.eos_token_id)
     ok, _ = greedy_equal(model, prompt, generation.tokens)
     assert ok, "tree drafting changed the target's greedy output at a clear margin"
+
+
+@pytest.mark.slow
+def test_real_packed_target_decodes_like_the_eager_target(bundled_target):
+    """decode.fast changes only the summation order of the target's matrix products: its greedy output
+    equals the plain eager target's, except at a numerical near-tie of the eager target's top-2 logits."""
+    from data.sharegpt import chat_prompt_ids
+    from decode.baselines import autoregressive
+    from decode_fixtures import packed as packed_copy
+
+    model, tokenizer = bundled_target
+    fast = packed_copy(model)
+    for question in ("Explain what a compiler does in two sentences.", "Translate 'good morning' into French and Spanish."):
+        prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": question}])
+        tokens = autoregressive(fast, prompt, 48, eos_token_id=tokenizer.eos_token_id).tokens
+        ok, _ = greedy_equal(model, prompt, tokens)
+        assert ok, f"the packed target's greedy output differs from the eager target's at a clear margin: {question!r}"
+
+
+@pytest.mark.slow
+def test_real_packed_dualistic_chain_with_draft_vocabulary_is_lossless(bundled_target):
+    """The default fast path on the real model: packed target <- head with an 8k draft vocabulary (tree)."""
+    from data.sharegpt import chat_prompt_ids
+    from decode.head import EagleHead
+    from decode_fixtures import packed as packed_copy
+
+    model, tokenizer = bundled_target
+    fast = packed_copy(model)
+    prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": "Give two tips for writing clear emails."}])
+    chain = build_chain([{"kind": "model"}, {"kind": "eagle", "path": "untrained", "draft": TREE}], fast, tokenizer)
+    chain.levels[-1].head = EagleHead.for_target(fast, draft_vocab=torch.arange(8192)).eval()
+    generation = chain.generate(prompt, 32, eos_token_id=tokenizer.eos_token_id)
+    ok, _ = greedy_equal(fast, prompt, generation.tokens)
+    assert ok, "the packed chain changed the packed target's greedy output at a clear margin"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decode_fixtures import noisy_copy, tiny_model
+from decode_fixtures import noisy_copy, packed, tiny_model
 
 import decode.sampling
 from decode.chain import Chain, ModelLevel, NgramLevel
@@ -51,13 +51,26 @@ def chain_counts(chain: Chain) -> torch.Tensor:
     return counts
 
 
-@pytest.fixture(scope="module")
-def models():
+@pytest.fixture(scope="module", params=["eager", "packed"])
+def models(request):
+    """Eager models, and decode.fast's packed ones (the default fast path)."""
     target = tiny_model(seed=3, vocab=VOCAB, layers=2, hidden=32, init=0.3)
     # drafters that overlap with the target but clearly differ (total variation ~0.3), so that both
     # acceptances and residual resampling happen often
     middle = tiny_model(seed=11, vocab=VOCAB, layers=2, hidden=32, init=0.3)
-    return target, middle, noisy_copy(middle, 0.5, seed=5)
+    trio = target, middle, noisy_copy(middle, 0.5, seed=5)
+    return tuple(packed(m) for m in trio) if request.param == "packed" else trio
+
+
+def draft_vocab_chain(models, draft: dict) -> Chain:
+    """target <- EAGLE head that can propose only 4 of the 8 tokens: the others come only from residuals."""
+    from decode.chain import build_chain
+    from decode.head import EagleHead
+
+    chain = build_chain([{"kind": "model"}, {"kind": "eagle", "path": "untrained", "draft": draft}], models[0], tokenizer=None)
+    torch.manual_seed(0)
+    chain.levels[-1].head = EagleHead(models[0], init_std=0.5, draft_vocab=torch.tensor([0, 2, 3, 6])).eval()
+    return chain
 
 
 def three_level(models) -> Chain:
@@ -82,9 +95,18 @@ def test_tree_and_prompt_lookup_proposals_sample_like_the_target(models):
         assert p > 1e-3, f"{chain.levels[-1].name}: sampling differs from the target's (chi-square p={p:.2e})"
 
 
-def test_broken_acceptance_rule_is_caught(models, monkeypatch):
+def test_draft_vocabulary_chain_samples_like_the_target(models):
+    joint = exact_joint(models[0])
+    for draft in ({"mode": "chain", "length": 2}, {"mode": "tree", "depth": 2, "top_k": 2, "total_tokens": 5}):
+        p = chi_square_pvalue(chain_counts(draft_vocab_chain(models, draft)), joint)
+        assert p > 1e-3, f"{draft['mode']} drafts over a draft vocabulary: sampling differs from the target's (p={p:.2e})"
+
+
+@pytest.mark.parametrize("chain", ["three levels", "draft vocabulary"])
+def test_broken_acceptance_rule_is_caught(models, monkeypatch, chain):
     monkeypatch.setattr(decode.sampling, "residual", lambda p, q, token: p)  # the classic bug
-    p = chi_square_pvalue(chain_counts(three_level(models)), exact_joint(models[0]))
+    built = three_level(models) if chain == "three levels" else draft_vocab_chain(models, {"mode": "chain", "length": 2})
+    p = chi_square_pvalue(chain_counts(built), exact_joint(models[0]))
     assert p < 1e-3, f"a biased acceptance rule went unnoticed (chi-square p={p:.2e})"
 
 
