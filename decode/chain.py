@@ -518,6 +518,8 @@ def build_chain(
             levels.append(ModelLevel(name, model, int(cfg.get("mu", 1)), cfg.get("draft")))
         elif kind == "eagle":
             head = _eagle_head(cfg, levels, tokenizer, Path(run_dir), target_model)
+            if fast:
+                pack(head)
             levels.append(EagleLevel(name, head, None, cfg.get("draft")))
         elif kind == "ngram":
             levels.append(NgramLevel(name, int(cfg.get("max_ngram", 3)), int(cfg.get("min_ngram", 1)), cfg.get("draft")))

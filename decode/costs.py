@@ -79,12 +79,13 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
     if (head_dir / "config.json").is_file():
         heads["head"] = EagleHead.from_pretrained(head_dir, fast_target, tokenizer)
         n = heads["head"].draft_vocab
-        notes["head"] = f"{head_dir}, draft vocabulary {'full' if n is None else len(n)}"
+        notes["head"] = f"{head_dir}, packed, draft vocabulary {'full' if n is None else len(n)}"
     for size in c.head_vocab or []:
         vocab = None if size is None else torch.arange(int(size))  # cost depends on the size only
         heads[f"head V={size or 'full'}"] = EagleHead.for_target(fast_target, draft_vocab=vocab)
-        notes[f"head V={size or 'full'}"] = "untrained head, timing only"
+        notes[f"head V={size or 'full'}"] = "untrained head, packed, timing only"
     for name, head in heads.items():
+        pack(head)
         steps[name] = head_forward(head.eval(), context, features)
     return steps, notes
 

@@ -108,7 +108,7 @@ class EagleHead(nn.Module):
             self.register_buffer("draft_vocab", draft_vocab)
         else:
             self.draft_vocab = None
-        self._draft_lm_weight: torch.Tensor | None = None  # lm_head rows of draft_vocab, derived on first use
+        self._derived: dict[str, nn.Module] = {}  # the draft vocabulary's LM-head rows, built on first use (not saved)
 
     @property
     def embed_tokens(self) -> nn.Module:
@@ -170,13 +170,23 @@ class EagleHead(nn.Module):
         if self.draft_vocab is None:
             logits = self.lm_head(hidden)
         else:
-            weight = self._draft_lm_weight
-            if weight is None or weight.dtype != self.lm_head.weight.dtype:
-                weight = self._draft_lm_weight = self.lm_head.weight.detach()[self.draft_vocab].contiguous()
-            bias = getattr(self.lm_head, "bias", None)
-            logits = nn.functional.linear(hidden, weight, None if bias is None else bias[self.draft_vocab])
+            logits = self._draft_lm_head()(hidden)
         softcap = getattr(self.config, "final_logit_softcapping", None)
         return torch.tanh(logits / softcap) * softcap if softcap else logits
+
+    def _draft_lm_head(self) -> nn.Module:
+        """The LM head's draft-vocabulary rows as a frozen linear (packed for oneDNN where available)."""
+        rows = self._derived.get("lm_head")
+        if rows is None or rows.weight.dtype != self.lm_head.weight.dtype:
+            from decode.fast import PackedLinear, packing_available
+
+            bias = getattr(self.lm_head, "bias", None)
+            rows = nn.Linear(self.config.hidden_size, len(self.draft_vocab), bias=bias is not None)
+            rows.weight = nn.Parameter(self.lm_head.weight.detach()[self.draft_vocab].contiguous(), requires_grad=False)
+            if bias is not None:
+                rows.bias = nn.Parameter(bias.detach()[self.draft_vocab].contiguous(), requires_grad=False)
+            self._derived["lm_head"] = rows = PackedLinear(rows) if packing_available() else rows
+        return rows
 
     def token_ids(self, index: torch.Tensor) -> torch.Tensor:
         """Target token ids of positions in `logits`' last dimension."""
