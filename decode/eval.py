@@ -4,7 +4,7 @@ Every question (multi-turn ones with the reference answers as context, so every 
 prompt) is decoded greedily by the autoregressive target and by every configured chain, interleaved,
 after a warm-up. Three named checks decide whether the chain is published:
   lossless   every chain's output equals the AR output token for token (a divergence is excused only
-             at a numerical near-tie of the target's top-2 logits, SPEC §2);
+             at a numerical near-tie of the target's top-2 logits, docs/design.md "What 'lossless' means");
   insertion  every level inserted between two others (a chain equal to another plus one middle level)
              lowers the time by Theorem 3.2 on the measured T and L;
   agreement  Theorem 3.1's speedup from the measured T_i, L_i agrees with the measured time speedup

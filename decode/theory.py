@@ -1,4 +1,4 @@
-"""The cost theory of polybasic speculative decoding (SPEC §3): pure functions, no torch.
+"""The cost theory of polybasic speculative decoding (docs/design.md, "Theory"): pure functions, no torch.
 
 Chain M_1 (target) ... M_n (cheapest drafter). T_i: time of one forward pass of M_i; L_i: mean
 acceptance length of M_i on what M_{i+1} proposed (bonus token included, so L_i >= 1); beta: drafter
@@ -12,7 +12,7 @@ Theorem 3.2:  inserting M_new between M_i and M_{i+1} lowers T if
 The two closed forms split one inequality into two sufficient-looking halves; `insertion_improves`
 is the direct test they approximate: Theorem 3.1's time with M_new against its time without it.
 
-Reading the paper's Table 1 (the rows in SPEC §3, reproduced by tests/test_theory.py): the printed
+Reading the paper's Table 1 (the rows in docs/design.md, reproduced by tests/test_theory.py): the printed
 digits are truncations, not roundings (row 3's first-condition rhs is 0.46170, printed 0.461). Rows 2
 and 3 print the first condition's rhs (0.33003 -> 0.330, 0.46170 -> 0.461). Row 1's printed -0.117
 is *not* the first condition's rhs (-0.11567 -> -0.115 truncated, -0.116 rounded): it is the second

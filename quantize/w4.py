@@ -2,7 +2,7 @@
 
 GPTQModel quantizes (calibrated GPTQ, 4-bit symmetric weights, activations stay 16-bit) on ShareGPT
 training conversations, chat-templated like the training data. The stage then measures what the chain
-needs to decide whether M2 earns its place (SPEC §3): held-out perplexity, greedy agreement with the
+needs to decide whether M2 earns its place (docs/design.md, "Theory"): held-out perplexity, greedy agreement with the
 target and the acceptance length L(M1 <- M2) it implies, forward time at 1 and 8 new tokens, size.
 
 Group size 128 on inputs that are not a multiple of 128 (SmolLM2's hidden 576): GPTQ quantizes with a
@@ -88,7 +88,7 @@ def check_output(out: Path, overwrite: bool) -> None:
 
 
 def cpu_recipe(qcfg: DictConfig) -> None:
-    """The 2-core recipe (SPEC §6): GPTQModel's CPU worker pool sized to the cores. Set before it is built."""
+    """The 2-core recipe (docs/design.md, "Libraries the defaults rest on"): GPTQModel's CPU worker pool sized to the cores. Set before it is built."""
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(qcfg.cpu_workers or os.cpu_count() or 1))
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install polyspec and its pinned dependencies with pip on a fresh CPU machine.
-# torch first, from the exact CPU release (SPEC §6): a plain `torch` would pull a multi-GB CUDA build.
+# torch first, from the exact CPU release (docs/design.md, "Libraries the defaults rest on"): a plain `torch` would pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q torch==2.13.0

@@ -1,4 +1,4 @@
-"""Theorems 3.1 and 3.2 against the paper's Table 1 (SPEC §3) and hand-computed chains."""
+"""Theorems 3.1 and 3.2 against the paper's Table 1 (docs/design.md, "Theory") and hand-computed chains."""
 from __future__ import annotations
 
 import math
