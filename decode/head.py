@@ -32,9 +32,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from data.tracking import replace_dir
 
 FORMAT_VERSION = 1
 
@@ -200,8 +203,10 @@ class EagleHead(nn.Module):
         return full.index_copy_(-1, self.draft_vocab, probs)
 
     def save_pretrained(self, path: str | Path, target_hash: str, tokenizer: PreTrainedTokenizerBase | None = None,
-                        feature_source: str = "target", training: dict | None = None, metrics: dict | None = None) -> Path:
-        """Write config.json, model.safetensors (head weights only) and metrics.json; atomic (temp dir + rename)."""
+                        feature_source: str = "target", training: dict | None = None, metrics: dict | None = None,
+                        files: dict[str, bytes] | None = None) -> Path:
+        """Write config.json, model.safetensors (head weights only), metrics.json and any extra `files`
+        (name -> bytes, e.g. a learning-curve PNG); atomic (temp dir + rename)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
@@ -224,14 +229,9 @@ class EagleHead(nn.Module):
             (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
             save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(tmp / "model.safetensors"))
             (tmp / "metrics.json").write_text(json.dumps(metrics or {}, indent=2, sort_keys=True, default=float) + "\n")
-            old = path.with_name(f".{path.name}.old")
-            if path.exists():
-                if old.exists():
-                    shutil.rmtree(old)
-                path.rename(old)
-            tmp.rename(path)
-            if old.exists():
-                shutil.rmtree(old)
+            for name, content in (files or {}).items():
+                (tmp / name).write_bytes(content)
+            replace_dir(tmp, path)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -247,10 +247,11 @@ class EagleHead(nn.Module):
         if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
             raise HeadError(f"{path}: not an EAGLE head folder (needs config.json and model.safetensors)")
         try:
-            config = json.loads((path / "config.json").read_text())
+            config = json.loads((path / "config.json").read_text(encoding="utf-8"))
             expected = config["target"]["weights_hash"]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise HeadError(f"{path}/config.json: not an EAGLE head config ({err.__class__.__name__}: {err})") from None
+        except (ValueError, KeyError, TypeError, RecursionError, OSError) as err:  # ValueError: JSON, UTF-8
+            message = (str(err).splitlines() or [""])[0]
+            raise HeadError(f"{path}/config.json: not an EAGLE head config ({err.__class__.__name__}: {message})") from None
         actual = weights_hash(target_model)
         if actual != expected:
             raise HeadError(f"{path}: head was trained for target weights {expected}, but the chain's target hashes to {actual}")
@@ -260,11 +261,23 @@ class EagleHead(nn.Module):
         if target_tokenizer is not None and saved_vocab is not None:
             if saved_vocab != vocab_hash(target_tokenizer):
                 raise HeadError(f"{path}: head was trained with a different tokenizer vocabulary than the chain's target")
-        state = load_file(str(path / "model.safetensors"))
+        weights = path / "model.safetensors"
+        try:
+            state = load_file(str(weights))
+        except (SafetensorError, OSError) as err:  # truncated, empty or not a safetensors file
+            message = (str(err).splitlines() or [""])[0]
+            raise HeadError(f"{weights}: unreadable ({err.__class__.__name__}: {message}); retrain or restore the head") from None
+        bad = sorted(name for name, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all()))
+        if bad:
+            raise HeadError(f"{weights}: non-finite weights in {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} (NaN or inf: a diverged training run?)")
         head = cls(target_model, draft_vocab=state.get("draft_vocab")).to(next(target_model.parameters()).dtype)
-        missing, unexpected = head.load_state_dict(state, strict=False)
+        try:
+            missing, unexpected = head.load_state_dict(state, strict=False)
+        except RuntimeError as err:  # shape mismatches
+            message = (str(err).splitlines() or [""])[-1].strip()
+            raise HeadError(f"{weights}: does not fit this target's head ({message})") from None
         if missing or unexpected:
-            raise HeadError(f"{path}/model.safetensors: does not fit this target's head (missing {list(missing)[:3]}, unexpected {list(unexpected)[:3]})")
+            raise HeadError(f"{weights}: does not fit this target's head (missing {list(missing)[:3]}, unexpected {list(unexpected)[:3]})")
         head.feature_source = config.get("feature_source", "target")
         head.saved_config = config
         return head.eval()

@@ -109,7 +109,8 @@ def test_target_without_decoder_layer_class_is_refused(tiny_setup, tmp_path):
 def test_training_writes_a_loadable_head_folder(tiny_setup, tmp_path):
     metrics = eagle.train(compose(tiny_setup, tmp_path, "train.lr=3e-3"))
     out = tmp_path / "eagle"
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "metrics.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "learning_curve.png", "metrics.json", "model.safetensors"]
+    assert (out / "learning_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     config = json.loads((out / "config.json").read_text())
     assert config["target"]["weights_hash"] == weights_hash(tiny_llama(0))
     assert config["feature_source"] == "target" and config["training"]["lr"] == 3e-3
@@ -117,6 +118,9 @@ def test_training_writes_a_loadable_head_folder(tiny_setup, tmp_path):
     for j in (1, 2, 3):
         assert 0 <= metrics[f"eval/top1_depth{j}"] <= 1
     assert 1 <= metrics["eval/acceptance_length_depth3"] <= 4
+    curve = json.loads((out / "metrics.json").read_text())["curve"]  # untrained, then the final evaluation
+    assert [p["step"] for p in curve] == [0, 8] and curve[-1]["tokens_seen"] == metrics["train/tokens_seen"] > 0
+    assert curve[-1]["top1_depth1"] == metrics["eval/top1_depth1"]
     target = LlamaForCausalLM.from_pretrained(tiny_setup / "target")
     EagleHead.from_pretrained(out, target, load_tokenizer(str(tiny_setup / "target")))
 
@@ -160,15 +164,54 @@ def test_feature_source_w4_trains_on_the_w4_models_features(tiny_setup, tmp_path
     assert metrics["train/loss"] != pytest.approx(target_metrics["train/loss"], rel=1e-3)
 
 
-def test_feature_cache_is_opt_in_sized_first_and_matches_online_features(tiny_setup, tmp_path, capsys):
-    online = eagle.train(compose(tiny_setup, tmp_path / "online"))
-    assert not (tmp_path / "online" / "eagle_features").exists()
-    cached = eagle.train(compose(tiny_setup, tmp_path / "cached", "train.feature_cache=true"))
+def test_feature_store_is_sized_first_reused_and_rebuilt_when_its_key_changes(tiny_setup, tmp_path, capsys):
+    """The store holds the verifier's exact features, is reused by a re-run (same result), and a store for
+    other data is never read: a new key builds a new store and the stale one is removed."""
+    first = eagle.train(compose(tiny_setup, tmp_path))
     out = capsys.readouterr().out
-    assert "feature cache: " in out and " MiB in " in out
-    files = list((tmp_path / "cached" / "eagle_features").glob("*/*.safetensors"))
-    assert len(files) == online["train/conversations"]
-    assert cached["train/loss"] == pytest.approx(online["train/loss"], rel=1e-4)
+    assert "feature store: 16 conversations" in out and " MiB in " in out
+    (store_dir,) = (tmp_path / "eagle_features").iterdir()
+    meta = json.loads((store_dir / "meta.json").read_text())
+    assert meta["key"] == store_dir.name and meta["conversations"] == 16
+    target = LlamaForCausalLM.from_pretrained(tiny_setup / "target")
+    examples, _ = eagle.load_examples(compose(tiny_setup, tmp_path), load_tokenizer(str(tiny_setup / "target")))
+    stored = eagle.store.build_or_load(target, [e.input_ids for e in examples], [e.loss_mask for e in examples],
+                                       tmp_path / "eagle_features", weights_hash(target), "bfloat16", 4)
+    with torch.no_grad():
+        online = target.model(input_ids=examples[5].input_ids[None]).last_hidden_state[0]
+    torch.testing.assert_close(stored[5].float(), online, rtol=1e-2, atol=1e-2)  # bf16 storage
+    capsys.readouterr()
+    again = eagle.train(compose(tiny_setup, tmp_path))
+    assert f"feature store: reusing {store_dir}" in capsys.readouterr().out
+    assert again["train/loss"] == first["train/loss"]
+    eagle.train(compose(tiny_setup, tmp_path, "train.max_conversations=12"))
+    assert "feature store: reusing" not in capsys.readouterr().out
+    (new_dir,) = (tmp_path / "eagle_features").iterdir()
+    assert new_dir.name != store_dir.name
+
+
+def test_interrupted_store_build_keeps_finished_shards(tiny_setup, tmp_path, monkeypatch):
+    target = LlamaForCausalLM.from_pretrained(tiny_setup / "target")
+    seqs = [torch.randint(0, 1000, (5 + i % 7,), generator=torch.Generator().manual_seed(i)) for i in range(150)]
+    masks = [torch.ones(len(s), dtype=torch.bool) for s in seqs]
+    calls = []
+    real = eagle.store._features
+
+    def failing_after_two_shards(model, part, batch):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        calls.append(len(part))
+        return real(model, part, batch)
+
+    monkeypatch.setattr(eagle.store, "_features", failing_after_two_shards)
+    with pytest.raises(KeyboardInterrupt):
+        eagle.store.build_or_load(target, seqs, masks, tmp_path, "h", "float32", 8)
+    (partial,) = tmp_path.iterdir()
+    assert partial.name.endswith(".partial") and len(list(partial.glob("shard-*"))) == 2
+    calls.clear()
+    monkeypatch.setattr(eagle.store, "_features", lambda model, part, batch: calls.append(len(part)) or real(model, part, batch))
+    features = eagle.store.build_or_load(target, seqs, masks, tmp_path, "h", "float32", 8)
+    assert calls == [150 - 2 * eagle.store.SHARD_EXAMPLES] and [len(f) for f in features] == [len(s) for s in seqs]
 
 
 @pytest.mark.slow
@@ -201,7 +244,9 @@ def test_two_process_torchrun_matches_one_process_with_the_same_global_batch(tin
 
 def test_bf16_training_keeps_bf16_head_weights(tiny_setup, tmp_path):
     eagle.train(compose(tiny_setup, tmp_path, "train.precision=bf16", "train.zero_stage=1", "train.epochs=1"))
-    assert {t.dtype for t in head_weights(tmp_path).values()} == {torch.bfloat16}
+    weights = head_weights(tmp_path)
+    assert weights.pop("draft_vocab").dtype == torch.int64  # the token map, not a weight
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
 
 
 @pytest.mark.slow

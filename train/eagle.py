@@ -1,9 +1,12 @@
 """`python -m train.eagle`: train the EAGLE-2 draft head against its verifier's hidden states (DeepSpeed).
 
-Features come online from a no-grad forward of the verifier (the target, or the W4 model with
-`train.feature_source=w4`, since at run time the head drafts for M2); an opt-in on-disk cache reuses
-them across epochs. Loss on assistant tokens: SmoothL1 on the next feature + weighted cross-entropy
-against the verifier's next-token distribution, with uniform noise on the input features.
+Features are the verifier's last hidden states (the target's, or the W4 model's with
+`train.feature_source=w4`, since in the polybasic chain the head drafts for M2), computed once into a
+feature store (train/store.py) so that epochs cost only the head's own forward and backward. Loss on
+assistant tokens: SmoothL1 on the next feature + weighted cross-entropy against the verifier's
+next-token distribution over the head's draft vocabulary (`train.draft_vocab` most frequent reply
+tokens), with uniform noise on the input features. Held-out evaluations during training form a
+learning curve (metrics.json, W&B, learning_curve.png in the head folder).
 
 Always runs through `deepspeed.initialize`: plain `python -m train.eagle` is a one-process gloo group;
 `torchrun --nproc_per_node=2 -m train.eagle` is data-parallel (each optimizer step's global batch is
@@ -21,7 +24,7 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +40,14 @@ from transformers import DynamicCache, PreTrainedModel
 from data.models import ModelSourceError, load_model, same_vocabulary, weights_hash
 from data.sharegpt import DataError, chat_prompt_ids, load_conversations, split_conversations, tokenize_conversation
 from data.tracking import Tracker
+from data.vocab import assistant_token_counts, coverage, top_tokens
 from decode.head import EagleHead, HeadError, additive_mask
+from train import store
 
 FEATURE_SOURCES = ("target", "w4")
 PRECISIONS = ("fp32", "bf16")
 ZERO_STAGES = (0, 1, 2, 3)
+INITS = ("random", "target_last_layer")
 
 
 class TrainError(RuntimeError):
@@ -62,7 +68,13 @@ def validate(cfg: DictConfig) -> None:
         raise TrainError(f"train.zero_stage={t.zero_stage}: DeepSpeed ZeRO stage must be one of 0, 1, 2, 3")
     if t.precision not in PRECISIONS:
         raise TrainError(f"train.precision={t.precision!r}: must be one of {', '.join(PRECISIONS)}")
-    for key in ("micro_batch", "grad_accum", "epochs", "max_len", "checkpoint_every"):
+    if t.store_dtype not in store.STORE_DTYPES:
+        raise TrainError(f"train.store_dtype={t.store_dtype!r}: must be one of {', '.join(store.STORE_DTYPES)}")
+    if t.init not in INITS:
+        raise TrainError(f"train.init={t.init!r}: must be one of {', '.join(INITS)}")
+    if t.draft_vocab is not None and (not isinstance(t.draft_vocab, int) or t.draft_vocab < 1):
+        raise TrainError(f"train.draft_vocab={t.draft_vocab!r}: must be a positive integer (or null for the full vocabulary)")
+    for key in ("micro_batch", "grad_accum", "epochs", "max_len", "checkpoint_every", "store_batch"):
         if not isinstance(t[key], int) or t[key] < 1:
             raise TrainError(f"train.{key}={t[key]!r}: must be a positive integer")
     if not isinstance(t.eval.depth, int) or t.eval.depth < 1:
@@ -152,81 +164,41 @@ def step_micro_batches(step: int, n: int, t: DictConfig, seed: int, rank: int, w
     return chunks
 
 
-def pad(examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded (input_ids, attention_mask, loss_mask) of a micro batch."""
-    L = max(len(e.input_ids) for e in examples)
+def pad(examples: list[Example], features: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (input_ids, features in fp32, loss_mask) of a micro batch; padding is never a loss position."""
+    L, h = max(len(e.input_ids) for e in examples), features[0].shape[-1]
     ids = torch.zeros(len(examples), L, dtype=torch.long)
-    attn = torch.zeros(len(examples), L, dtype=torch.long)
+    feats = torch.zeros(len(examples), L, h)
     loss = torch.zeros(len(examples), L, dtype=torch.bool)
-    for b, e in enumerate(examples):
+    for b, (e, f) in enumerate(zip(examples, features)):
         n = len(e.input_ids)
-        ids[b, :n], attn[b, :n], loss[b, :n] = e.input_ids, 1, e.loss_mask
-    return ids, attn, loss
-
-
-class Features:
-    """The verifier's last hidden states for a micro batch: online, or from the opt-in on-disk cache."""
-
-    def __init__(self, model: PreTrainedModel, cache_dir: Path | None):
-        self.model = model
-        self.base = getattr(model, model.base_model_prefix, model)
-        self.cache_dir = cache_dir
-
-    @torch.no_grad()
-    def __call__(self, examples: list[Example], ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        files = [self._file(e) for e in examples] if self.cache_dir else []
-        if files and all(f.exists() for f in files):
-            feats = torch.zeros(*ids.shape, self.model.config.hidden_size, dtype=self.model.dtype)
-            for b, f in enumerate(files):
-                x = load_file(str(f))["features"]
-                feats[b, : len(x)] = x
-            return feats
-        feats = self.base(input_ids=ids, attention_mask=attn).last_hidden_state
-        for b, f in enumerate(files):
-            if not f.exists():
-                tmp = f.with_name(f".{f.name}.{os.getpid()}.tmp")
-                save_file({"features": feats[b, : int(attn[b].sum())].contiguous()}, str(tmp))
-                tmp.replace(f)
-        return feats
-
-    def _file(self, e: Example) -> Path:
-        return self.cache_dir / f"{hashlib.sha1(e.id.encode()).hexdigest()[:20]}.safetensors"
-
-
-def prepare_cache(cfg: DictConfig, feature_model: PreTrainedModel, feature_hash: str, examples: list[Example], rank: int) -> Path | None:
-    """The feature-cache folder (keyed by the feature model's weights), after printing its size."""
-    if not cfg.train.feature_cache:
-        return None
-    max_len = min(cfg.data.max_len, cfg.train.max_len)
-    cache_dir = Path(cfg.run_dir) / "eagle_features" / f"{cfg.train.feature_source}-{feature_hash}-len{max_len}"
-    tokens = sum(len(e.input_ids) for e in examples)
-    size = tokens * feature_model.config.hidden_size * feature_model.dtype.itemsize
-    if rank == 0:
-        print(f"feature cache: {tokens:,} tokens x {feature_model.config.hidden_size} x {feature_model.dtype} "
-              f"= {size / 2**20:,.1f} MiB in {cache_dir}")
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    return cache_dir
+        ids[b, :n], feats[b, :n], loss[b, :n] = e.input_ids, f, e.loss_mask
+    return ids, feats, loss
 
 
 # ---------------------------------------------------------------- loss
 
-def micro_batch_loss(head: Any, lm_head: torch.nn.Module, feats: torch.Tensor, ids: torch.Tensor, loss_mask: torch.Tensor,
+def micro_batch_loss(head: Any, feats: torch.Tensor, ids: torch.Tensor, loss_mask: torch.Tensor,
                      t: DictConfig, noise_seed: int) -> tuple[torch.Tensor, dict[str, float]]:
-    """EAGLE loss of one micro batch: (f_t + noise, x_{t+1}) -> f_{t+1} and p(x_{t+2}), assistant tokens only."""
+    """EAGLE loss of one micro batch: (f_t + noise, x_{t+1}) -> f_{t+1} and p(x_{t+2}), assistant tokens only.
+
+    The cross-entropy target is the verifier's distribution at t+1, its LM head on the stored f_{t+1},
+    over the head's draft vocabulary (renormalised there); the head's logits cover the same tokens."""
+    module = head.module if hasattr(head, "module") else head
     feats_in, feat_target = feats[:, :-2], feats[:, 1:-1]
     mask = loss_mask[:, 2:]
     noise = (torch.rand(feats_in.shape, generator=torch.Generator().manual_seed(noise_seed)) - 0.5) * t.noise
-    hidden, _, _ = head(ids[:, 1:-1], feats_in + noise.to(feats_in.dtype), compute_logits=False)
+    hidden, _, _ = head(ids[:, 1:-1], feats_in + noise, compute_logits=False)
     hidden, feat_target = hidden[mask].float(), feat_target[mask].float()
-    logits = head.module.logits(hidden) if hasattr(head, "module") else head.logits(hidden)
+    logits = module.logits(hidden)
     with torch.no_grad():
-        target_probs = torch.softmax(lm_head(feat_target.to(lm_head.weight.dtype)).float(), dim=-1)
+        target_probs = torch.softmax(module.logits(feat_target).float(), dim=-1)
     feature_loss = F.smooth_l1_loss(hidden, feat_target)
     ce = -(target_probs * torch.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
     loss = t.feature_weight * feature_loss + t.ce_weight * ce
     correct = (logits.argmax(-1) == target_probs.argmax(-1)).sum().item()
     return loss, {"loss": loss.item(), "feature_loss": feature_loss.item(), "ce": ce.item(),
-                  "correct": correct, "predicted": int(mask.sum()), "tokens": int(ids.numel())}
+                  "correct": correct, "predicted": int(mask.sum())}
 
 
 def lr_multiplier(step: int, total: int, warmup: int, min_ratio: float) -> float:
@@ -282,7 +254,7 @@ def chain_drafts(head: EagleHead, ids: torch.Tensor, features: torch.Tensor, dep
     n = len(ids) - 1 - depth
     cache = DynamicCache()
     hidden, logits, _ = head(ids[None, 1:n + 1], features[None, :n], cache)
-    drafts = [logits[0].argmax(-1)]
+    drafts = [head.token_ids(logits[0].argmax(-1))]
     s = torch.arange(n)
     for j in range(2, depth + 1):
         past = cache.get_seq_length()
@@ -292,7 +264,7 @@ def chain_drafts(head: EagleHead, ids: torch.Tensor, features: torch.Tensor, dep
             allowed[s, (d - 1) * n + s] = True
         mask = additive_mask(allowed, head.fc.weight.dtype)[None, None]
         hidden, logits, _ = head(ids[None, j:n + j], hidden, cache, position_ids=(s + j - 1)[None], attention_mask=mask)
-        drafts.append(logits[0].argmax(-1))
+        drafts.append(head.token_ids(logits[0].argmax(-1)))
     return torch.stack(drafts)
 
 
@@ -339,7 +311,8 @@ def evaluate_on_rank0(head: EagleHead, sequences: list[EvalSequence], depth: int
 def checkpoint_fingerprint(cfg: DictConfig, world: int) -> dict[str, Any]:
     """What must not change between a checkpoint and its resumption (else the data order or schedule differ)."""
     t = cfg.train
-    keys = ("feature_source", "max_conversations", "max_len", "epochs", "max_steps", "lr", "warmup_steps", "min_lr_ratio")
+    keys = ("feature_source", "max_conversations", "max_len", "epochs", "max_steps", "lr", "warmup_steps", "min_lr_ratio",
+            "draft_vocab", "init", "store_dtype")
     return {**{k: t[k] for k in keys}, "global_batch": t.micro_batch * t.grad_accum * world, "seed": cfg.seed,
             "data_source": cfg.data.source, "model": cfg.model.name}
 
@@ -412,6 +385,61 @@ def head_is_current(cfg: DictConfig, target_hash: str) -> bool:
     return same and saved.get("target", {}).get("weights_hash") == target_hash
 
 
+@dataclass
+class Progress:
+    """Where training stands: saved in every checkpoint, so a resumed run continues the same curve."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    train_seconds: float = 0.0
+    curve: list[dict[str, float]] = field(default_factory=list)  # held-out evaluations against tokens seen
+    last: dict[str, float] = field(default_factory=dict)  # the last step's training metrics
+
+
+def draft_vocabulary(cfg: DictConfig, examples: list[Example], tokenizer: Any, vocab_size: int, rank: int) -> torch.Tensor | None:
+    """The head's draft vocabulary: the `train.draft_vocab` most frequent assistant tokens (and EOS), or None (full)."""
+    n = cfg.train.draft_vocab
+    if not n or n >= vocab_size:
+        return None
+    counts = assistant_token_counts((e.input_ids.tolist(), e.loss_mask.tolist()) for e in examples)
+    vocab = top_tokens(counts, int(n), vocab_size, always=[i for i in [tokenizer.eos_token_id] if i is not None])
+    if rank == 0:
+        print(f"draft vocabulary: {len(vocab):,} of {vocab_size:,} tokens, covering {coverage(counts, vocab):.2%} of training reply tokens")
+    return vocab
+
+
+def new_head(cfg: DictConfig, target: PreTrainedModel, vocab: torch.Tensor | None) -> EagleHead:
+    """A fresh head: random (EAGLE's init) or `train.init=target_last_layer`: the decoder layer copied from
+    the target's last layer and fc passing the feature half through unchanged."""
+    head = EagleHead(target, draft_vocab=vocab)
+    if cfg.train.init == "target_last_layer":
+        head.layer.load_state_dict(getattr(target, target.base_model_prefix).layers[-1].state_dict())
+        h = head.config.hidden_size
+        with torch.no_grad():
+            head.fc.weight[:, h:].copy_(torch.eye(h))
+    return head
+
+
+def resume_progress(engine: Any, cfg: DictConfig, world: int, total_steps: int, rank: int) -> Progress:
+    """The progress of the last checkpoint (train.resume=true and one exists), else a fresh start."""
+    ckpt_dir = Path(cfg.run_dir) / "eagle_checkpoints"
+    if not cfg.train.resume or not (ckpt_dir / "latest").is_file():
+        if cfg.train.resume and rank == 0:
+            print(f"train.resume=true but no checkpoint in {ckpt_dir}; starting at step 0")
+        return Progress()
+    tag = (ckpt_dir / "latest").read_text().strip()
+    _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+    if client is None:
+        raise TrainError(f"{ckpt_dir / tag}: unreadable checkpoint")
+    fingerprint = checkpoint_fingerprint(cfg, world)
+    if client["fingerprint"] != fingerprint:
+        changed = sorted(k for k in fingerprint if client["fingerprint"].get(k) != fingerprint[k])
+        raise TrainError(f"{ckpt_dir / tag}: written with a different training setup ({', '.join(changed)} changed); resume needs the same")
+    if rank == 0:
+        print(f"resumed from {ckpt_dir / tag} at step {client['progress']['step']}/{total_steps}")
+    return Progress(**client["progress"])
+
+
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Run the stage; returns the final metrics (also in ${run_dir}/eagle/metrics.json)."""
     validate(cfg)
@@ -433,31 +461,14 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     total_steps = t.max_steps or (t.epochs * len(examples)) // per_step
     if total_steps < 1:
         raise TrainError(f"{len(examples)} training conversations cannot fill one step of {per_step} (micro_batch x grad_accum x ranks)")
-    features = Features(feature_model, prepare_cache(cfg, feature_model, feature_hash, examples, rank))
-    lm_head = feature_model.get_output_embeddings()
-
-    head = EagleHead(target)
+    features = store.build_or_load(feature_model, [e.input_ids for e in examples], [e.loss_mask for e in examples],
+                                   Path(cfg.run_dir) / "eagle_features", feature_hash, t.store_dtype, t.store_batch, rank, world)
+    head = new_head(cfg, target, draft_vocabulary(cfg, examples, tokenizer, target.config.vocab_size, rank))
     optimizer = torch.optim.AdamW(head.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_multiplier(s, total_steps, t.warmup_steps, t.min_lr_ratio))
     engine, _, _, _ = deepspeed.initialize(model=head, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(t))
-
-    ckpt_dir = Path(cfg.run_dir) / "eagle_checkpoints"
-    fingerprint = checkpoint_fingerprint(cfg, world)
-    step, untrained = 0, None
-    if t.resume and (ckpt_dir / "latest").is_file():
-        tag = (ckpt_dir / "latest").read_text().strip()
-        _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
-        if client is None:
-            raise TrainError(f"{ckpt_dir / tag}: unreadable checkpoint")
-        if client["fingerprint"] != fingerprint:
-            changed = sorted(k for k in fingerprint if client["fingerprint"].get(k) != fingerprint[k])
-            raise TrainError(f"{ckpt_dir / tag}: written with a different training setup ({', '.join(changed)} changed); resume needs the same")
-        step, untrained = client["step"], client["untrained_eval"]
-        if rank == 0:
-            print(f"resumed from {ckpt_dir / tag} at step {step}/{total_steps}")
-    elif t.resume and rank == 0:
-        print(f"train.resume=true but no checkpoint in {ckpt_dir}; starting at step 0")
+    progress = resume_progress(engine, cfg, world, total_steps, rank)
 
     tracker = Tracker(cfg, "train.eagle") if rank == 0 else None
     eval_sequences = []
@@ -465,96 +476,147 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         print(f"train.eagle: {len(examples)} conversations, {total_steps} steps of {per_step} "
               f"(micro {t.micro_batch} x accum {t.grad_accum} x {world} ranks), features from {t.feature_source}")
         eval_sequences = prepare_eval(feature_model, tokenizer, prompts, t.eval.gen_tokens)
-    if untrained is None:
-        untrained = evaluate_on_rank0(head, eval_sequences, t.eval.depth, rank)
+    if not progress.curve:
+        progress.curve.append(curve_point(progress, evaluate_on_rank0(head, eval_sequences, t.eval.depth, rank)))
         if rank == 0:
-            print(f"untrained head: held-out acceptance length {untrained[f'acceptance_length_depth{t.eval.depth}']:.3f}")
-    stop = StopFlag()
-    train_seconds, tokens_seen, last = 0.0, 0, {}
-    bar = tqdm(total=total_steps, initial=step, desc="eagle", disable=rank != 0, dynamic_ncols=True)
-    try:
-        while step < total_steps:
-            engine.train()
-            started = time.perf_counter()
-            sums = {"loss": 0.0, "feature_loss": 0.0, "ce": 0.0, "correct": 0, "predicted": 0, "tokens": 0}
-            for chunk, indices in step_micro_batches(step, len(examples), t, cfg.seed, rank, world):
-                batch = [examples[i] for i in indices]
-                ids, attn, loss_mask = pad(batch)
-                feats = features(batch, ids, attn)
-                loss, stats = micro_batch_loss(engine, lm_head, feats, ids, loss_mask, t,
-                                               noise_seed=cfg.seed * 1_000_003 + step * 1_009 + chunk)
-                engine.backward(loss)
-                engine.step()
-                for k in sums:
-                    sums[k] += stats[k]
-            totals = torch.tensor([sums[k] for k in sums], dtype=torch.float64)
-            dist.all_reduce(totals)
-            sums = dict(zip(sums, totals.tolist()))
-            micro_batches = t.grad_accum * world
-            step += 1
-            elapsed = time.perf_counter() - started
-            train_seconds += elapsed
-            tokens_seen += int(sums["tokens"])
-            last = {"train/loss": sums["loss"] / micro_batches, "train/feature_loss": sums["feature_loss"] / micro_batches,
-                    "train/ce": sums["ce"] / micro_batches, "train/top1": sums["correct"] / max(1, sums["predicted"]),
-                    "train/lr": scheduler.get_last_lr()[0], "train/tokens_per_s": sums["tokens"] / elapsed}
-            bar.set_postfix(loss=f"{last['train/loss']:.3f}", top1=f"{last['train/top1']:.3f}",
-                            tok_s=f"{tokens_seen / train_seconds:.0f}")
-            bar.update()
-            if rank == 0:
-                tracker.log(last, step=step)
-            if t.eval_every and step % t.eval_every == 0 and step < total_steps:
-                during = evaluate_on_rank0(head, eval_sequences, t.eval.depth, rank)
-                if rank == 0:
-                    tracker.log({f"eval/{k}": v for k, v in during.items()}, step=step)
-                    tqdm.write(f"step {step}: held-out acceptance length {during[f'acceptance_length_depth{t.eval.depth}']:.3f}, "
-                               f"top-1@1 {during['top1_depth1']:.3f}")
-            client = {"step": step, "fingerprint": fingerprint, "untrained_eval": untrained}
-            if stop.agreed():
-                save_checkpoint(engine, ckpt_dir, step, client, t.keep_checkpoints, rank)
-                raise TrainingInterrupted(f"interrupted at step {step}/{total_steps}; checkpoint in {ckpt_dir}; continue with train.resume=true")
-            if step % t.checkpoint_every == 0 or step == total_steps:
-                save_checkpoint(engine, ckpt_dir, step, client, t.keep_checkpoints, rank)
-    finally:
-        bar.close()
-        stop.restore()
-        if tracker is not None and step < total_steps:
-            tracker.finish()
-
+            print(f"untrained head: held-out acceptance length {progress.curve[0]['acceptance_length']:.3f}")
+    run_steps(cfg, engine, scheduler, examples, features, eval_sequences, progress, total_steps, rank, world, tracker)
     metrics: dict[str, Any] = {}
     with deepspeed.zero.GatheredParameters(list(head.parameters())):
         if rank == 0:
-            metrics = finish(cfg, head, eval_sequences, untrained, last, step, train_seconds, tokens_seen,
-                             len(examples), world, target_hash, feature_hash, tokenizer, total_steps, tracker)
+            metrics = finish(cfg, head, eval_sequences, progress, len(examples), world,
+                             {"target": target_hash, "features": feature_hash}, tokenizer, total_steps, tracker)
     dist.barrier()
     return metrics
 
 
-def finish(cfg: DictConfig, head: EagleHead, eval_sequences: list[EvalSequence], untrained: dict, last: dict,
-           step: int, train_seconds: float, tokens_seen: int, conversations: int, world: int, target_hash: str,
-           feature_hash: str, tokenizer: Any, total_steps: int, tracker: Tracker) -> dict[str, Any]:
-    """Final held-out evaluation, the head folder (atomic) and the W&B summary/artifact; rank 0 only."""
+def curve_point(progress: Progress, evaluation: dict[str, float]) -> dict[str, float]:
+    """One point of the learning curve: held-out top-1 per depth and acceptance length at `tokens_seen`."""
+    if not evaluation:  # ranks other than 0 do not evaluate
+        return {}
+    length = next(v for k, v in evaluation.items() if k.startswith("acceptance_length_depth"))
+    return {"step": progress.step, "tokens_seen": progress.tokens_seen, "acceptance_length": length,
+            **{k: v for k, v in evaluation.items() if k.startswith("top1_depth")}}
+
+
+def run_steps(cfg: DictConfig, engine: Any, scheduler: Any, examples: list[Example], features: list[torch.Tensor],
+              eval_sequences: list[EvalSequence], progress: Progress, total_steps: int, rank: int, world: int,
+              tracker: Tracker | None) -> None:
+    """The optimizer steps from `progress.step` to `total_steps`: evaluation, checkpoints, Ctrl-C."""
     t = cfg.train
-    out_dir = Path(cfg.run_dir) / "eagle"
-    final = evaluate(head, eval_sequences, t.eval.depth)
-    k = t.eval.depth
-    metrics = {**{f"eval/{m}": v for m, v in final.items()}, **last,
-               f"untrained/acceptance_length_depth{k}": untrained[f"acceptance_length_depth{k}"],
-               "train/steps": step, "train/seconds_this_run": train_seconds,
-               "train/tokens_per_s_this_run": tokens_seen / max(train_seconds, 1e-9),
-               "train/conversations": conversations, "train/world_size": world}
+    ckpt_dir, fingerprint = Path(cfg.run_dir) / "eagle_checkpoints", checkpoint_fingerprint(cfg, world)
+    stop = StopFlag()
+    bar = tqdm(total=total_steps, initial=progress.step, desc="eagle", disable=rank != 0, dynamic_ncols=True)
+    try:
+        while progress.step < total_steps:
+            started = time.perf_counter()
+            sums = optimizer_step(cfg, engine, examples, features, progress.step, rank, world)
+            elapsed = time.perf_counter() - started
+            progress.step += 1
+            progress.train_seconds += elapsed
+            progress.tokens_seen += int(sums["tokens"])
+            micro_batches = t.grad_accum * world
+            progress.last = {"train/loss": sums["loss"] / micro_batches, "train/feature_loss": sums["feature_loss"] / micro_batches,
+                             "train/ce": sums["ce"] / micro_batches, "train/top1": sums["correct"] / max(1, sums["predicted"]),
+                             "train/lr": scheduler.get_last_lr()[0], "train/tokens_per_s": sums["tokens"] / elapsed}
+            bar.set_postfix(loss=f"{progress.last['train/loss']:.3f}", top1=f"{progress.last['train/top1']:.3f}",
+                            tok_s=f"{progress.tokens_seen / progress.train_seconds:.0f}")
+            bar.update()
+            if rank == 0:
+                tracker.log(progress.last, step=progress.step)
+            if t.eval_every and progress.step % t.eval_every == 0 and progress.step < total_steps:
+                point = curve_point(progress, evaluate_on_rank0(engine.module, eval_sequences, t.eval.depth, rank))
+                if rank == 0:
+                    progress.curve.append(point)
+                    tracker.log({f"eval/{k}": v for k, v in point.items() if k != "step"}, step=progress.step)
+                    tqdm.write(f"step {progress.step}: held-out acceptance length {point['acceptance_length']:.3f}, "
+                               f"top-1@1 {point['top1_depth1']:.3f}")
+            client = {"progress": asdict(progress), "fingerprint": fingerprint}
+            if stop.agreed():
+                save_checkpoint(engine, ckpt_dir, progress.step, client, t.keep_checkpoints, rank)
+                raise TrainingInterrupted(f"interrupted at step {progress.step}/{total_steps}; checkpoint in {ckpt_dir}; continue with train.resume=true")
+            if progress.step % t.checkpoint_every == 0 or progress.step == total_steps:
+                save_checkpoint(engine, ckpt_dir, progress.step, client, t.keep_checkpoints, rank)
+    finally:
+        bar.close()
+        stop.restore()
+        if tracker is not None and progress.step < total_steps:
+            tracker.finish()
+
+
+def optimizer_step(cfg: DictConfig, engine: Any, examples: list[Example], features: list[torch.Tensor],
+                   step: int, rank: int, world: int) -> dict[str, float]:
+    """One optimizer step over this rank's micro batches; the sums of their statistics over all ranks."""
+    engine.train()
+    sums = {"loss": 0.0, "feature_loss": 0.0, "ce": 0.0, "correct": 0, "predicted": 0, "tokens": 0}
+    for chunk, indices in step_micro_batches(step, len(examples), cfg.train, cfg.seed, rank, world):
+        ids, feats, loss_mask = pad([examples[i] for i in indices], [features[i] for i in indices])
+        loss, stats = micro_batch_loss(engine, feats, ids, loss_mask, cfg.train,
+                                       noise_seed=cfg.seed * 1_000_003 + step * 1_009 + chunk)
+        engine.backward(loss)
+        engine.step()
+        stats["tokens"] = sum(len(examples[i].input_ids) for i in indices)
+        for k in sums:
+            sums[k] += stats[k]
+    totals = torch.tensor([sums[k] for k in sums], dtype=torch.float64)
+    dist.all_reduce(totals)
+    return dict(zip(sums, totals.tolist()))
+
+
+def learning_curve_png(curve: list[dict[str, float]], depth: int) -> bytes:
+    """Held-out top-1 per depth and acceptance length against tokens seen, as PNG bytes."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tokens = [p["tokens_seen"] for p in curve]
+    fig, (top1, length) = plt.subplots(1, 2, figsize=(10, 4))
+    for j in range(1, depth + 1):
+        top1.plot(tokens, [p[f"top1_depth{j}"] for p in curve], marker="o", label=f"depth {j}")
+    top1.set(xlabel="training tokens seen", ylabel="held-out top-1", title="draft top-1 per depth")
+    top1.legend()
+    length.plot(tokens, [p["acceptance_length"] for p in curve], marker="o")
+    length.set(xlabel="training tokens seen", ylabel="tokens per verification",
+               title=f"expected acceptance length, depth-{depth} chain")
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def finish(cfg: DictConfig, head: EagleHead, eval_sequences: list[EvalSequence], progress: Progress, conversations: int,
+           world: int, hashes: dict[str, str], tokenizer: Any, total_steps: int, tracker: Tracker) -> dict[str, Any]:
+    """Final held-out evaluation, the head folder (atomic) and the W&B summary/artifact; rank 0 only."""
+    t, k = cfg.train, cfg.train.eval.depth
+    final = evaluate(head, eval_sequences, k)
+    if progress.curve[-1]["step"] != progress.step:
+        progress.curve.append(curve_point(progress, final))
+    untrained = progress.curve[0]
+    metrics = {**{f"eval/{m}": v for m, v in final.items()}, **progress.last,
+               f"untrained/acceptance_length_depth{k}": untrained["acceptance_length"],
+               "untrained/top1_depth1": untrained["top1_depth1"],
+               "train/steps": progress.step, "train/seconds": progress.train_seconds, "train/tokens_seen": progress.tokens_seen,
+               "train/tokens_per_s": progress.tokens_seen / max(progress.train_seconds, 1e-9),
+               "train/conversations": conversations, "train/world_size": world,
+               "draft_vocab": None if head.draft_vocab is None else len(head.draft_vocab), "curve": progress.curve}
     print(f"held-out acceptance length at depth {k}: {final[f'acceptance_length_depth{k}']:.3f} "
-          f"(untrained head: {untrained[f'acceptance_length_depth{k}']:.3f}); "
+          f"(untrained head: {untrained['acceptance_length']:.3f}); "
           + ", ".join(f"top-1@{j} {final[f'top1_depth{j}']:.3f}" for j in range(1, k + 1)))
     training = {**OmegaConf.to_container(t, resolve=True), "seed": cfg.seed, "world_size": world,
-                "data": OmegaConf.to_container(cfg.data, resolve=True), "feature_model_hash": feature_hash,
+                "data": OmegaConf.to_container(cfg.data, resolve=True), "feature_model_hash": hashes["features"],
                 "total_steps": total_steps}
-    head.save_pretrained(out_dir, target_hash=target_hash, tokenizer=tokenizer,
-                         feature_source=t.feature_source, training=training, metrics=metrics)
-    tracker.summary(metrics)
-    tracker.log_artifact(out_dir, name="eagle-head", type="model", metadata={"target_weights_hash": target_hash})
+    out_dir = Path(cfg.run_dir) / "eagle"
+    head.save_pretrained(out_dir, target_hash=hashes["target"], tokenizer=tokenizer, feature_source=t.feature_source,
+                         training=training, metrics=metrics,
+                         files={"learning_curve.png": learning_curve_png(progress.curve, k)})
+    tracker.summary({key: v for key, v in metrics.items() if key != "curve"})
+    tracker.log_artifact(out_dir, name="eagle-head", type="model", metadata={"target_weights_hash": hashes["target"]})
     tracker.finish()
-    print(f"EAGLE head written to {out_dir}")
+    print(f"EAGLE head written to {out_dir} (learning curve: {out_dir / 'learning_curve.png'})")
     return metrics
 
 
@@ -565,7 +627,7 @@ def main(cfg: DictConfig) -> None:
     except TrainingInterrupted as stopped:
         print(str(stopped), file=sys.stderr)
         sys.exit(130)
-    except (TrainError, HeadError, ModelSourceError, DataError) as err:
+    except (TrainError, HeadError, ModelSourceError, DataError, store.StoreError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
 
