@@ -9,8 +9,8 @@ import torch
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
-from decode.chain import Generation, GenerationStats, LevelStats
-from decode.sampling import Sampling, probabilities, sample
+from decode.chain import Generation, GenerationStats, LevelStats, decoding_settings
+from decode.sampling import probabilities, sample
 
 
 def _eos_set(eos_token_id: int | list[int] | None) -> set[int]:
@@ -30,7 +30,7 @@ def autoregressive(
     top_k: int = 0, top_p: float = 1.0, seed: int | None = None, eos_token_id: int | list[int] | None = None,
 ) -> Generation:
     """One token per forward with a KV cache, sampling with the same logits processing as the chain."""
-    sampling = Sampling(temperature, top_k, top_p)
+    sampling = decoding_settings(max_new_tokens, temperature, top_k, top_p, seed)
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     eos, stats = _eos_set(eos_token_id), LevelStats("target", "model")
     cache, new, ttft = DynamicCache(config=model.config), [], 0.0
@@ -70,6 +70,7 @@ class _FirstTokenClock(BaseStreamer):
 
 def _hf_generate(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, name,
                  assistant_model=None, **settings) -> Generation:
+    decoding_settings(max_new_tokens, temperature, top_k, top_p, seed)
     eos = _eos_set(eos_token_id)
     config = GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,

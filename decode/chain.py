@@ -9,6 +9,7 @@ recomputed from the start.
 """
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from decode import tree as trees
 from decode.fast import pack
-from decode.sampling import Sampling, probabilities, sample, verify_greedy, verify_sampled
+from decode.sampling import Sampling, SamplingError, probabilities, sample, verify_greedy, verify_sampled
 
 
 class DecodeError(RuntimeError):
@@ -409,7 +410,7 @@ class Chain:
 
         `on_tokens` receives each block of tokens the target commits (streaming; may overshoot the limits
         by the last block, the returned tokens do not)."""
-        sampling = Sampling(temperature, top_k, top_p)
+        sampling = decoding_settings(max_new_tokens, temperature, top_k, top_p, seed)
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         eos = set([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or [])
         for level in self.levels:
@@ -474,6 +475,20 @@ class Chain:
     def _empty_features(self) -> torch.Tensor:
         h = self.target.model.config.hidden_size
         return torch.zeros(1, 0, h, dtype=self.target.model.dtype)
+
+
+def decoding_settings(max_new_tokens: Any, temperature: Any = 0.0, top_k: Any = 0, top_p: Any = 1.0,
+                      seed: Any = None) -> Sampling:
+    """The Sampling of one decoding call, after checking its arguments: a one-line DecodeError names the
+    first bad one (max_new_tokens >= 1; temperature >= 0, top_k >= 0, 0 < top_p <= 1; seed an integer or None)."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
+        raise DecodeError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
+        raise DecodeError(f"seed must be an integer or null, got {seed!r}")
+    try:
+        return Sampling(temperature, top_k, top_p)
+    except SamplingError as err:
+        raise DecodeError(str(err)) from None
 
 
 def load_target(cfg: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

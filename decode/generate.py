@@ -3,17 +3,24 @@
 Prints the answer as the target commits it, then per-level acceptance and timing, and (compare_ar)
 the target decoding alone: the speedup and whether the outputs are identical. `prompt=` and `chain=`
 are shorthands for decode.prompt= and decode.chain=; any other Hydra override works as usual.
+`prompt=TEXT` takes TEXT literally (`${HOME}`, quotes, a trailing backslash); so does
+`decode.prompt_file=PATH` (`-` reads stdin). Bad settings are refused before any model is loaded.
 """
 from __future__ import annotations
 
+import re
 import sys
+from pathlib import Path
 
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from data.cli import run_or_exit
-from decode.chain import Chain, DecodeError, Generation, build_chain
+from data.cli import flag, run_or_exit
+from decode.chain import Chain, DecodeError, Generation, build_chain, decoding_settings
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def chain_from_config(cfg: DictConfig, name: str, target, tokenizer) -> Chain:
@@ -21,12 +28,79 @@ def chain_from_config(cfg: DictConfig, name: str, target, tokenizer) -> Chain:
     if name not in chains or chains[name] is None:
         raise DecodeError(f"decode.chain={name!r}: no such chain in conf/decode/chain.yaml; known: {', '.join(chains)}")
     levels = OmegaConf.to_container(chains[name], resolve=True)
-    return build_chain(levels, target, tokenizer, run_dir=cfg.run_dir, dtype=cfg.model.dtype, fast=bool(cfg.decode.get("fast")))
+    return build_chain(levels, target, tokenizer, run_dir=cfg.run_dir, dtype=cfg.model.dtype,
+                       fast=flag(cfg.decode, "fast", default=False, error=DecodeError))
 
 
 def sampling_args(cfg: DictConfig) -> dict:
+    """decode.temperature / top_k / top_p / seed as Chain.generate and the baselines take them, checked
+    first: a bad value is a one-line DecodeError naming its key (e.g. decode.top_p must be in (0, 1])."""
     d = cfg.decode
-    return {"temperature": float(d.temperature), "top_k": int(d.top_k), "top_p": float(d.top_p), "seed": d.seed}
+    args = {key: d.get(key) for key in ("temperature", "top_k", "top_p", "seed")}
+    if isinstance(args["temperature"], int) and not isinstance(args["temperature"], bool):
+        args["temperature"] = float(args["temperature"])
+    if isinstance(args["top_p"], int) and not isinstance(args["top_p"], bool):
+        args["top_p"] = float(args["top_p"])
+    try:
+        decoding_settings(1, **args)
+    except DecodeError as err:
+        raise DecodeError(f"decode.{err}") from None
+    return args
+
+
+def max_new_tokens(cfg: DictConfig) -> int:
+    value = cfg.decode.get("max_new_tokens")
+    try:
+        decoding_settings(value)
+    except DecodeError as err:
+        raise DecodeError(f"decode.{err}") from None
+    return int(value)
+
+
+def prompt_text(cfg: DictConfig) -> str:
+    """The user message: the file `decode.prompt_file` read literally (`-` = stdin; UTF-8, a byte order mark
+    and one final newline dropped), or `decode.prompt` (the `prompt=` shorthand makes that literal too;
+    a plain `decode.prompt=` override is Hydra syntax, where `${...}` is an interpolation)."""
+    try:
+        prompt, prompt_file = cfg.decode.get("prompt"), cfg.decode.get("prompt_file")
+    except OmegaConfBaseException as err:
+        raise DecodeError(f"decode.prompt: cannot resolve it ({err.__class__.__name__}); pass text with prompt=\"...\" "
+                          "or decode.prompt_file=PATH, which are taken literally") from None
+    if prompt is not None and prompt_file is not None:
+        raise DecodeError("decode.prompt and decode.prompt_file are both set; give one")
+    if prompt_file is not None:
+        where = "decode.prompt_file=-" if str(prompt_file) == "-" else f"decode.prompt_file={prompt_file}"
+        try:
+            data = sys.stdin.buffer.read() if str(prompt_file) == "-" else Path(str(prompt_file)).expanduser().read_bytes()
+        except OSError as err:
+            raise DecodeError(f"{where}: cannot read ({err.strerror or err.__class__.__name__})") from None
+        try:
+            prompt = data.removeprefix(b"\xef\xbb\xbf").decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise DecodeError(f"{where}: not UTF-8 text (byte {err.start + 1})") from None
+        prompt = prompt[:-2] if prompt.endswith("\r\n") else prompt[:-1] if prompt.endswith("\n") else prompt
+    else:
+        where = "decode.prompt"
+    if prompt_file is not None and not prompt.strip():
+        raise DecodeError(f"{where}: no prompt in it (empty)")
+    if prompt is None or (isinstance(prompt, str) and not prompt.strip()):
+        raise DecodeError('no prompt: python -m decode.generate prompt="your question"')
+    if not isinstance(prompt, (str, int, float)) or isinstance(prompt, bool):
+        raise DecodeError(f"decode.prompt must be text, got {type(prompt).__name__}; quote it: prompt=\"...\"")
+    prompt = str(prompt)
+    if _SURROGATE.search(prompt):
+        raise DecodeError(f"{where}: not valid UTF-8 text (undecodable bytes or lone surrogates)")
+    return prompt
+
+
+def check_context(prompt: list[int], new_tokens: int, model) -> None:
+    """Refuse a prompt that, with the tokens to generate, does not fit the model's context."""
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context and len(prompt) + new_tokens > context:
+        raise DecodeError(
+            f"the prompt is {len(prompt):,} tokens; with decode.max_new_tokens={new_tokens} it needs {len(prompt) + new_tokens:,} "
+            f"positions, more than the model's context of {context:,} (max_position_embeddings): shorten the prompt"
+            + (" or lower decode.max_new_tokens" if len(prompt) < context else ""))
 
 
 def level_table(generation: Generation) -> str:
@@ -50,13 +124,18 @@ def run(cfg: DictConfig) -> None:
     from decode.chain import load_target
 
     d = cfg.decode
-    if not d.prompt:
-        raise DecodeError('no prompt: python -m decode.generate prompt="your question"')
-    if d.get("threads"):
-        torch.set_num_threads(int(d.threads))
+    text, new_tokens, kw = prompt_text(cfg), max_new_tokens(cfg), sampling_args(cfg)  # checked before any loading
+    flag(d, "fast", default=False, error=DecodeError)
+    compare_ar = flag(d, "compare_ar", default=False, error=DecodeError)
+    threads = d.get("threads")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise DecodeError(f"decode.threads must be null or an integer >= 1, got {threads!r}")
+    if threads:
+        torch.set_num_threads(threads)
     target, tokenizer = load_target(cfg)
+    prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": text}])
+    check_context(prompt, new_tokens, target)
     chain = chain_from_config(cfg, d.chain, target, tokenizer)
-    prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": str(d.prompt)}])
     eos = tokenizer.eos_token_id
     shown: list[int] = []
     printed = ""
@@ -69,16 +148,17 @@ def run(cfg: DictConfig) -> None:
         sys.stdout.flush()
         printed = text
 
-    result = chain.generate(prompt, int(d.max_new_tokens), eos_token_id=eos, on_tokens=stream, **sampling_args(cfg))
+    result = chain.generate(prompt, new_tokens, eos_token_id=eos, on_tokens=stream, **kw)
     print(f"\n\nchain {d.chain}: " + " <- ".join(level.name for level in chain.levels))
     print(level_table(result))
-    if d.compare_ar:
-        reference = autoregressive(target, prompt, int(d.max_new_tokens), eos_token_id=eos, **sampling_args(cfg))
+    if compare_ar:
+        reference = autoregressive(target, prompt, new_tokens, eos_token_id=eos, **kw)
         same = reference.tokens == result.tokens
-        print(f"target alone: {reference.stats.tokens_per_s:.1f} tok/s; speedup {result.stats.tokens_per_s / reference.stats.tokens_per_s:.2f}x; "
+        ratio = result.stats.tokens_per_s / reference.stats.tokens_per_s if reference.stats.tokens_per_s else float("nan")
+        print(f"target alone: {reference.stats.tokens_per_s:.1f} tok/s; speedup {ratio:.2f}x; "
               f"outputs {'identical' if same else 'differ'}"
-              + ("" if same or float(d.temperature) > 0 else " (greedy: a near-tie or a bug; decode.eval checks which)")
-              + (" (sampling: compare distributions, not single samples)" if float(d.temperature) > 0 and not same else ""))
+              + ("" if same or kw["temperature"] > 0 else " (greedy: a near-tie or a bug; decode.eval checks which)")
+              + (" (sampling: compare distributions, not single samples)" if kw["temperature"] > 0 and not same else ""))
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -91,9 +171,17 @@ def main(cfg: DictConfig) -> None:
 
 
 def shorthand(arg: str) -> str:
-    """prompt=TEXT -> decode.prompt='TEXT' (quoted: any text, commas included); chain=X -> decode.chain=X."""
+    """prompt=TEXT -> decode.prompt='...' whose value is TEXT exactly; chain=X -> decode.chain=X.
+
+    TEXT is escaped twice: for OmegaConf, every `${` becomes `\\${` (and the backslashes before it are
+    doubled), so it is text, not an interpolation; for Hydra's quoted values, a quote is escaped, and so is
+    every backslash right before a quote or at the end. Any text works: commas, quotes, `${HOME}`, a
+    trailing backslash."""
     if arg.startswith("prompt="):
-        text = arg[len("prompt="):].replace("'", "\\'")
+        text = arg[len("prompt="):]
+        text = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", text)
+        text = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", text)
+        text = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, text)
         return f"decode.prompt='{text}'"
     return "decode." + arg if arg.startswith("chain=") else arg
 

@@ -12,16 +12,38 @@ drafted token, so acceptance is p(x) and the residual is p with x removed.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
 
 
+class SamplingError(ValueError):
+    """Sampling settings that define no distribution; the message is one line and names the setting."""
+
+
 @dataclass(frozen=True)
 class Sampling:
+    """temperature >= 0 (0 = greedy), top_k >= 0 (0 = off), 0 < top_p <= 1 (1 = off); anything else is refused."""
+
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        for key in ("temperature", "top_p"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise SamplingError(f"{key} must be a finite number, got {value!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral):
+            raise SamplingError(f"top_k must be an integer, got {self.top_k!r}")
+        if self.temperature < 0:
+            raise SamplingError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if self.top_k < 0:
+            raise SamplingError(f"top_k must be >= 0 (0 = off), got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise SamplingError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
 
     @property
     def greedy(self) -> bool:
