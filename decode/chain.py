@@ -561,9 +561,9 @@ def level_model(cfg: dict, target: PreTrainedModel, tokenizer, run_dir: Path, dt
         from data.models import ModelSourceError, load_model, same_vocabulary
 
         path = Path(spec).expanduser()
-        if not spec.startswith("bundled:") and not path.is_absolute() and not path.exists():
-            if (run_dir / path).exists() or "/" not in spec:
-                spec = str(run_dir / path)  # a run artifact such as `w4`
+        if not spec.startswith(("bundled:", "hf:")) and not path.is_absolute() and not path.exists():
+            if (run_dir / path).exists() or "/" not in spec or (run_dir / path.parts[0]).exists():
+                spec = str(run_dir / path)  # a run artifact such as `w4` (missing: "no such model folder")
         try:
             model, level_tokenizer = load_model(spec, dtype=str(cfg.get("dtype") or dtype))
         except ModelSourceError as err:
