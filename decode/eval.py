@@ -491,10 +491,20 @@ def run(cfg: DictConfig) -> int:
     from data.prompts import load_questions
     from decode.chain import load_target
     from data.tracking import Tracker
+    from data.cli import check_writable, flag
 
     ecfg = cfg.eval
-    if ecfg.max_new_tokens < 1 or ecfg.warmup_tokens < 0:
-        raise EvalError(f"eval.max_new_tokens must be >= 1 and eval.warmup_tokens >= 0, got {ecfg.max_new_tokens}, {ecfg.warmup_tokens}")
+    for key, least in (("max_new_tokens", 1), ("warmup_tokens", 0)):
+        value = ecfg.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise EvalError(f"eval.{key} must be >= {least} (an integer), got {value!r}")
+    per_category = ecfg.get("per_category")
+    if per_category is not None and (isinstance(per_category, bool) or not isinstance(per_category, int) or per_category < 1):
+        raise EvalError(f"eval.per_category must be null or an integer >= 1, got {per_category!r}")
+    flag(ecfg.publish, "force", error=EvalError)  # a string such as 'false' would be truthy
+    flag(cfg.decode, "fast", default=False, error=EvalError)
+    check_writable(ecfg.out_dir, "eval.out_dir", error=EvalError)  # fail now, not after the decoding
+    check_writable(ecfg.publish.dir, "eval.publish.dir", error=EvalError)
     if ecfg.chains.get(ecfg.publish.chain) is None:
         raise EvalError(f"eval.publish.chain={ecfg.publish.chain!r} is not one of eval.chains ({', '.join(ecfg.chains)})")
     questions = load_questions(ecfg.prompts, ecfg.per_category)

@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from data.cli import run_or_exit
+from data.cli import check_writable, flag, run_or_exit
 from data.models import ModelSourceError, load_model, load_tokenizer, resolve_model_path, weights_hash
 from data.sharegpt import (
     Conversation, DataError, TokenizedConversation, chat_prompt_ids, load_conversations, split_conversations,
@@ -329,19 +329,24 @@ def report(metrics: dict[str, Any]) -> str:
 
 def run(cfg: DictConfig) -> Path:
     qcfg = cfg.quantize
+    overwrite = flag(qcfg, "overwrite", error=QuantizeError)  # strictly true/false: 'false' would be truthy
+    skip_if_valid = flag(qcfg, "skip_if_valid", error=QuantizeError)
+    for key in ("sym", "desc_act", "act_group_aware", "true_sequential"):
+        flag(qcfg, key, error=QuantizeError)
     out = Path(qcfg.output)
-    check_output(out, qcfg.overwrite or qcfg.skip_if_valid)
+    check_output(out, overwrite or skip_if_valid)
+    check_writable(out, "quantize.output", error=QuantizeError)  # fail now, not after minutes of GPTQ
     src = source_model_path(cfg.model.name)
     tokenizer = load_tokenizer(src)
     target, _ = load_model(src, dtype=cfg.model.dtype)
     settings = OmegaConf.to_container(qcfg, resolve=True)
     settings = {k: v for k, v in settings.items() if k not in ("output", "overwrite", "skip_if_valid", "eval", "cpu_workers")}
     meta: dict[str, Any] = {"source_model": cfg.model.name, "source_weights_hash": weights_hash(target), "settings": settings}
-    if qcfg.skip_if_valid and out.exists():
+    if skip_if_valid and out.exists():
         if existing_is_valid(out, meta):
             print(f"w4: {out} is a finished quantization of the same model and settings; skipping")
             return out
-        check_output(out, qcfg.overwrite)
+        check_output(out, overwrite)
 
     train, held_out = split_conversations(load_conversations(cfg.data.source), cfg.data.held_out_fraction)
     c = qcfg.calibration

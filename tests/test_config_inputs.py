@@ -71,3 +71,85 @@ def test_check_writable_refuses_a_read_only_folder(tmp_path, monkeypatch):
         assert "\n" not in str(err.value)
     finally:
         ro.chmod(0o755)
+
+
+def read_only_mount(monkeypatch):
+    """Every new file fails as on a read-only filesystem (works as root too, unlike permission bits)."""
+    def refuse(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", refuse)
+
+
+# ---------------------------------------------------------------------------------------- quantize.w4
+
+
+def quantize_config(tmp_path, **quantize):
+    from pathlib import Path
+
+    cfg = OmegaConf.create({
+        "run_name": "t", "run_dir": str(tmp_path), "seed": 0, "model": {"name": str(tmp_path / "no-model"), "dtype": "float32"},
+        "quantize": OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "quantize" / "w4.yaml"),
+    })
+    cfg.quantize.output = str(tmp_path / "w4")
+    for key, value in quantize.items():
+        OmegaConf.update(cfg, f"quantize.{key}", value)
+    return cfg
+
+
+@pytest.mark.parametrize("key", ["overwrite", "skip_if_valid", "desc_act", "sym"])
+def test_quantize_refuses_string_booleans(tmp_path, key):
+    from quantize.w4 import QuantizeError, run
+
+    with pytest.raises(QuantizeError, match=rf"^quantize\.{key} must be true or false, got 'false' \(str\)$"):
+        run(quantize_config(tmp_path, **{key: "false"}))
+
+
+def test_quantize_refuses_an_unwritable_output_before_loading(tmp_path, monkeypatch):
+    from quantize.w4 import QuantizeError, run
+
+    read_only_mount(monkeypatch)
+    with pytest.raises(QuantizeError, match=r"quantize.output=.*w4: cannot write there \(.*Read-only file system\)"):
+        run(quantize_config(tmp_path))  # the model does not exist: the output check came first
+
+
+# ---------------------------------------------------------------------------------------- decode.eval
+
+
+def eval_config(tmp_path, *overrides: str):
+    from hydra import compose, initialize
+
+    with initialize(version_base="1.3", config_path="../conf"):
+        return compose("config", overrides=[f"run_dir={tmp_path}", "eval=smoke", *overrides])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("eval.publish.force='false'", r"eval\.publish\.force must be true or false, got 'false' \(str\)"),
+    ("eval.publish.force=1", r"eval\.publish\.force must be true or false, got 1 \(int\)"),
+    ("decode.fast=yes", r"decode\.fast must be true or false, got 'yes'"),
+    ("eval.max_new_tokens='64'", r"eval\.max_new_tokens must be >= 1 \(an integer\), got '64'"),
+    ("eval.warmup_tokens=-1", r"eval\.warmup_tokens must be >= 0 \(an integer\), got -1"),
+    ("eval.per_category=0", r"eval\.per_category must be null or an integer >= 1, got 0"),
+])
+def test_eval_refuses_bad_config_values_before_any_work(tmp_path, override, message):
+    from decode.eval import EvalError, run
+
+    with pytest.raises(EvalError, match=message) as err:
+        run(eval_config(tmp_path, override))
+    assert "\n" not in str(err.value) and not any(tmp_path.iterdir())
+
+
+def test_eval_refuses_an_unwritable_output_before_decoding(tmp_path, monkeypatch):
+    from decode.eval import EvalError, run
+
+    read_only_mount(monkeypatch)
+    with pytest.raises(EvalError, match=r"^eval.out_dir=.*eval: cannot write there \(.*Read-only file system\)$"):
+        run(eval_config(tmp_path))
+
+
+def test_eval_refuses_an_output_path_that_is_a_file(tmp_path):
+    from decode.eval import EvalError, run
+
+    (tmp_path / "publish").write_text("not a folder")
+    with pytest.raises(EvalError, match=r"^eval.publish.dir=.*publish: exists and is not a folder$"):
+        run(eval_config(tmp_path))
