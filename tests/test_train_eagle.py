@@ -86,6 +86,28 @@ def test_batched_evaluation_drafts_exactly_like_sequential_decoding():
             assert drafts[:, s].tolist() == [int(e) for e in expected]
 
 
+def test_unrolled_training_batch_equals_each_sequence_alone():
+    """Training on the head's own features (train.unroll) runs the evaluation's masked unroll on a batch:
+    every row must equal that sequence unrolled alone."""
+    target = tiny_llama(1)
+    head = EagleHead.for_target(target).eval()
+    ids = torch.randint(0, 49152, (2, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        features = target(ids, output_hidden_states=True).hidden_states[-1]
+        batched = eagle.unroll(head, ids, features, 3)
+        for row in range(2):
+            alone = eagle.unroll(head, ids[row:row + 1], features[row:row + 1], 3)
+            for b, a in zip(batched, alone):
+                torch.testing.assert_close(b[row], a[0], rtol=1e-5, atol=1e-5)
+
+
+def test_unroll_3_trains_a_loadable_head(tiny_setup, tmp_path):
+    metrics = eagle.train(compose(tiny_setup, tmp_path, "train.unroll=3", "train.epochs=1"))
+    assert metrics["train/steps"] == 4 and torch.isfinite(torch.tensor(metrics["train/loss"]))
+    target = LlamaForCausalLM.from_pretrained(tiny_setup / "target")
+    EagleHead.from_pretrained(tmp_path / "eagle", target, load_tokenizer(str(tiny_setup / "target")))
+
+
 def test_config_errors_are_one_line(tiny_setup, tmp_path):
     with pytest.raises(eagle.TrainError, match=r"train.feature_source='bogus': must be one of target, w4"):
         eagle.validate(compose(tiny_setup, tmp_path, "train.feature_source=bogus"))

@@ -38,7 +38,9 @@ from tqdm import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
 from data.models import ModelSourceError, load_model, same_vocabulary, weights_hash
-from data.sharegpt import DataError, chat_prompt_ids, load_conversations, split_conversations, tokenize_conversation
+from data.cli import flag
+from data.sharegpt import (DataError, chat_prompt_ids, load_conversations, split_conversations, tokenize_conversation,
+                           warn_truncated)
 from data.tracking import Tracker
 from data.vocab import assistant_token_counts, coverage, top_tokens
 from decode.head import EagleHead, HeadError, additive_mask
@@ -62,6 +64,8 @@ class TrainingInterrupted(Exception):
 
 def validate(cfg: DictConfig) -> None:
     t = cfg.train
+    for key in RUN_CONTROL_KEYS:  # strictly boolean: the string 'false' would be truthy
+        flag(t, key, error=TrainError)
     if t.feature_source not in FEATURE_SOURCES:
         raise TrainError(f"train.feature_source={t.feature_source!r}: must be one of {', '.join(FEATURE_SOURCES)}")
     if t.zero_stage not in ZERO_STAGES:
@@ -74,7 +78,7 @@ def validate(cfg: DictConfig) -> None:
         raise TrainError(f"train.init={t.init!r}: must be one of {', '.join(INITS)}")
     if t.draft_vocab is not None and (not isinstance(t.draft_vocab, int) or t.draft_vocab < 1):
         raise TrainError(f"train.draft_vocab={t.draft_vocab!r}: must be a positive integer (or null for the full vocabulary)")
-    for key in ("micro_batch", "grad_accum", "epochs", "max_len", "checkpoint_every", "store_batch"):
+    for key in ("micro_batch", "grad_accum", "epochs", "max_len", "checkpoint_every", "store_batch", "unroll"):
         if not isinstance(t[key], int) or t[key] < 1:
             raise TrainError(f"train.{key}={t[key]!r}: must be a positive integer")
     if not isinstance(t.eval.depth, int) or t.eval.depth < 1:
@@ -124,11 +128,10 @@ def load_examples(cfg: DictConfig, tokenizer: Any) -> tuple[list[Example], list[
     caps = [c for c in (cfg.data.get("max_conversations"), cfg.train.max_conversations) if c]
     train = train[: min(caps)] if caps else train
     max_len = min(cfg.data.max_len, cfg.train.max_len)
-    examples = []
-    for conv in train:
-        tok = tokenize_conversation(tokenizer, conv, max_len)
-        if len(tok.input_ids) >= 3 and any(tok.loss_mask[2:]):
-            examples.append(Example(tok.id, torch.tensor(tok.input_ids), torch.tensor(tok.loss_mask, dtype=torch.bool)))
+    tokenized = [tokenize_conversation(tokenizer, conv, max_len) for conv in train]
+    warn_truncated(tokenized, max_len, "train.max_len")
+    examples = [Example(tok.id, torch.tensor(tok.input_ids), torch.tensor(tok.loss_mask, dtype=torch.bool))
+                for tok in tokenized if len(tok.input_ids) >= 3 and any(tok.loss_mask[2:])]
     if not examples:
         raise TrainError(f"{cfg.data.source}: no training conversation with assistant tokens")
     prompts = []
@@ -180,25 +183,33 @@ def pad(examples: list[Example], features: list[torch.Tensor]) -> tuple[torch.Te
 
 def micro_batch_loss(head: Any, feats: torch.Tensor, ids: torch.Tensor, loss_mask: torch.Tensor,
                      t: DictConfig, noise_seed: int) -> tuple[torch.Tensor, dict[str, float]]:
-    """EAGLE loss of one micro batch: (f_t + noise, x_{t+1}) -> f_{t+1} and p(x_{t+2}), assistant tokens only.
+    """EAGLE loss of one micro batch: (f_s + noise, x_{s+1}) -> f_{s+1} and p(x_{s+2}), assistant tokens only;
+    with `train.unroll` = k > 1 also depths 2..k drafted from the head's own predicted features (EAGLE-3's
+    training-time test), each depth's loss weighted equally.
 
-    The cross-entropy target is the verifier's distribution at t+1, its LM head on the stored f_{t+1},
-    over the head's draft vocabulary (renormalised there); the head's logits cover the same tokens."""
+    The cross-entropy target is the verifier's distribution at the predicted position, its LM head on the
+    stored feature, over the head's draft vocabulary (renormalised there); the head's logits cover the same
+    tokens."""
     module = head.module if hasattr(head, "module") else head
-    feats_in, feat_target = feats[:, :-2], feats[:, 1:-1]
-    mask = loss_mask[:, 2:]
-    noise = (torch.rand(feats_in.shape, generator=torch.Generator().manual_seed(noise_seed)) - 0.5) * t.noise
-    hidden, _, _ = head(ids[:, 1:-1], feats_in + noise, compute_logits=False)
-    hidden, feat_target = hidden[mask].float(), feat_target[mask].float()
-    logits = module.logits(hidden)
-    with torch.no_grad():
-        target_probs = torch.softmax(module.logits(feat_target).float(), dim=-1)
-    feature_loss = F.smooth_l1_loss(hidden, feat_target)
-    ce = -(target_probs * torch.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
-    loss = t.feature_weight * feature_loss + t.ce_weight * ce
-    correct = (logits.argmax(-1) == target_probs.argmax(-1)).sum().item()
-    return loss, {"loss": loss.item(), "feature_loss": feature_loss.item(), "ce": ce.item(),
-                  "correct": correct, "predicted": int(mask.sum())}
+    depth = t.unroll
+    n = ids.shape[1] - 1 - depth
+    noise = (torch.rand(feats[:, :n].shape, generator=torch.Generator().manual_seed(noise_seed)) - 0.5) * t.noise
+    loss, stats = torch.zeros(()), {"feature_loss": 0.0, "ce": 0.0}
+    for j, hidden in enumerate(unroll(head, ids, feats[:, :n] + noise, depth), start=1):
+        mask = loss_mask[:, j + 1:n + j + 1]
+        hidden, feat_target = hidden[mask].float(), feats[:, j:n + j][mask].float()
+        logits = module.logits(hidden)
+        with torch.no_grad():
+            target_probs = torch.softmax(module.logits(feat_target).float(), dim=-1)
+        feature_loss = F.smooth_l1_loss(hidden, feat_target)
+        ce = -(target_probs * torch.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
+        loss = loss + (t.feature_weight * feature_loss + t.ce_weight * ce) / depth
+        stats["feature_loss"] += feature_loss.item() / depth
+        stats["ce"] += ce.item() / depth
+        if j == 1:
+            stats["correct"] = (logits.argmax(-1) == target_probs.argmax(-1)).sum().item()
+            stats["predicted"] = int(mask.sum())
+    return loss, {"loss": loss.item(), **stats}
 
 
 def lr_multiplier(step: int, total: int, warmup: int, min_ratio: float) -> float:
@@ -242,30 +253,37 @@ def prepare_eval(model: PreTrainedModel, tokenizer: Any, prompts: list[list[int]
     return out
 
 
-@torch.no_grad()
-def chain_drafts(head: EagleHead, ids: torch.Tensor, features: torch.Tensor, depth: int) -> torch.Tensor:
-    """Depth-`depth` chain drafts from every start s of a sequence: [depth, n] with n = len(ids) - 1 - depth.
+def unroll(head: Any, ids: torch.Tensor, features: torch.Tensor, depth: int) -> list[torch.Tensor]:
+    """Predicted features [B, n, h] of the depth 1..`depth` drafts from every start s < n = L - 1 - depth.
 
     Start s: the head has the verifier's features up to position s and the accepted token s+1; depth
     j feeds back its own predicted feature and the token at s+j (which an accepted draft equals).
     One head call per depth drafts all starts at once: a tree mask lets each start's query see the
     verifier's features up to s and its own earlier depths only, which is what decoding computes.
+    Used by the held-out evaluation and by training on the head's own features (train.unroll).
     """
-    n = len(ids) - 1 - depth
+    B, L = ids.shape
+    n = L - 1 - depth
+    dtype = (head.module if hasattr(head, "module") else head).fc.weight.dtype
     cache = DynamicCache()
-    hidden, logits, _ = head(ids[None, 1:n + 1], features[None, :n], cache)
-    drafts = [head.token_ids(logits[0].argmax(-1))]
-    s = torch.arange(n)
+    hidden, _, _ = head(ids[:, 1:n + 1], features[:, :n], cache, compute_logits=False)
+    hiddens, s = [hidden], torch.arange(n)
     for j in range(2, depth + 1):
         past = cache.get_seq_length()
         allowed = torch.zeros(n, past + n, dtype=torch.bool)
         allowed[:, :n] = s[None, :] <= s[:, None]
         for d in range(2, j + 1):  # this start's own drafts at depths 2..j, each depth n keys wide
             allowed[s, (d - 1) * n + s] = True
-        mask = additive_mask(allowed, head.fc.weight.dtype)[None, None]
-        hidden, logits, _ = head(ids[None, j:n + j], hidden, cache, position_ids=(s + j - 1)[None], attention_mask=mask)
-        drafts.append(head.token_ids(logits[0].argmax(-1)))
-    return torch.stack(drafts)
+        hidden, _, _ = head(ids[:, j:n + j], hidden, cache, position_ids=(s + j - 1)[None].expand(B, n),
+                            attention_mask=additive_mask(allowed, dtype)[None, None], compute_logits=False)
+        hiddens.append(hidden)
+    return hiddens
+
+
+@torch.no_grad()
+def chain_drafts(head: EagleHead, ids: torch.Tensor, features: torch.Tensor, depth: int) -> torch.Tensor:
+    """Depth-`depth` chain drafts (target token ids) from every start of a sequence: [depth, n], n = len(ids) - 1 - depth."""
+    return torch.stack([head.token_ids(head.logits(h[0]).argmax(-1)) for h in unroll(head, ids[None], features[None], depth)])
 
 
 @torch.no_grad()
@@ -312,7 +330,7 @@ def checkpoint_fingerprint(cfg: DictConfig, world: int) -> dict[str, Any]:
     """What must not change between a checkpoint and its resumption (else the data order or schedule differ)."""
     t = cfg.train
     keys = ("feature_source", "max_conversations", "max_len", "epochs", "max_steps", "lr", "warmup_steps", "min_lr_ratio",
-            "draft_vocab", "init", "store_dtype")
+            "draft_vocab", "init", "store_dtype", "unroll")
     return {**{k: t[k] for k in keys}, "global_batch": t.micro_batch * t.grad_accum * world, "seed": cfg.seed,
             "data_source": cfg.data.source, "model": cfg.model.name}
 
