@@ -12,6 +12,16 @@ Theorem 3.2:  inserting M_new between M_i and M_{i+1} lowers T if
 The two closed forms split one inequality into two sufficient-looking halves; `insertion_improves`
 is the direct test they approximate: Theorem 3.1's time with M_new against its time without it.
 
+Refined prediction (`refined_time`): Theorem 3.1 charges a middle level N / L_i rounds, as if every
+token it accepts reached the output. It does not: level i hands its pending buffer (P_i tokens a
+round of level i-1, P_i >= mu_i) up, and the level above keeps only a prefix. Counting rounds from
+what each level hands up,
+                R_1 = N / L_1,   R_i = R_{i-1} * P_i / L_i  (1 < i < n),   drafter: beta * R_{n-1}
+                T   = sum_{i<n} R_i * c_i + beta * R_{n-1} * c_n
+with c_i the level's cost of one forward at the tokens it actually carries (a verification carries the
+proposal plus one token, so c_i grows with P_{i+1} on a CPU). For two levels and c_i = T_i it is
+Theorem 3.1; for n levels it differs by the factor P_i / L_{i-1} per middle level.
+
 Reading the paper's Table 1 (the rows in docs/design.md, reproduced by tests/test_theory.py): the printed
 digits are truncations, not roundings (row 3's first-condition rhs is 0.46170, printed 0.461). Rows 2
 and 3 print the first condition's rhs (0.33003 -> 0.330, 0.46170 -> 0.461). Row 1's printed -0.117
@@ -85,6 +95,49 @@ def predicted_time(
     beta = _positive("beta (draft depth)", draft_depth)
     verify = sum(n_tokens / length * t for length, t in zip(lengths, times[:-1]))
     return verify + beta * n_tokens / lengths[-1] * times[-1]
+
+
+def refined_time(
+    acceptance: Sequence[float], handed_up: Sequence[float], draft_depth: float, new_tokens: float,
+    costs: Sequence[float],
+) -> float:
+    """Decoding time with each level's rounds counted from the tokens it hands up (module docstring).
+
+    acceptance = [L_1, ..., L_{n-1}]; handed_up = [P_2, ..., P_{n-1}] (mean tokens middle level i hands
+    up per round of level i-1); costs = [c_1, ..., c_n], seconds per forward at the tokens each level
+    carries (a measured mean, or a cost curve read with `forward_cost`).
+    """
+    n = len(costs)
+    if n == 0:
+        raise TheoryError("forward costs are missing (need c_1 .. c_n)")
+    if acceptance is None or len(acceptance) != n - 1:
+        raise TheoryError(f"need {n - 1} acceptance lengths (L_1 .. L_n-1) for {n} levels, got {0 if acceptance is None else len(acceptance)}")
+    if handed_up is None or len(handed_up) != max(n - 2, 0):
+        raise TheoryError(f"need {max(n - 2, 0)} hand-up sizes (P_2 .. P_n-1) for {n} levels, got {0 if handed_up is None else len(handed_up)}")
+    c = [_time(f"c_{i}", t) for i, t in enumerate(costs, 1)]
+    lengths = [_acceptance(f"L_{i}", a) for i, a in enumerate(acceptance, 1)]
+    sizes = [_positive(f"P_{i}", p) for i, p in enumerate(handed_up, 2)]
+    rounds = _positive("N", new_tokens)
+    if n == 1:
+        return rounds * c[0]
+    total = 0.0
+    for i, length in enumerate(lengths):
+        rounds = rounds / length if i == 0 else rounds * sizes[i - 1] / length
+        total += rounds * c[i]
+    return total + _positive("beta (draft depth)", draft_depth) * rounds * c[-1]
+
+
+def forward_cost(curve: dict[int, float], tokens: float) -> float:
+    """A cost curve {tokens carried: seconds per forward} read at `tokens`: linear between the measured
+    points, the first point's value below them, the last two points' slope above them."""
+    if not curve:
+        raise TheoryError("the cost curve is empty")
+    ks = sorted(curve)
+    if tokens <= ks[0] or len(ks) == 1:
+        return curve[ks[0]]
+    lo, hi = next(((a, b) for a, b in zip(ks, ks[1:]) if tokens <= b), (ks[-2], ks[-1]))
+    value = curve[lo] + (curve[hi] - curve[lo]) * (tokens - lo) / (hi - lo)
+    return max(value, curve[hi]) if tokens > hi else value  # a noisy last slope never extrapolates down
 
 
 def predicted_speedup(

@@ -1,4 +1,4 @@
-"""Theorems 3.1 and 3.2 against the paper's Table 1 (docs/design.md, "Theory") and hand-computed chains."""
+"""Theorems 3.1 and 3.2 (and the refined prediction) against the paper's Table 1 (docs/design.md, "Theory") and hand-computed chains."""
 from __future__ import annotations
 
 import math
@@ -9,10 +9,12 @@ import pytest
 
 from decode.theory import (
     TheoryError,
+    forward_cost,
     insertion_conditions,
     insertion_improves,
     predicted_speedup,
     predicted_time,
+    refined_time,
 )
 
 
@@ -119,3 +121,48 @@ def test_insertion_rejects_bad_values_with_one_line(kwargs, message):
 def test_predicted_time_rejects_bad_values(args, message):
     with pytest.raises(TheoryError, match=message):
         predicted_time(*args)
+
+
+# ------------------------------------------------------------------------------------ refined prediction
+
+
+def test_refined_reduces_to_theorem_3_1_on_two_levels_with_flat_costs():
+    for t, l, beta, n in [([10, 1], [3.0], 4, 100), ([22, 4], [4.34], 1, 7), ([5, 0.5], [1.0], 6, 64)]:
+        assert refined_time(l, [], beta, n, t) == pytest.approx(predicted_time(t, l, beta, n))
+    assert refined_time([], [], 0, 50, [10]) == pytest.approx(predicted_time([10], [], 1, 50))  # AR: N * T_1
+
+
+def test_refined_three_levels_by_hand():
+    # 100 tokens; target accepts 4 a round (L_1 = 4): 25 rounds of 10 ms. The middle level hands up
+    # P_2 = 6 tokens a round of the target (150 tokens made, of which the target keeps ~75 + 25 bonus), at
+    # L_2 = 2 a round: 75 rounds of 4 ms. Drafter: beta = 3 forwards a middle round, 225 of 1 ms.
+    assert refined_time([4, 2], [6], 3, 100, [10, 4, 1]) == pytest.approx(250 + 300 + 225)
+    # Theorem 3.1 charges the middle level N / L_2 = 50 rounds, as if every token it made were kept
+    assert predicted_time([10, 4, 1], [4, 2], 3, 100) == pytest.approx(250 + 200 + 150)
+
+
+def test_refined_four_levels_multiplies_what_each_level_hands_up():
+    # R_1 = 10/2 = 5; R_2 = 5 * 3 / 1.5 = 10; R_3 = 10 * 2 / 2 = 10; drafter 2 * 10 = 20 forwards
+    assert refined_time([2, 1.5, 2], [3, 2], 2, 10, [8, 4, 2, 1]) == pytest.approx(5 * 8 + 10 * 4 + 10 * 2 + 20 * 1)
+
+
+@pytest.mark.parametrize("args,message", [
+    (([2], [], 3, 10, [10]), "need 0 acceptance lengths"),
+    (([2, 2], [], 3, 10, [10, 4, 1]), "need 1 hand-up sizes"),
+    (([2, 2], [0], 3, 10, [10, 4, 1]), "P_2 must be positive"),
+    (([0.5], [], 3, 10, [10, 1]), "L_1 must be >= 1"),
+    (([2], [], 3, 10, [10, 0]), "c_2 must be a positive time"),
+    (([], [], 3, 10, []), "forward costs are missing"),
+])
+def test_refined_rejects_bad_values(args, message):
+    with pytest.raises(TheoryError, match=re.escape(message)):
+        refined_time(*args)
+
+
+def test_forward_cost_interpolates_and_extrapolates_upwards():
+    curve = {1: 10.0, 4: 16.0, 8: 24.0}
+    assert forward_cost(curve, 1) == 10.0 and forward_cost(curve, 0.5) == 10.0
+    assert forward_cost(curve, 2.5) == pytest.approx(13.0) and forward_cost(curve, 6) == pytest.approx(20.0)
+    assert forward_cost(curve, 12) == pytest.approx(32.0)  # the last slope, 2 per token
+    assert forward_cost({1: 10.0, 8: 9.0}, 16) == 9.0  # a noisy falling last segment does not extrapolate down
+    assert forward_cost({3: 5.0}, 10) == 5.0
