@@ -40,6 +40,7 @@ class LevelStats:
     acceptance_lengths: list[int] = field(default_factory=list)  # per verification call, bonus included (L_i)
     proposed: int = 0  # tokens the level below proposed to this level
     accepted: int = 0  # of those, accepted
+    forwards: list[tuple[int, float]] = field(default_factory=list)  # (tokens fed, seconds) of each forward (decode.plan)
 
     @property
     def mean_forward_time_s(self) -> float:  # T_i
@@ -203,6 +204,7 @@ class ModelLevel(Level):
         )
         elapsed = time.perf_counter() - start
         self.stats.forward_calls += 1
+        self.stats.forwards.append((len(ids), elapsed))
         if phase == "draft":
             self.stats.draft_time_s += elapsed
         else:
@@ -326,8 +328,10 @@ class EagleLevel(Level):
             torch.tensor([ids]), feats, past_key_values=self.cache,
             position_ids=torch.tensor([positions]), attention_mask=mask,
         )
+        elapsed = time.perf_counter() - start
         self.stats.forward_calls += 1
-        self.stats.draft_time_s += time.perf_counter() - start
+        self.stats.forwards.append((len(ids), elapsed))
+        self.stats.draft_time_s += elapsed
         return hidden, logits
 
     def _prefill(self, ctx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
