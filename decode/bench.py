@@ -5,8 +5,9 @@ assistant), transformers prompt lookup, the two-level chain, the three-level cha
 chains (decode.bench.two_level / three_level / extra; a chain or assistant whose artifacts are
 missing is replaced by its configured stand-in, and the table says so). All methods run in one
 process, interleaved per prompt (the order rotates from prompt to prompt), and the table reports
-medians, so machine noise hits every method alike. Each chain's measured decoding time is printed
-next to Theorem 3.1's prediction from its own measured T_i, L_i and draft depth.
+medians, so machine noise hits every method alike. Each chain's per-level numbers and its measured
+decoding time next to both predictions (Theorem 3.1 and the refined one) come from decode.measure,
+the same code decode.eval reports them with.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from tqdm import tqdm
 from data.cli import run_or_exit
 from decode.chain import DecodeError, Generation, level_model, load_target
 from decode.generate import chain_from_config, sampling_args
+from decode.measure import level_line, prediction_line, summarize
 
 Method = Callable[[list[int], int], Generation]
 
@@ -83,56 +85,18 @@ def summarise(runs: dict[str, list[Generation]], ar_tokens: list[list[int]]) -> 
             "identical_to_ar": sum(g.tokens == ref for g, ref in zip(gens, ar_tokens)),
             "runs": len(gens),
         }
-        levels = gens[0].stats.levels
-        if len(levels) > 1:
-            per_level = []
-            for i, level in enumerate(levels):
-                stats = [g.stats.levels[i] for g in gens]
-                lengths = [x for s in stats for x in s.acceptance_lengths]
-                calls = sum(s.forward_calls for s in stats)
-                per_level.append({
-                    "name": level.name, "kind": level.kind, "forward_calls": calls,
-                    "T_ms": 1000 * sum(s.draft_time_s + s.verify_time_s for s in stats) / max(calls, 1),
-                    "bookkeeping_s": sum(s.bookkeeping_time_s for s in stats),
-                    "L_mean": statistics.fmean(lengths) if lengths else None,
-                })
-            entry["levels"] = per_level
-            entry["draft_depth"] = statistics.fmean(g.stats.draft_depth for g in gens)
-            entry.update(theorem_3_1(gens))
+        if len(gens[0].stats.levels) > 1:
+            entry["measured"] = summarize([g.stats for g in gens])  # per level and both predictions
         summary[name] = entry
     return summary
-
-
-def theorem_3_1(gens: list[Generation]) -> dict[str, float | None]:
-    """Theorem 3.1's decoding time from the run's own pooled T_i, L_i and β, next to the measured time
-    (wall time after the first token: the engine's per-level stats exclude the prefill too)."""
-    from decode.theory import TheoryError, predicted_time
-
-    levels = range(len(gens[0].stats.levels))
-    calls = [sum(g.stats.levels[i].forward_calls for g in gens) for i in levels]
-    times = [sum(g.stats.levels[i].draft_time_s + g.stats.levels[i].verify_time_s for g in gens) / max(c, 1)
-             for i, c in zip(levels, calls)]
-    lengths = [[x for g in gens for x in g.stats.levels[i].acceptance_lengths] for i in levels][:-1]
-    measured = sum(g.stats.wall_time_s - g.stats.time_to_first_token_s for g in gens)
-    try:
-        predicted = predicted_time(times, [statistics.fmean(l) for l in lengths],
-                                   statistics.fmean(g.stats.draft_depth for g in gens),
-                                   sum(max(g.stats.new_tokens - 1, 1) for g in gens))
-    except (TheoryError, statistics.StatisticsError):
-        return {"measured_decode_s": measured, "predicted_decode_s": None, "prediction_error": None}
-    return {"measured_decode_s": measured, "predicted_decode_s": predicted, "prediction_error": predicted / measured - 1}
 
 
 def table(summary: dict[str, dict], notes: dict[str, str]) -> str:
     rows = [f"{'method':<17} {'tok/s':>7} {'x AR':>6} {'x AR(sb)':>8} {'TTFT s':>7} {'same':>6}  details"]
     for name, s in summary.items():
         detail = notes.get(name, "")
-        if "levels" in s:
-            detail += " | " + ", ".join(
-                f"{l['name']}: T={l['T_ms']:.0f}ms" + (f" L={l['L_mean']:.2f}" if l["L_mean"] else "") for l in s["levels"])
-            if s.get("predicted_decode_s"):
-                detail += (f" | Thm 3.1: {s['predicted_decode_s']:.1f}s predicted vs {s['measured_decode_s']:.1f}s"
-                           f" measured ({100 * s['prediction_error']:+.0f}%)")
+        if "measured" in s:
+            detail += f" | {level_line(s['measured'])} | {prediction_line(s['measured'])}"
         rows.append(f"{name:<17} {s['median_tokens_per_s']:>7.2f} {s['median_ratio_vs_ar']:>6.2f} "
                     f"{s['speedup_spec_bench']:>8.2f} {s['median_ttft_s']:>7.2f} {s['identical_to_ar']:>3}/{s['runs']:<2}  {detail}")
     return "\n".join(rows)
