@@ -1,0 +1,85 @@
+"""decode.plan: the acceptance model, the prediction it feeds the refined formula, and the minimiser, on
+synthetic calibrations; then a calibration of a real (tiny) chain."""
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from decode.plan import ChainModel, Shape, best, capped, first_passage, knobs, plan_chain, predict
+
+
+def test_first_passage_hands_up_the_buffer_that_first_reaches_mu():
+    assert first_passage({2: 1.0}, 3) == {4: 1.0}  # 0 -> 2 -> 4
+    assert first_passage({1: 1.0}, 3) == {3: 1.0}
+    # gains 1 or 3 with p = 1/2, mu = 2: 3 at once (1/2); 1 then 1 -> 2 (1/4); 1 then 3 -> 4 (1/4)
+    assert first_passage({1: 0.5, 3: 0.5}, 2) == pytest.approx({3: 0.5, 2: 0.25, 4: 0.25})
+
+
+def test_capped_is_the_distribution_of_the_minimum():
+    assert capped({0: 0.5, 5: 0.5}, {3: 1.0}) == {0: 0.5, 3: 0.5}
+    assert capped({2: 1.0}, {1: 0.5, 4: 0.5}) == {1: 0.5, 2: 0.5}
+
+
+def test_two_level_prediction_by_hand():
+    # the target accepts 2 of a 3-token draft a round (L = 3) and feeds 1 + 3 tokens: 12 ms; drafter 3 x 1 ms
+    model = ChainModel([{1: 0.010, 4: 0.012}], [], [])
+    shape = Shape({"mode": "chain", "length": 3}, {2: 1.0}, 3, 3, 0.001)
+    p = predict(model, (), shape)
+    assert p["L"] == [3] and p["P"] == [] and p["costs_s"] == pytest.approx([0.012, 0.001])
+    assert p["s_per_token"] == pytest.approx((0.012 + 3 * 0.001) / 3)
+
+
+def test_three_level_prediction_by_hand():
+    # drafter: 2-token drafts of which the middle level accepts 1 (gain 2); mu = 3 -> the middle hands up
+    # 4 tokens after 2 rounds; the target accepts 2 of them (L_1 = 3) feeding 1 + 4 tokens.
+    model = ChainModel([{1: 10.0, 5: 14.0}, {1: 2.0, 3: 3.0}], [{2: 1.0}], [])
+    shape = Shape({"mode": "chain", "length": 2}, {1: 1.0}, 2, 2, 0.5)
+    p = predict(model, (3,), shape)
+    assert p["L"] == [3, 2] and p["P"] == [4]
+    assert p["costs_s"] == pytest.approx([14.0, 3.0, 0.5])
+    # R_1 = 1/3, R_2 = R_1 * 4 / 2 = 2/3, drafter 2 * R_2 = 4/3 forwards a token
+    assert p["s_per_token"] == pytest.approx(14 / 3 + 2 / 3 * 3 + 4 / 3 * 0.5)
+
+
+def _chain_shapes(accepted: dict[int, float], lengths: list[int], cost: float) -> list[Shape]:
+    return [Shape({"mode": "chain", "length": k}, capped(accepted, {k: 1.0}), k, k, cost) for k in lengths]
+
+
+def test_best_picks_the_draft_length_that_minimises_on_a_synthetic_curve():
+    # flat up to 4 tokens, then 2.5 per token; the target accepts 5 of any longer draft; drafter 1 per forward.
+    # time/token(K) = (T(1 + K) + K) / (1 + min(5, K)): K=1 5.5, 2 4.0, 3 3.25, 4 3.3, 5 3.33, 6 3.92 -> K = 3
+    model = ChainModel([{1: 10.0, 2: 10.0, 4: 10.0, 8: 20.0, 16: 40.0}], [], _chain_shapes({5: 1.0}, [1, 2, 3, 4, 5, 6, 8], 1.0))
+    mus, shape, p = best(model, [1, 2, 4])
+    assert mus == () and shape.draft["length"] == 3 and p["s_per_token"] == pytest.approx(13 / 4)
+    flat = ChainModel([{1: 10.0}], [], model.shapes)  # flat cost: longer drafts pay until acceptance stops at 5
+    assert best(flat, [1])[1].draft["length"] == 5
+
+
+def test_best_picks_mu_for_a_middle_level():
+    # the target keeps 3 of whatever the middle level hands up; each target forward costs 10 + 1 per token fed,
+    # each middle round 1 (2 tokens gained). mu = 1 or 2 -> buffer 2: (13 + 1 + 1) / 3 = 5;
+    # mu = 3 or 4 -> buffer 4: (15 + 2 * 1 + 2 * 1) / 4 = 4.75; mu = 6 -> buffer 6: (17 + 3 + 3) / 4 = 5.75
+    model = ChainModel([{1: 11.0, 2: 12.0}, {1: 1.0}], [{3: 1.0}], [Shape({"mode": "chain", "length": 1}, {1: 1.0}, 1, 1, 1.0)])
+    mus, _, p = best(model, [1, 2, 3, 4, 6])
+    assert mus == (3,) and p["s_per_token"] == pytest.approx(4.75)
+    assert predict(model, (6,), model.shapes[0])["s_per_token"] == pytest.approx(5.75)
+
+
+def test_plan_chain_calibrates_a_real_chain_and_predicts_the_configured_values(one_thread):
+    from decode.chain import Chain, ModelLevel
+    from decode_fixtures import noisy_copy, prompts, tiny_model
+
+    target = tiny_model(0)
+    chain = Chain([ModelLevel("target", target), ModelLevel("mid", noisy_copy(target, 0.05, 1), mu=2),
+                   ModelLevel("draft", noisy_copy(target, 0.3, 2), draft={"mode": "chain", "length": 3})])
+    cfg = OmegaConf.create({"mu": [1, 2, 4], "lengths": [1, 2, 4], "trees": [], "costs": None, "ks": [1, 4, 8],
+                            "repeats": 1, "context": 32, "max_new_tokens": 12})
+    plan = plan_chain(chain, prompts(300, n=2), cfg, eos=None)
+    assert plan["configured"]["knobs"] == {"mu": {"mid": 2}, "draft": {"mode": "chain", "length": 3}}
+    assert knobs(chain) == plan["configured"]["knobs"]  # calibration puts the configured values back
+    planned = plan["planned"]["knobs"]
+    assert planned["mu"]["mid"] in (1, 2, 4) and planned["draft"]["length"] in (1, 2, 3, 4)
+    assert plan["planned"]["predicted"]["s_per_token"] <= plan["configured"]["predicted"]["s_per_token"]
+    assert plan["candidates"] == 3 * 4 and plan["calibration"]["decodes"] == 2
+    assert set(plan["calibration"]["costs"]) == {"target", "mid"}
+    assert all(c["source"] == "timed" and c["scale"] > 0 for c in plan["calibration"]["costs"].values())
