@@ -168,11 +168,22 @@ class ModelLevel(Level):
 
     kind = "model"
 
-    def __init__(self, name: str, model: PreTrainedModel, mu: int = 1, draft: dict | None = None):
+    def __init__(self, name: str, model: PreTrainedModel, mu: int = 1, draft: dict | None = None,
+                 vocab: torch.Tensor | None = None):
         super().__init__(name, mu, draft)
         self.model = model
         self.keep_hidden = False  # set by the chain when an EAGLE level reads this level's features
+        self.set_vocab(vocab)
         self.reset()
+
+    def set_vocab(self, vocab: torch.Tensor | None) -> None:
+        """Restrict the level's logits to `vocab` (token ids; None = all): its LM head computes those rows only
+        and every other token gets -inf, so it never proposes one. Lossless, as any proposal q is: the level
+        above still verifies over its own full vocabulary. Never for the target, whose output it would change."""
+        from decode.head import vocabulary_rows
+
+        self.vocab = vocab
+        self._vocab_rows = None if vocab is None else vocabulary_rows(self.model.get_output_embeddings(), vocab)
 
     def reset(self) -> None:
         super().reset()
@@ -198,10 +209,19 @@ class ModelLevel(Level):
         """One forward of `ids` on top of the cache, timed; keeps the last hidden states if asked."""
         before = self.cache.get_seq_length()
         start = time.perf_counter()
-        out = self.model(
-            input_ids=torch.tensor([ids]), past_key_values=self.cache, use_cache=True, attention_mask=mask,
-            position_ids=positions, logits_to_keep=n_logits, output_hidden_states=self.keep_hidden,
-        )
+        if self.vocab is None:
+            out = self.model(
+                input_ids=torch.tensor([ids]), past_key_values=self.cache, use_cache=True, attention_mask=mask,
+                position_ids=positions, logits_to_keep=n_logits, output_hidden_states=self.keep_hidden,
+            )
+            logits, h = out.logits[0], out.hidden_states[-1] if self.keep_hidden else None
+        else:  # the decoder, then the vocabulary's LM-head rows only
+            h = self.model.get_decoder()(input_ids=torch.tensor([ids]), past_key_values=self.cache, use_cache=True,
+                                         attention_mask=mask, position_ids=positions).last_hidden_state
+            rows = self._vocab_rows(h[0, -n_logits:])
+            softcap = getattr(self.model.config, "final_logit_softcapping", None)
+            rows = torch.tanh(rows / softcap) * softcap if softcap else rows
+            logits = rows.new_full((n_logits, self.model.config.vocab_size), float("-inf")).index_copy_(-1, self.vocab, rows)
         elapsed = time.perf_counter() - start
         self.stats.forward_calls += 1
         self.stats.forwards.append((len(ids), elapsed))
@@ -210,9 +230,8 @@ class ModelLevel(Level):
         else:
             self.stats.verify_time_s += elapsed
         if self.keep_hidden:
-            h = out.hidden_states[-1]
             self.hidden = h if self.hidden is None or before == 0 else torch.cat([self.hidden[:, :before], h], dim=1)
-        return out.logits[0]
+        return logits
 
     def verify(self, ctx, proposal, sampling, gen, record=True):
         start, fwd = time.perf_counter(), self.stats.draft_time_s + self.stats.verify_time_s
@@ -546,6 +565,8 @@ def build_chain(
             raise DecodeError(f"level {i + 1} ({name}): unknown kind {kind!r}; use model, eagle or ngram")
     chain = Chain(levels)
     for i, (level, cfg) in enumerate(zip(levels, chain_cfg)):
+        if cfg.get("vocab") is not None and isinstance(level, ModelLevel):
+            level.set_vocab(_level_vocab(cfg, i, levels))
         if isinstance(level, EagleLevel):
             above = levels[:i][::-1]  # nearest first
             trained_on = getattr(level.head, "feature_source", None)  # what the head was trained on
@@ -555,6 +576,19 @@ def build_chain(
                 raise DecodeError(f"level {level.name!r}: features must be nearest or target, got {source!r}")
             level.features = chain.features(order)
     return chain
+
+
+def _level_vocab(cfg: dict, i: int, levels: list[Level]) -> torch.Tensor:
+    """A middle level's vocabulary (`vocab: head`): the draft vocabulary of the chain's EAGLE head."""
+    name = cfg.get("name", f"L{i + 1}")
+    if i == 0:
+        raise DecodeError(f"level {name!r}: the target cannot have a restricted vocabulary (it would change the output)")
+    if cfg["vocab"] != "head":
+        raise DecodeError(f"level {name!r}: vocab must be 'head' (the EAGLE head's draft vocabulary), got {cfg['vocab']!r}")
+    heads = [l.head for l in levels if isinstance(l, EagleLevel) and l.head.draft_vocab is not None]
+    if not heads:
+        raise DecodeError(f"level {name!r}: vocab: head needs an EAGLE level whose head has a draft vocabulary")
+    return heads[0].draft_vocab
 
 
 def level_model(cfg: dict, target: PreTrainedModel, tokenizer, run_dir: Path, dtype: str) -> PreTrainedModel:

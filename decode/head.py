@@ -178,17 +178,10 @@ class EagleHead(nn.Module):
         return torch.tanh(logits / softcap) * softcap if softcap else logits
 
     def _draft_lm_head(self) -> nn.Module:
-        """The LM head's draft-vocabulary rows as a frozen linear (packed for oneDNN where available)."""
+        """The LM head's draft-vocabulary rows (built on first use, rebuilt if the head changed dtype)."""
         rows = self._derived.get("lm_head")
         if rows is None or rows.weight.dtype != self.lm_head.weight.dtype:
-            from decode.fast import PackedLinear, packing_available
-
-            bias = getattr(self.lm_head, "bias", None)
-            rows = nn.Linear(self.config.hidden_size, len(self.draft_vocab), bias=bias is not None)
-            rows.weight = nn.Parameter(self.lm_head.weight.detach()[self.draft_vocab].contiguous(), requires_grad=False)
-            if bias is not None:
-                rows.bias = nn.Parameter(bias.detach()[self.draft_vocab].contiguous(), requires_grad=False)
-            self._derived["lm_head"] = rows = PackedLinear(rows) if packing_available() else rows
+            self._derived["lm_head"] = rows = vocabulary_rows(self.lm_head, self.draft_vocab)
         return rows
 
     def token_ids(self, index: torch.Tensor) -> torch.Tensor:
@@ -281,6 +274,19 @@ class EagleHead(nn.Module):
         head.feature_source = config.get("feature_source", "target")
         head.saved_config = config
         return head.eval()
+
+
+def vocabulary_rows(lm_head: nn.Module, vocab: torch.Tensor) -> nn.Module:
+    """A frozen linear holding the LM head's rows for `vocab` (packed for oneDNN where available): logits over
+    those tokens only, for a drafter or a middle level whose proposals are restricted to a vocabulary."""
+    from decode.fast import PackedLinear, packing_available
+
+    bias = getattr(lm_head, "bias", None)
+    rows = nn.Linear(lm_head.weight.shape[1], len(vocab), bias=bias is not None, dtype=lm_head.weight.dtype)
+    rows.weight = nn.Parameter(lm_head.weight.detach()[vocab].contiguous(), requires_grad=False)
+    if bias is not None:
+        rows.bias = nn.Parameter(bias.detach()[vocab].contiguous(), requires_grad=False)
+    return PackedLinear(rows) if packing_available() else rows
 
 
 def vocab_hash(tokenizer: PreTrainedTokenizerBase) -> str:

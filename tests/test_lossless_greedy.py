@@ -97,6 +97,38 @@ def test_eagle_with_draft_vocabulary_greedy_equals_target_greedy(models, mode):
     assert outside > 0, "every token was inside the draft vocabulary; the test exercises nothing"
 
 
+@pytest.mark.parametrize("mode", [{"length": 3}, TREE])
+def test_middle_level_with_restricted_vocabulary_greedy_equals_target_greedy(models, mode):
+    """A W4-like middle level whose LM head covers 1 token in 3 (vocab: head): tokens outside its vocabulary
+    can only come from the target, and the output must still be the target's."""
+    target, middle, drafter = models
+    chain = Chain([ModelLevel("t", target), ModelLevel("m", middle, mu=3, vocab=torch.arange(0, VOCAB, 3)),
+                   ModelLevel("d", drafter, draft=mode)])
+    outside = 0
+    for prompt in prompts(VOCAB, n=2):
+        generation = chain.generate(prompt, 30)
+        ok, _ = greedy_equal(target, prompt, generation.tokens)
+        assert ok, "a middle level's restricted vocabulary changed the target's greedy output at a clear margin"
+        outside += sum(t % 3 != 0 for t in generation.tokens)
+    assert outside > 0 and chain.levels[1].stats.accepted > 0, "the test exercises nothing"
+
+
+def test_restricted_vocabulary_comes_from_the_chains_head_and_never_on_the_target(models):
+    from decode.chain import DecodeError, _level_vocab
+    from decode.head import EagleHead
+
+    target = models[0]
+    config = [{"kind": "model"}, {"kind": "model", "model": "target", "layers": 3, "mu": 2, "vocab": "head"},
+              {"kind": "eagle", "path": "untrained", "draft": {"length": 3}}]
+    with pytest.raises(DecodeError, match="needs an EAGLE level whose head has a draft vocabulary"):
+        build_chain(config, target, tokenizer=None)
+    with pytest.raises(DecodeError, match="the target cannot have a restricted vocabulary"):
+        build_chain([{"kind": "model", "vocab": "head"}, *config[1:]], target, tokenizer=None)
+    head = EagleHead.for_target(target, draft_vocab=torch.arange(0, VOCAB, 5))
+    levels = [ModelLevel("t", target), ModelLevel("m", target, mu=2), EagleLevel("h", head, None)]
+    assert torch.equal(_level_vocab(config[1], 1, levels), head.draft_vocab)
+
+
 def test_eos_stops_generation(models):
     target, middle, _ = models
     prompt = prompts(VOCAB, n=1)[0]

@@ -79,6 +79,18 @@ def three_level(models) -> Chain:
                   ModelLevel("drafter", drafter, draft={"mode": "chain", "length": 2})])
 
 
+def restricted_middle(models) -> Chain:
+    """target <- middle level whose vocabulary is 5 of the 8 tokens <- drafter."""
+    target, middle, drafter = models
+    return Chain([ModelLevel("target", target), ModelLevel("middle", middle, mu=2, vocab=torch.tensor([0, 1, 3, 4, 6])),
+                  ModelLevel("drafter", drafter, draft={"mode": "chain", "length": 2})])
+
+
+def test_middle_level_with_restricted_vocabulary_samples_like_the_target(models):
+    p = chi_square_pvalue(chain_counts(restricted_middle(models)), exact_joint(models[0]))
+    assert p > 1e-3, f"a restricted middle level changed the target's sampling (chi-square p={p:.2e})"
+
+
 def test_three_level_chain_samples_like_the_target(models):
     p = chi_square_pvalue(chain_counts(three_level(models)), exact_joint(models[0]))
     assert p > 1e-3, f"chain sampling differs from the target's (chi-square p={p:.2e})"
@@ -102,10 +114,11 @@ def test_draft_vocabulary_chain_samples_like_the_target(models):
         assert p > 1e-3, f"{draft['mode']} drafts over a draft vocabulary: sampling differs from the target's (p={p:.2e})"
 
 
-@pytest.mark.parametrize("chain", ["three levels", "draft vocabulary"])
+@pytest.mark.parametrize("chain", ["three levels", "draft vocabulary", "restricted middle"])
 def test_broken_acceptance_rule_is_caught(models, monkeypatch, chain):
     monkeypatch.setattr(decode.sampling, "residual", lambda p, q, token: p)  # the classic bug
-    built = three_level(models) if chain == "three levels" else draft_vocab_chain(models, {"mode": "chain", "length": 2})
+    built = {"three levels": three_level, "restricted middle": restricted_middle}.get(
+        chain, lambda m: draft_vocab_chain(m, {"mode": "chain", "length": 2}))(models)
     p = chi_square_pvalue(chain_counts(built), exact_joint(models[0]))
     assert p < 1e-3, f"a biased acceptance rule went unnoticed (chi-square p={p:.2e})"
 
