@@ -144,7 +144,7 @@ def cost_curves(chain: Chain, context: list[int], cfg: Any) -> tuple[list[dict[i
 def calibrate(chain: Chain, prompts: list[list[int]], cfg: Any, eos: Any) -> tuple[ChainModel, dict[str, Any]]:
     """Decode `prompts` at each calibration setting; the model of the chain, and what was measured."""
     configured = knobs(chain)
-    drafter, draft = chain.levels[-1], configured["draft"]
+    draft = configured["draft"]
     mu_max = max([int(m) for m in cfg.mu] + list(configured["mu"].values()))
     if draft["mode"] == "tree":
         trees = [{**draft, **dict(t)} for t in cfg.trees]
@@ -187,15 +187,20 @@ def calibrate(chain: Chain, prompts: list[list[int]], cfg: Any, eos: Any) -> tup
 
 
 def plan_chain(chain: Chain, prompts: list[list[int]], cfg: Any, eos: Any) -> dict[str, Any]:
-    """Calibrate, then the planned knobs next to the configured ones, each with its predicted time."""
+    """Calibrate, then the planned knobs next to the configured ones, each with its predicted time and its
+    predicted speedup over AR (the target's 1-token forward, from the same curve). A plan predicted less
+    than `cfg.min_gain` faster keeps the configured values: the calibration is short and noisy."""
     configured = knobs(chain)
     model, calibration = calibrate(chain, prompts, cfg, eos)
+    mine = predict(model, list(configured["mu"].values()), next(s for s in model.shapes if s.draft == configured["draft"]))
     mus, shape, predicted = best(model, [int(m) for m in cfg.mu])
     planned = {"mu": dict(zip(configured["mu"], mus)), "draft": shape.draft}
-    mine = next(s for s in model.shapes if s.draft == configured["draft"])
+    if predicted["s_per_token"] > (1 - float(cfg.min_gain)) * mine["s_per_token"]:
+        planned, predicted = configured, mine
+    ar = forward_cost(model.curves[0], 1)
     return {
-        "configured": {"knobs": configured, "predicted": predict(model, list(configured["mu"].values()), mine)},
-        "planned": {"knobs": planned, "predicted": predicted},
+        "configured": {"knobs": configured, "predicted": mine | {"speedup": ar / mine["s_per_token"]}},
+        "planned": {"knobs": planned, "predicted": predicted | {"speedup": ar / predicted["s_per_token"]}},
         "candidates": len(model.shapes) * len(cfg.mu) ** (len(chain.levels) - 2),
         "calibration": calibration,
     }

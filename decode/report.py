@@ -28,11 +28,23 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
 
 
+def _error(prediction: dict[str, Any]) -> str:
+    return _f(prediction.get("error"), "+.0%")
+
+
 def markdown(report: dict[str, Any]) -> str:
+    from decode.measure import level_line, prediction_line
+
     chains = list(report["chains"])
-    lines = [f"# Chain evaluation: {report['run_name']}", ""]
     gate = report["gate"]
-    lines += [f"**Gate: {gate['decision']}.** {gate['explanation']}", ""]
+    lines = [f"# Chain evaluation: {report['run_name']}", ""]
+    lines += [f"**Published: {gate['chain']}.** {gate['explanation']}" if gate["publish"] else
+              f"**Gate: not published.** {gate['explanation']}", ""]
+    for name, reasons in gate["rejected"].items():
+        lines.append(f"- rejected {name}: " + "; ".join(reasons))
+    agreement = next(c for c in report["checks"] if c["name"] == "agreement")["details"]
+    lines += ["", f"Admissible: lossless, every inserted level passes Theorem 3.2, the {agreement['prediction']} "
+              f"prediction within {agreement['tolerance']:.0%} of the measured decoding time, and faster than AR.", ""]
     lines += _table(["check", "result", "why"], [
         [c["name"], "pass" if c["passed"] else "FAIL", "; ".join(c["reasons"]) or "-"] for c in report["checks"]
     ])
@@ -47,19 +59,57 @@ def markdown(report: dict[str, Any]) -> str:
     for name in ["ar", *baselines, *chains]:
         s = report["summaries"][name]
         res = report["chains"].get(name) or baselines.get(name, {})
+        pred = res.get("predictions", {})
         levels = s["levels"]
         rows.append([
             name, " <- ".join(l["name"] for l in levels), _f(s["tokens_per_s"], ".1f"),
             _f(res.get("measured_speedup", 1.0)), _f(res.get("time_speedup", 1.0)),
-            _f(res.get("predicted_speedup", 1.0 if name == "ar" else None)),
+            _f(pred.get("paper", {}).get("speedup")), _f(pred.get("refined", {}).get("speedup")),
             " / ".join(_ms(l["T_s"]) for l in levels),
             " / ".join(f"{_f(l['L_mean'])} (var {_f(l['L_var'])})" for l in levels[:-1]) or "-",
-            _f(s["draft_depth"]), _f(res.get("prediction_error"), "+.0%"),
+            _f(s["draft_depth"]), _error(pred.get("paper", {})), _error(pred.get("refined", {})),
         ])
-    lines += _table(["chain", "levels", "tok/s", "speedup", "time speedup", "Thm 3.1 speedup", "T_i ms",
-                     "L_i (var)", "beta", "Thm 3.1 time error"], rows)
+    lines += _table(["chain", "levels", "tok/s", "speedup", "time speedup", "Thm 3.1 speedup", "refined speedup", "T_i ms",
+                     "L_i (var)", "beta", "Thm 3.1 time error", "refined time error"], rows)
     lines += ["", "speedup: Spec-Bench's (mean tokens/s over the AR's); time speedup: AR seconds per token over the "
-              "chain's, pooled over all turns, the quantity Theorem 3.1 predicts and the agreement check compares."]
+              "chain's, pooled over all turns (what the gate compares with 1). Time errors: predicted decoding time "
+              "(after the first token) over the measured one, minus 1. Theorem 3.1 is the paper's formula; the refined "
+              "prediction counts each middle level's rounds from the tokens it hands up (P) and those the level above keeps.",
+              "", "Per level (T = ms per forward, L = acceptance length, P = tokens handed up per round; as decode.bench prints it):", ""]
+    lines += [f"- {name}: {level_line(report['summaries'][name])} | {prediction_line(report['summaries'][name])}" for name in chains]
+
+    if report.get("plans"):
+        lines += ["", "## Plan (decode.plan)", ""]
+        rows = []
+        for base, plan in report["plans"].items():
+            for side, name in (("configured", base), ("planned", plan["chain"])):
+                k, pr = plan[side]["knobs"], plan[side]
+                rows.append([f"{name} ({side})", ", ".join(f"{n}={m}" for n, m in k["mu"].items()) or "-",
+                             ", ".join(f"{a}={b}" for a, b in k["draft"].items() if a != "mode") + f" ({k['draft']['mode']})",
+                             _ms(pr["predicted"]["s_per_token"]), _ms(pr.get("measured_s_per_token")), _f(pr.get("error"), "+.0%"),
+                             _f(pr["predicted"]["speedup"]), _f(pr.get("measured_speedup"))])
+        lines += _table(["chain", "mu", "draft", "predicted ms/token", "measured ms/token", "error", "predicted speedup",
+                         "measured speedup"], rows)
+        lines += ["", "Decoding time after the first token; speedups over AR's own decoding (predicted: the target's "
+                  "1-token forward from the same cost curve), which cancels load that changed since the calibration.", ""]
+        for base, plan in report["plans"].items():
+            cal = plan["calibration"]
+            costs = ", ".join(f"{n} ({c['source']}, x{c['scale']:.2f})" for n, c in cal["costs"].items())
+            lines.append(f"- {base}: {plan['candidates']} configurations predicted from {cal['decodes']} calibration decodes "
+                         f"({cal['prompts']} held-out prompts x {cal['max_new_tokens']} tokens, mu {cal['mu']}, "
+                         f"{cal['seconds']:.0f}s); cost curves: {costs}.")
+
+    if report.get("theorem_3_3"):
+        lines += ["", "## Theorem 3.3: acceptance-length variance, greedy vs sampling", "",
+                  "The paper's claim: with speculative sampling the acceptance length is stable, its variance lower "
+                  "than with greedy decoding. Measured on the same first turns, sampling at temperature "
+                  f"{report['config']['theorem_3_3']['temperature']}:", ""]
+        rows = [[name, r["level"], f"{_f(r['greedy']['L'])} ({_f(r['greedy']['var'])})",
+                 f"{_f(r['sampling']['L'])} ({_f(r['sampling']['var'])})",
+                 f"{r['greedy']['verifications']} / {r['sampling']['verifications']}",
+                 {True: "holds", False: "does not hold", None: "n/a"}[r["claim_holds"]]]
+                for name, rows_ in report["theorem_3_3"].items() for r in rows_]
+        lines += _table(["chain", "level", "greedy L (var)", "sampling L (var)", "verifications", "claim"], rows)
 
     lines += ["", "## Per category", ""]
     rows = []
@@ -120,36 +170,31 @@ def plot_acceptance(name: str, summary: dict[str, Any], path: Path) -> None:
 
 
 def plot_predicted_vs_measured(report: dict[str, Any], path: Path) -> None:
-    """One panel of whole-run totals per chain, one of single turns (each turn's own T_i, L_i, beta, N)."""
-    from decode.theory import TheoryError, predicted_time
-
+    """Decoding time predicted against measured: whole-run totals per chain (Theorem 3.1 and the refined
+    prediction), and single turns (each turn's own measurements, refined prediction)."""
     fig, (total, turns) = plt.subplots(1, 2, figsize=(9, 4.5))
-    for k, (name, res) in enumerate(report["chains"].items()):
-        color = f"C{k}"
-        if "predicted_time_s" in res:
-            total.scatter([report["summaries"][name]["wall_time_s"]], [res["predicted_time_s"]], label=name, s=60, c=color)
-        points = []
-        for row in report["records"][name]:
-            levels = row["levels"]
-            try:
-                points.append((row["wall_time_s"], predicted_time([l["T_s"] for l in levels], [l["L_mean"] for l in levels[:-1]],
-                                                                  row["draft_depth"], len(row["tokens"]))))
-            except TheoryError:
-                continue  # a turn too short to measure every level
+    for k, name in enumerate(report["chains"]):
+        color, summary = f"C{k}", report["summaries"][name]
+        for kind, marker in (("paper", "x"), ("refined", "o")):
+            p = summary["predictions"][kind]
+            if "time_s" in p:
+                total.scatter([summary["decode_time_s"]], [p["time_s"]], marker=marker, s=60, c=color,
+                              label=f"{name} ({'Thm 3.1' if kind == 'paper' else 'refined'})")
+        points = [(row["decode_time_s"], row["predicted_time_s"]["refined"]) for row in report["records"][name]
+                  if row["predicted_time_s"].get("refined") is not None]
         if points:
             turns.scatter(*zip(*points), s=12, alpha=0.6, label=name, c=color)
-    for ax, title in ((total, "whole run"), (turns, "per turn")):
+    for ax, title in ((total, "whole run"), (turns, "per turn (refined)")):
         top = max([*ax.get_xlim(), *ax.get_ylim()])
         ax.plot([0, top], [0, top], color="gray", ls="--", lw=1)
-        ax.set_xlabel("measured time (s)")
-        ax.set_ylabel("Theorem 3.1 predicted time (s)")
+        ax.set_xlabel("measured decoding time (s)")
+        ax.set_ylabel("predicted decoding time (s)")
         ax.set_title(title)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend()
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
 
 
 def write_report(report: dict[str, Any], out_dir: str | Path) -> Path:

@@ -61,14 +61,18 @@ QUESTIONS = [
 ]
 
 
-def eval_cfg(run_dir, chains: dict, force: bool = False, tolerance: float = 0.3, rule: str = "both"):
-    """The eval config as decode.eval.conclude reads it (the chains' level lists only carry names here)."""
+def eval_cfg(run_dir, chains: dict, force: bool = False, tolerance: float = 0.3, rule: str = "both", publish: str = "best"):
+    """The eval config as decode.eval.conclude and plan_chains read it (the chains' level lists only carry
+    names and sources here)."""
     return OmegaConf.create({
         "run_name": "test", "run_dir": str(run_dir), "model": {"name": "tiny", "dtype": "float32"},
         "wandb": {"mode": "disabled", "dir": f"{run_dir}/wandb"},
         "eval": {
-            "max_new_tokens": 12, "out_dir": f"{run_dir}/eval", "chains": chains,
+            "prompts": None, "max_new_tokens": 12, "out_dir": f"{run_dir}/eval", "chains": chains,
             "checks": {"near_tie_relative": {"float32": 1e-4}, "insertion_rule": rule, "agreement_tolerance": tolerance},
-            "publish": {"chain": next(iter(chains)), "dir": f"{run_dir}/publish", "force": force, "lineage": []},
+            "plan": {"enabled": True, "chains": None, "questions": 2, "max_new_tokens": 12, "mu": [1, 2, 4],
+                     "lengths": [1, 2, 4], "min_gain": 0.0, "trees": [], "costs": None, "ks": [1, 4, 8], "repeats": 1, "context": 32},
+            "theorem_3_3": {"questions": 2, "temperature": 1.0, "seed": 0},
+            "publish": {"chain": publish, "dir": f"{run_dir}/publish", "force": force, "lineage": []},
         },
     })

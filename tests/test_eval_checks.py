@@ -11,23 +11,25 @@ from decode.eval import (
     check_agreement,
     check_insertion,
     check_lossless,
+    clean_stale,
     evaluate_insertion,
     find_insertions,
     folder_hash,
     gate,
     publish_bundle,
+    set_aside,
     summarize,
     time_speedup,
 )
+from decode.chain import GenerationStats, LevelStats
 
 
 def record(tokens, levels, turn=0, qid=1, wall=1.0, depth=0.0):
-    return Record(qid, "qa", turn, [5, 6, 7], tokens, wall, levels, depth)
+    return Record(qid, "qa", turn, [5, 6, 7], tokens, GenerationStats(wall, 0.0, len(tokens), depth, levels))
 
 
 def level(name, calls, time_s, lengths):
-    return {"name": name, "kind": "model", "forward_calls": calls, "forward_time_s": time_s,
-            "bookkeeping_time_s": 0.0, "acceptance_lengths": lengths}
+    return LevelStats(name, "model", forward_calls=calls, verify_time_s=time_s, acceptance_lengths=lengths)
 
 
 def summary(times, lengths, beta):
@@ -116,29 +118,78 @@ def test_unmeasured_level_fails_insertion_with_the_theory_message():
     assert not check.passed and "T_new is missing" in check.reasons[0]
 
 
-def test_agreement_within_tolerance_and_direction():
-    ok = {"d": {"predicted_speedup": 2.0, "time_speedup": 1.8}, "p": {"predicted_speedup": 2.4, "time_speedup": 2.2}}
-    assert check_agreement(ok, [], 0.3).passed
-    off = {"d": {"predicted_speedup": 3.0, "time_speedup": 1.8}}
-    check = check_agreement(off, [], 0.3)
-    assert not check.passed and "predicts 3.00x, measured 1.80x (+67%" in check.reasons[0]
-    wrong_way = {"d": {"predicted_speedup": 2.0, "time_speedup": 2.0}, "p": {"predicted_speedup": 2.2, "time_speedup": 1.9}}
+def result(predicted, measured, speedup=1.0):
+    """A chain result as decode.eval.evaluate makes it: the refined prediction against the measured time."""
+    p = {"time_s": predicted, "error": predicted / measured - 1}
+    return {"predictions": {"refined": p, "paper": p}, "decode_time_s": measured, "time_speedup": speedup}
+
+
+def test_agreement_uses_the_refined_prediction_within_tolerance_and_direction():
+    ok = {"d": result(1.05, 1.0), "p": result(0.95, 1.0)}
+    check = check_agreement(ok, [], 0.1)
+    assert check.passed and check.details == {"prediction": "refined", "tolerance": 0.1}
+    off = {"d": result(1.2, 1.0), "p": result(1.0, 1.0)}
+    check = check_agreement(off, [], 0.1)
+    assert not check.passed and list(check.by_chain) == ["d"]
+    assert "d: the refined prediction predicts 1.20s of decoding, measured 1.00s (+20%, tolerance 10%)" in check.reasons[0]
+    wrong_way = {"d": result(1.0, 1.0, speedup=2.0), "p": result(1.0, 1.0, speedup=1.9)}
     ins = [{"with": "p", "without": "d", "level": "w4", "improves": True}]
     check = check_agreement(wrong_way, ins, 0.3)
-    assert not check.passed and "the theory says inserting w4 is faster" in check.reasons[0]
-    assert not check_agreement({"d": {"theory_error": "L_1 is missing", "time_speedup": 1.0}}, [], 0.3).passed
+    assert list(check.by_chain) == ["p"] and "the theory says inserting w4 is faster" in check.reasons[0]
+    unknown = {"d": {"predictions": {"refined": {"error_reason": "L_1 is missing"}}, "time_speedup": 1.0}}
+    assert "cannot be evaluated (L_1 is missing)" in check_agreement(unknown, [], 0.3).reasons[0]
+    paper = check_agreement({"d": result(1.2, 1.0)}, [], 0.1, prediction="paper")
+    assert paper.details["prediction"] == "paper" and "Theorem 3.1 predicts 1.20s" in paper.reasons[0]
 
 
-def test_gate_refuses_lists_one_line_per_failure_and_force_overrides():
-    checks = [{"name": "lossless", "passed": True, "reasons": []},
-              {"name": "insertion", "passed": False, "reasons": ["w4 too slow"]},
-              {"name": "agreement", "passed": False, "reasons": ["d off", "p off"]}]
-    refused = gate(checks, force=False)
-    assert not refused["publish"] and refused["failures"] == [
-        "check failed: insertion: w4 too slow", "check failed: agreement: d off", "check failed: agreement: p off"]
-    forced = gate(checks, force=True)
-    assert forced["publish"] and forced["forced"] and "publish.force=true" in forced["explanation"]
-    assert gate(checks[:1], force=False)["publish"]
+CHECKS = [{"name": "lossless", "passed": True, "reasons": [], "by_chain": {}},
+          {"name": "insertion", "passed": False, "reasons": ["w4 too slow"], "by_chain": {"polybasic": ["w4 too slow"]}},
+          {"name": "agreement", "passed": True, "reasons": [], "by_chain": {}}]
+
+
+def test_gate_publishes_the_fastest_admissible_chain_and_lists_the_rejected():
+    decision = gate(CHECKS, {"dualistic": 1.3, "polybasic": 1.8, "dualistic_planned": 1.5})
+    assert decision["publish"] and decision["chain"] == "dualistic_planned" and not decision["forced"]
+    assert decision["admissible"] == ["dualistic", "dualistic_planned"]
+    assert decision["rejected"] == {"polybasic": ["insertion: w4 too slow"]}
+    assert "dualistic_planned, the fastest admissible chain: 1.50x AR" in decision["explanation"]
+
+
+def test_gate_never_publishes_a_chain_slower_than_ar():
+    passing = [{**c, "passed": True, "reasons": [], "by_chain": {}} for c in CHECKS]
+    decision = gate(passing, {"dualistic": 0.95, "polybasic": 1.0})
+    assert not decision["publish"] and decision["chain"] is None and decision["explanation"] == "no chain is admissible."
+    assert decision["rejected"]["dualistic"] == ["faster than AR: measured 0.95x AR"]
+    assert "check failed: faster than AR: polybasic measured 1.00x AR" in decision["failures"][1]
+    for choice in ("best", "dualistic"):  # neither force nor the strict gate publishes a slow chain
+        assert not gate(CHECKS, {"dualistic": 0.95}, choice, force=True)["publish"]
+
+
+def test_strict_gate_needs_every_check_and_force_overrides_checks_only():
+    strict = gate(CHECKS, {"dualistic": 1.3, "polybasic": 1.8}, choice="dualistic")
+    assert not strict["publish"] and "a check failed" in strict["explanation"]
+    assert strict["failures"] == ["check failed: insertion: w4 too slow"]
+    passing = [{**c, "passed": True, "reasons": [], "by_chain": {}} for c in CHECKS]
+    assert gate(passing, {"dualistic": 1.3, "polybasic": 1.8}, choice="dualistic")["chain"] == "dualistic"
+    forced = gate(CHECKS, {"polybasic": 1.8}, choice="polybasic", force=True)
+    assert forced["publish"] and forced["forced"] and "publish.force=true overrode: insertion: w4 too slow" in forced["explanation"]
+    best_forced = gate(CHECKS, {"polybasic": 1.8}, force=True)
+    assert best_forced["chain"] == "polybasic" and best_forced["decision"] == "published (forced)"
+
+
+def test_a_refused_publish_sets_the_old_bundle_aside_and_stale_temps_are_removed(tmp_path):
+    (tmp_path / "publish").mkdir()
+    (tmp_path / "publish" / "chain.json").write_text('{"chain": "old"}')
+    (tmp_path / "publish.stale").mkdir()  # an older one is replaced
+    for stale in (".publish.tmp-abc", ".publish.old-123", ".eval.tmp-x"):
+        (tmp_path / stale).mkdir()
+    (tmp_path / ".other").mkdir()
+    assert sorted(p.name for p in clean_stale([tmp_path / "eval", tmp_path / "publish"])) == [
+        ".eval.tmp-x", ".publish.old-123", ".publish.tmp-abc"]
+    assert set_aside(tmp_path / "publish") == tmp_path / "publish.stale"
+    assert json.loads((tmp_path / "publish.stale" / "chain.json").read_text()) == {"chain": "old"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other", "publish.stale"]
+    assert set_aside(tmp_path / "publish") is None
 
 
 @pytest.fixture
@@ -196,4 +247,5 @@ def test_eval_config_composes_and_names_the_insertion(choice, inserted):
         cfg = compose("config", overrides=[f"eval={choice}"]).eval
     names = {name: [lvl["name"] for lvl in levels] for name, levels in cfg.chains.items()}
     assert [(i["with"], i["level"]) for i in find_insertions(names)] == [("polybasic", inserted)]
-    assert cfg.publish.chain in cfg.chains and cfg.publish.force is False
+    assert cfg.publish.chain == "best" and cfg.publish.force is False
+    assert cfg.plan.enabled and cfg.checks.agreement_prediction == "refined" and cfg.checks.agreement_tolerance == 0.1

@@ -72,7 +72,7 @@ def test_plan_chain_calibrates_a_real_chain_and_predicts_the_configured_values(o
     target = tiny_model(0)
     chain = Chain([ModelLevel("target", target), ModelLevel("mid", noisy_copy(target, 0.05, 1), mu=2),
                    ModelLevel("draft", noisy_copy(target, 0.3, 2), draft={"mode": "chain", "length": 3})])
-    cfg = OmegaConf.create({"mu": [1, 2, 4], "lengths": [1, 2, 4], "trees": [], "costs": None, "ks": [1, 4, 8],
+    cfg = OmegaConf.create({"mu": [1, 2, 4], "lengths": [1, 2, 4], "min_gain": 0.0, "trees": [], "costs": None, "ks": [1, 4, 8],
                             "repeats": 1, "context": 32, "max_new_tokens": 12})
     plan = plan_chain(chain, prompts(300, n=2), cfg, eos=None)
     assert plan["configured"]["knobs"] == {"mu": {"mid": 2}, "draft": {"mode": "chain", "length": 3}}
@@ -83,3 +83,6 @@ def test_plan_chain_calibrates_a_real_chain_and_predicts_the_configured_values(o
     assert plan["candidates"] == 3 * 4 and plan["calibration"]["decodes"] == 2
     assert set(plan["calibration"]["costs"]) == {"target", "mid"}
     assert all(c["source"] == "timed" and c["scale"] > 0 for c in plan["calibration"]["costs"].values())
+    assert plan["planned"]["predicted"]["speedup"] > 0
+    cautious = plan_chain(chain, prompts(300, n=2), OmegaConf.merge(cfg, {"min_gain": 0.99}), eos=None)
+    assert cautious["planned"] == cautious["configured"]  # not predicted 99% faster: keep the configured values
