@@ -5,9 +5,10 @@ Times are decoding times after the first token (the engine's per-level stats exc
 time is time_to_first_token_s); N is the tokens decoded after the first, pooled over generations.
   paper    Theorem 3.1 on the pooled T_i, L_i and beta (decode.theory.predicted_time);
   refined  each level's rounds counted from the tokens it hands up, at its measured cost per forward
-           (decode.theory.refined_time). On measured chains its rounds equal the levels' forward calls
-           (Wald's identity), so its error is the time spent outside forwards; the planner's prediction
-           (decode.plan) is the same formula fed from a model of the chain instead.
+           (decode.theory.refined_time). On measured values its rounds equal the levels' forward calls
+           (the tokens a level hands up are the sum of its acceptance lengths), so its error is the time
+           spent outside forwards; the planner's prediction (decode.plan) is the same formula fed from a
+           model of the chain instead, and is checked against the planned chain's measurement.
 """
 from __future__ import annotations
 
