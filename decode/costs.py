@@ -39,6 +39,20 @@ def head_forward(head, context: list[int], features: torch.Tensor) -> Step:
     return step
 
 
+def level_forward(level, context: list[int]) -> Step:
+    """A step: one verification-shaped forward of k new tokens through a chain level (e.g. a level with a
+    restricted vocabulary) after a cached context."""
+    with torch.inference_mode():
+        level.forward(context, 1, "verify")
+
+    def step(k: int) -> object:
+        level.tokens = level.tokens[: len(context)]  # the last step's tokens are not a prefix to keep
+        with torch.inference_mode():
+            return level.forward(context + context[-k:], k, "verify")
+
+    return step
+
+
 def context_ids(cfg: DictConfig, tokenizer, length: int) -> list[int]:
     """`length` tokens of real chat text: held-out ShareGPT conversations, templated, concatenated."""
     from data.sharegpt import load_conversations, split_conversations, tokenize_conversation
@@ -87,6 +101,12 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
     for name, head in heads.items():
         pack(head)
         steps[name] = head_forward(head.eval(), context, features)
+    vocab = heads["head"].draft_vocab if "head" in heads else None
+    if "w4" in steps and vocab is not None:
+        from decode.chain import ModelLevel
+
+        steps["w4 V=head"] = level_forward(ModelLevel("w4", w4, vocab=vocab), context)
+        notes["w4 V=head"] = f"the W4 level restricted to the head's {len(vocab)}-token vocabulary (vocab: head)"
     return steps, notes
 
 
