@@ -586,6 +586,7 @@ def learning_curve_png(curve: list[dict[str, float]], depth: int) -> bytes:
     import io
 
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -599,6 +600,8 @@ def learning_curve_png(curve: list[dict[str, float]], depth: int) -> bytes:
     length.plot(tokens, [p["acceptance_length"] for p in curve], marker="o")
     length.set(xlabel="training tokens seen", ylabel="tokens per verification",
                title=f"expected acceptance length, depth-{depth} chain")
+    for ax in (top1, length):
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x / 1000:.0f}k"))
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100)
