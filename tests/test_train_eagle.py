@@ -172,6 +172,31 @@ def test_interrupt_then_resume_gives_the_same_weights(tiny_setup, tmp_path, monk
         eagle.train(compose(tiny_setup, tmp_path / "interrupted", "train.resume=true", "train.lr=0.5"))
 
 
+class RunsCode:
+    """An object whose unpickling would run code: a checkpoint holding one must be refused, not executed."""
+
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/polyspec-pwned",))
+
+
+def test_resume_reads_only_own_checkpoints_and_never_unpickles_code(tiny_setup, tmp_path):
+    run = tmp_path / "run"
+    eagle.train(compose(tiny_setup, run, "train.epochs=1"))
+    ckpt = run / "eagle_checkpoints"
+    (ckpt / "latest").write_text("../..")
+    with pytest.raises(eagle.TrainError, match=r"names '\.\./\.\.', not a checkpoint of this stage"):
+        eagle.train(compose(tiny_setup, run, "train.epochs=1", "train.resume=true"))
+    tag = sorted(p.name for p in ckpt.glob("step*"))[-1]
+    (ckpt / "latest").write_text(tag)
+    optim = next((ckpt / tag).glob("*optim_states.pt"))
+    state = torch.load(optim, weights_only=False)
+    state["payload"] = RunsCode()
+    torch.save(state, optim)
+    with pytest.raises(eagle.TrainError, match=r"unreadable checkpoint \(UnpicklingError"):
+        eagle.train(compose(tiny_setup, run, "train.epochs=1", "train.resume=true"))
+    assert not Path("/tmp/polyspec-pwned").exists()
+
+
 def test_feature_source_w4_trains_on_the_w4_models_features(tiny_setup, tmp_path):
     with pytest.raises(eagle.TrainError, match=r"/w4: no W4 model there"):
         eagle.train(compose(tiny_setup, tmp_path, "train.feature_source=w4"))

@@ -19,6 +19,8 @@ import json
 import logging
 import math
 import os
+import pickle
+import re
 import shutil
 import signal
 import socket
@@ -438,15 +440,39 @@ def new_head(cfg: DictConfig, target: PreTrainedModel, vocab: torch.Tensor | Non
     return head
 
 
+CHECKPOINT_TAG = re.compile(r"step\d{7}")
+
+
+def weights_only_loading(engine: Any) -> None:
+    """Make DeepSpeed read checkpoints with `torch.load(weights_only=True)`: tensors, containers and the three
+    DeepSpeed classes its ZeRO optimizer state holds, never arbitrary pickled objects (no code runs on load)."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    def load(path: str, map_location: Any = None) -> Any:
+        with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
+            return torch.load(path, map_location=map_location, weights_only=True)
+
+    engine.checkpoint_engine.load = load
+
+
 def resume_progress(engine: Any, cfg: DictConfig, world: int, total_steps: int, rank: int) -> Progress:
-    """The progress of the last checkpoint (train.resume=true and one exists), else a fresh start."""
+    """The progress of the last checkpoint (train.resume=true and one exists), else a fresh start. Only
+    this stage's own checkpoint folders (stepNNNNNNN inside the checkpoint folder) are read, weights-only."""
     ckpt_dir = Path(cfg.run_dir) / "eagle_checkpoints"
     if not cfg.train.resume or not (ckpt_dir / "latest").is_file():
         if cfg.train.resume and rank == 0:
             print(f"train.resume=true but no checkpoint in {ckpt_dir}; starting at step 0")
         return Progress()
     tag = (ckpt_dir / "latest").read_text().strip()
-    _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+    if not CHECKPOINT_TAG.fullmatch(tag) or (ckpt_dir / tag).is_symlink() or not (ckpt_dir / tag).is_dir():
+        raise TrainError(f"{ckpt_dir / 'latest'}: names {tag[:40]!r}, not a checkpoint of this stage (stepNNNNNNN inside {ckpt_dir})")
+    weights_only_loading(engine)
+    try:
+        _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+    except (pickle.UnpicklingError, RuntimeError, OSError, KeyError) as err:
+        raise TrainError(f"{ckpt_dir / tag}: unreadable checkpoint ({err.__class__.__name__}: {str(err).splitlines()[0][:200]})") from None
     if client is None:
         raise TrainError(f"{ckpt_dir / tag}: unreadable checkpoint")
     fingerprint = checkpoint_fingerprint(cfg, world)
