@@ -55,21 +55,6 @@ class LevelStats:
         n, m = len(self.acceptance_lengths), self.mean_acceptance_length
         return sum((x - m) ** 2 for x in self.acceptance_lengths) / max(n - 1, 1)
 
-    def histogram(self) -> dict[int, int]:
-        hist: dict[int, int] = {}
-        for x in self.acceptance_lengths:
-            hist[x] = hist.get(x, 0) + 1
-        return dict(sorted(hist.items()))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name, "kind": self.kind, "forward_calls": self.forward_calls,
-            "draft_time_s": self.draft_time_s, "verify_time_s": self.verify_time_s,
-            "bookkeeping_time_s": self.bookkeeping_time_s, "mean_forward_time_s": self.mean_forward_time_s,
-            "mean_acceptance_length": self.mean_acceptance_length, "acceptance_variance": self.acceptance_variance,
-            "acceptance_histogram": self.histogram(), "proposed": self.proposed, "accepted": self.accepted,
-        }
-
 
 @dataclass
 class GenerationStats:
@@ -82,13 +67,6 @@ class GenerationStats:
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "wall_time_s": self.wall_time_s, "time_to_first_token_s": self.time_to_first_token_s,
-            "new_tokens": self.new_tokens, "tokens_per_s": self.tokens_per_s, "draft_depth": self.draft_depth,
-            "levels": [level.to_dict() for level in self.levels],
-        }
 
 
 @dataclass

@@ -272,7 +272,6 @@ class EagleHead(nn.Module):
         if missing or unexpected:
             raise HeadError(f"{weights}: does not fit this target's head (missing {list(missing)[:3]}, unexpected {list(unexpected)[:3]})")
         head.feature_source = config.get("feature_source", "target")
-        head.saved_config = config
         return head.eval()
 
 
