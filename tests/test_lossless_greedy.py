@@ -88,13 +88,19 @@ def test_eagle_with_draft_vocabulary_greedy_equals_target_greedy(models, mode):
     target = models[0]
     chain = build_chain([{"kind": "model"}, {"kind": "eagle", "path": "untrained", "draft": mode}], target, tokenizer=None)
     chain.levels[-1].head = EagleHead.for_target(target, draft_vocab=torch.arange(0, VOCAB, 7)).eval()
+    assert tokens_outside(chain, target, every=7) > 0, "every token was inside the draft vocabulary; the test exercises nothing"
+
+
+def tokens_outside(chain: Chain, target, every: int) -> int:
+    """Decode 2 prompts, assert each equals the target's greedy output; count tokens not divisible by `every`
+    (outside a vocabulary of every `every`-th token)."""
     outside = 0
     for prompt in prompts(VOCAB, n=2):
         generation = chain.generate(prompt, 30)
         ok, _ = greedy_equal(target, prompt, generation.tokens)
-        assert ok, "a draft vocabulary changed the target's greedy output at a clear margin"
-        outside += sum(t % 7 != 0 for t in generation.tokens)
-    assert outside > 0, "every token was inside the draft vocabulary; the test exercises nothing"
+        assert ok, "a restricted vocabulary changed the target's greedy output at a clear margin"
+        outside += sum(t % every != 0 for t in generation.tokens)
+    return outside
 
 
 @pytest.mark.parametrize("mode", [{"length": 3}, TREE])
@@ -104,13 +110,7 @@ def test_middle_level_with_restricted_vocabulary_greedy_equals_target_greedy(mod
     target, middle, drafter = models
     chain = Chain([ModelLevel("t", target), ModelLevel("m", middle, mu=3, vocab=torch.arange(0, VOCAB, 3)),
                    ModelLevel("d", drafter, draft=mode)])
-    outside = 0
-    for prompt in prompts(VOCAB, n=2):
-        generation = chain.generate(prompt, 30)
-        ok, _ = greedy_equal(target, prompt, generation.tokens)
-        assert ok, "a middle level's restricted vocabulary changed the target's greedy output at a clear margin"
-        outside += sum(t % 3 != 0 for t in generation.tokens)
-    assert outside > 0 and chain.levels[1].stats.accepted > 0, "the test exercises nothing"
+    assert tokens_outside(chain, target, every=3) > 0 and chain.levels[1].stats.accepted > 0, "the test exercises nothing"
 
 
 def test_restricted_vocabulary_comes_from_the_chains_head_and_never_on_the_target(models):
