@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from data.cli import run_or_exit
+from data.cli import check_writable, run_or_exit
 from decode.chain import DecodeError, Generation, level_model, load_target
 from decode.generate import chain_from_config, sampling_args
 from decode.measure import level_line, prediction_line, summarize
@@ -108,6 +108,7 @@ def run(cfg: DictConfig) -> dict:
     from data.tracking import write_json_atomic
 
     b = cfg.decode.bench
+    check_writable(b.out, "decode.bench.out", kind="file")  # refuse before minutes of decoding, not after
     if cfg.decode.get("threads"):
         torch.set_num_threads(int(cfg.decode.threads))
     target, tokenizer = load_target(cfg)

@@ -147,6 +147,15 @@ def test_eval_refuses_an_unwritable_output_before_decoding(tmp_path, monkeypatch
         run(eval_config(tmp_path))
 
 
+def test_bench_refuses_an_unwritable_output_before_decoding(tmp_path, monkeypatch):
+    from data.cli import ConfigError
+    from decode.bench import run
+
+    read_only_mount(monkeypatch)
+    with pytest.raises(ConfigError, match=r"^decode.bench.out=.*bench.json: cannot write there \(.*Read-only file system\)$"):
+        run(eval_config(tmp_path))  # nothing is loaded: the output check comes first
+
+
 def test_eval_refuses_an_output_path_that_is_a_file(tmp_path):
     from decode.eval import EvalError, run
 
