@@ -20,6 +20,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from decode import tree as trees
 from decode.fast import pack
+from decode.head import softcapped, spread, vocabulary_rows
 from decode.sampling import Sampling, SamplingError, probabilities, sample, verify_greedy, verify_sampled
 
 
@@ -158,8 +159,6 @@ class ModelLevel(Level):
         """Restrict the level's logits to `vocab` (token ids; None = all): its LM head computes those rows only
         and every other token gets -inf, so it never proposes one. Lossless, as any proposal q is: the level
         above still verifies over its own full vocabulary. Never for the target, whose output it would change."""
-        from decode.head import vocabulary_rows
-
         self.vocab = vocab
         self._vocab_rows = None if vocab is None else vocabulary_rows(self.model.get_output_embeddings(), vocab)
 
@@ -196,10 +195,8 @@ class ModelLevel(Level):
         else:  # the decoder, then the vocabulary's LM-head rows only
             h = self.model.get_decoder()(input_ids=torch.tensor([ids]), past_key_values=self.cache, use_cache=True,
                                          attention_mask=mask, position_ids=positions).last_hidden_state
-            rows = self._vocab_rows(h[0, -n_logits:])
-            softcap = getattr(self.model.config, "final_logit_softcapping", None)
-            rows = torch.tanh(rows / softcap) * softcap if softcap else rows
-            logits = rows.new_full((n_logits, self.model.config.vocab_size), float("-inf")).index_copy_(-1, self.vocab, rows)
+            rows = softcapped(self._vocab_rows(h[0, -n_logits:]), self.model.config)
+            logits = spread(rows, self.vocab, self.model.config.vocab_size, float("-inf"))
         elapsed = time.perf_counter() - start
         self.stats.forward_calls += 1
         self.stats.forwards.append((len(ids), elapsed))
@@ -382,8 +379,7 @@ class EagleLevel(Level):
         logp = torch.log_softmax(logits.float(), -1)
         if self.head.draft_vocab is None:
             return logp
-        full = logp.new_full((*logp.shape[:-1], self.head.config.vocab_size), float("-inf"))
-        return full.index_copy_(-1, self.head.draft_vocab, logp)
+        return spread(logp, self.head.draft_vocab, self.head.config.vocab_size, float("-inf"))
 
 
 class Chain:

@@ -174,8 +174,7 @@ class EagleHead(nn.Module):
             logits = self.lm_head(hidden)
         else:
             logits = self._draft_lm_head()(hidden)
-        softcap = getattr(self.config, "final_logit_softcapping", None)
-        return torch.tanh(logits / softcap) * softcap if softcap else logits
+        return softcapped(logits, self.config)
 
     def _draft_lm_head(self) -> nn.Module:
         """The LM head's draft-vocabulary rows (built on first use, rebuilt if the head changed dtype)."""
@@ -192,8 +191,7 @@ class EagleHead(nn.Module):
         """Probabilities over the draft vocabulary [..., N] spread onto the full vocabulary [..., V] (0 elsewhere)."""
         if self.draft_vocab is None:
             return probs
-        full = probs.new_zeros(*probs.shape[:-1], self.config.vocab_size)
-        return full.index_copy_(-1, self.draft_vocab, probs)
+        return spread(probs, self.draft_vocab, self.config.vocab_size, 0.0)
 
     def save_pretrained(self, path: str | Path, target_hash: str, tokenizer: PreTrainedTokenizerBase | None = None,
                         feature_source: str = "target", training: dict | None = None, metrics: dict | None = None,
@@ -273,6 +271,17 @@ class EagleHead(nn.Module):
             raise HeadError(f"{weights}: does not fit this target's head (missing {list(missing)[:3]}, unexpected {list(unexpected)[:3]})")
         head.feature_source = config.get("feature_source", "target")
         return head.eval()
+
+
+def softcapped(logits: torch.Tensor, config: Any) -> torch.Tensor:
+    """The model's final logit soft-capping (Gemma 2 style), where its config has one."""
+    softcap = getattr(config, "final_logit_softcapping", None)
+    return torch.tanh(logits / softcap) * softcap if softcap else logits
+
+
+def spread(values: torch.Tensor, vocab: torch.Tensor, vocab_size: int, fill: float) -> torch.Tensor:
+    """Values over a vocabulary subset [..., N] placed on the full vocabulary [..., vocab_size], `fill` elsewhere."""
+    return values.new_full((*values.shape[:-1], vocab_size), fill).index_copy_(-1, vocab, values)
 
 
 def vocabulary_rows(lm_head: nn.Module, vocab: torch.Tensor) -> nn.Module:
