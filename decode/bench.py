@@ -21,7 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from data.cli import check_writable, run_or_exit
-from decode.chain import DecodeError, Generation, level_model, load_target
+from decode.build import level_model, load_target
+from decode.chain import DecodeError, Generation
 from decode.generate import chain_from_config, sampling_args
 from decode.measure import level_line, prediction_line, summarize
 

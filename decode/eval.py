@@ -441,7 +441,7 @@ def failed_lines(checks: list[dict[str, Any]]) -> list[str]:
 
 
 def level_folder(level_cfg: Any, run_dir: str | Path) -> Path | None:
-    """The folder a level loads from (head, W4 model), resolved as build_chain does; None for the target/specs."""
+    """The folder a level loads from (head, W4 model), resolved as decode.build does; None for the target/specs."""
     kind = level_cfg.get("kind", "model")
     source = level_cfg.get("path") if kind == "eagle" else level_cfg.get("model") if kind == "model" else None
     if not source or source in ("target", "untrained") or str(source).startswith("bundled:"):
@@ -569,7 +569,7 @@ def chain_decoder(chain, eos: Any, values: dict[str, Any] | None = None) -> Deco
 def build_decoders(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Decoder], dict[str, Any]]:
     """The AR reference and every configured chain, as decoders; and the built chains."""
     from decode.baselines import autoregressive
-    from decode.chain import build_chain
+    from decode.build import build_chain
 
     eos = eos_of(target, tokenizer)
     decoders: dict[str, Decoder] = {"ar": lambda p, n: autoregressive(target, p, n, eos_token_id=eos)}
@@ -642,7 +642,7 @@ def plan_chains(cfg: DictConfig, built: dict[str, Any], decoders: dict[str, Deco
 def run(cfg: DictConfig) -> int:
     from data.models import weights_hash
     from data.prompts import load_questions
-    from decode.chain import load_target
+    from decode.build import load_target
     from data.tracking import Tracker
     from data.cli import check_writable, flag
 

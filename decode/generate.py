@@ -18,7 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from data.cli import flag, run_or_exit
-from decode.chain import Chain, DecodeError, Generation, build_chain, decoding_settings
+from decode.build import build_chain
+from decode.chain import Chain, DecodeError, Generation, decoding_settings
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -121,7 +122,7 @@ def level_table(generation: Generation) -> str:
 def run(cfg: DictConfig) -> None:
     from data.sharegpt import chat_prompt_ids
     from decode.baselines import autoregressive
-    from decode.chain import load_target
+    from decode.build import load_target
 
     d = cfg.decode
     text, new_tokens, kw = prompt_text(cfg), max_new_tokens(cfg), sampling_args(cfg)  # checked before any loading

@@ -13,7 +13,8 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
-from decode.chain import DecodeError, EagleLevel, ModelLevel, NgramLevel, build_chain
+from decode.build import build_chain
+from decode.chain import DecodeError, EagleLevel, ModelLevel, NgramLevel, read_features
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 VOCAB = 300
@@ -69,6 +70,12 @@ def test_eagle_level_from_config(target):
     model, tokenizer = target
     chain = build_chain([{"kind": "model"}, {"kind": "eagle", "path": "untrained"}], model, tokenizer)
     assert isinstance(chain.levels[1], EagleLevel) and chain.levels[0].keep_hidden
+
+
+def test_feature_levels_must_keep_hidden_states_from_construction(target):
+    model, _ = target
+    with pytest.raises(DecodeError, match="levels t do not keep their hidden states"):
+        read_features([ModelLevel("t", model)], model.config.hidden_size, model.dtype)
 
 
 @pytest.mark.parametrize("levels, message", [

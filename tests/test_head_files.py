@@ -7,7 +7,8 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from data.models import weights_hash
-from decode.chain import DecodeError, build_chain
+from decode.build import build_chain
+from decode.chain import DecodeError
 from decode.head import EagleHead, HeadError
 
 

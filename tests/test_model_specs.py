@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from data.models import ModelSourceError, is_hub_id, load_model, resolve_model_path
-from decode.chain import DecodeError, level_model
+from decode.build import level_model
+from decode.chain import DecodeError
 from decode_fixtures import tiny_model
 
 
