@@ -20,6 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from data.artifacts import Artifacts
 from data.cli import check_writable, run_or_exit
 from decode.build import level_model, load_target
 from decode.chain import DecodeError, Generation
@@ -39,11 +40,11 @@ def methods(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Method], dict
     b, eos, kw = cfg.decode.bench, tokenizer.eos_token_id, sampling_args(cfg)
     assistant_cfg = OmegaConf.to_container(b.assistant, resolve=True)
     try:
-        assistant = level_model(assistant_cfg, target, tokenizer, cfg.run_dir, cfg.model.dtype)
+        assistant = level_model(assistant_cfg, target, tokenizer, Artifacts.of(cfg), cfg.model.dtype)
     except DecodeError as err:
         print(f"hf_assisted: assistant unavailable ({err}); using stand-in {dict(b.assistant_stand_in)}", file=sys.stderr)
         assistant_cfg = OmegaConf.to_container(b.assistant_stand_in, resolve=True)
-        assistant = level_model(assistant_cfg, target, tokenizer, cfg.run_dir, cfg.model.dtype)
+        assistant = level_model(assistant_cfg, target, tokenizer, Artifacts.of(cfg), cfg.model.dtype)
     if cfg.decode.get("fast"):
         pack(assistant)
     eager_target = load_model(cfg.model.name, cfg.model.dtype)[0]  # plain nn.Linear forwards, for comparison

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from data.artifacts import Artifacts
+from data.cli import flag
 from data.models import ModelSourceError, load_model, same_vocabulary
 from decode.chain import Chain, DecodeError, EagleLevel, Level, ModelLevel, NgramLevel, read_features
 from decode.fast import pack
@@ -30,26 +32,36 @@ def load_target(cfg: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     return target, tokenizer
 
 
+def configured_chain(cfg: Any, chain_cfg: list[dict], target_model: PreTrainedModel,
+                     tokenizer: PreTrainedTokenizerBase) -> Chain:
+    """`build_chain` with what the config says: the run's artifacts, model.dtype and decode.fast."""
+    return build_chain(chain_cfg, target_model, tokenizer, Artifacts.of(cfg), cfg.model.dtype,
+                       flag(cfg.decode, "fast", default=False, error=DecodeError))
+
+
 def build_chain(
     chain_cfg: list[dict], target_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-    run_dir: str | Path = ".", dtype: str = "float32", fast: bool = False,
+    artifacts: Artifacts | None = None, dtype: str = "float32", fast: bool = False,
 ) -> Chain:
     """Build a chain from level configs (a list from conf/decode/chain.yaml); level 1 is the target.
 
     Level keys: kind (model | eagle | ngram), name, mu (middle levels), draft (last level:
     {mode: chain, length} or {mode: tree, depth, top_k, total_tokens}).
-    model: `model` (`target`, a model spec or folder; relative folders resolve against run_dir, a GPTQ
-    folder loads the same way), `dtype`, `layers` (keep the first n decoder layers: an early-exit copy
-    sharing the weights, a stand-in drafter), `vocab: head` (a middle level restricted to the head's draft
-    vocabulary). eagle: `path` (head folder, or `untrained`), `features` (nearest: the level above first,
-    then upwards; target: the target first, then downwards). ngram: max_ngram, min_ngram. `dtype` is the
-    default for model levels that set none. `fast` packs the linears of every model level loaded here
-    (decode.fast; pack the target itself with `load_target`).
+    model: `model` (`target`, a model spec or a folder: `w4` is the W4 stage's output, other relative folders
+    are in the run dir, see data.artifacts; a GPTQ folder loads the same way), `dtype`, `layers` (keep the
+    first n decoder layers: an early-exit copy sharing the weights, a stand-in drafter), `vocab: head` (a
+    middle level restricted to the head's draft vocabulary). eagle: `path` (`eagle`, the head stage's
+    output; another head folder; or `untrained`), `features` (nearest: the level above first, then upwards;
+    target: the target first, then downwards). ngram: max_ngram, min_ngram. `artifacts` resolves the
+    folders (None: relative to the working directory). `dtype` is the default for model levels that set
+    none. `fast` packs the linears of every model level loaded here (decode.fast; pack the target itself
+    with `load_target`).
     """
     if not chain_cfg:
         raise DecodeError("empty chain: list at least the target and one drafter")
+    artifacts = artifacts or Artifacts(Path("."))
     configs = [_level_config(i, raw) for i, raw in enumerate(chain_cfg)]
-    loaded = [_load(cfg, target_model, tokenizer, Path(run_dir), dtype, fast) for cfg in configs]
+    loaded = [_load(cfg, target_model, tokenizer, artifacts, dtype, fast) for cfg in configs]
     heads = [head for cfg, head in zip(configs, loaded) if cfg["kind"] == "eagle"]
     read = max((i for i, cfg in enumerate(configs) if cfg["kind"] == "eagle"), default=-1)  # levels above it keep features
     levels: list[Level] = []
@@ -78,15 +90,15 @@ def _level_config(i: int, raw: dict) -> dict:
     return cfg
 
 
-def _load(cfg: dict, target: PreTrainedModel, tokenizer, run_dir: Path, dtype: str, fast: bool) -> Any:
+def _load(cfg: dict, target: PreTrainedModel, tokenizer, artifacts: Artifacts, dtype: str, fast: bool) -> Any:
     """What a level runs: its model (model levels), its head (eagle levels), nothing (ngram levels)."""
     if cfg["kind"] == "model":
-        model = level_model(cfg, target, tokenizer, run_dir, dtype)
+        model = level_model(cfg, target, tokenizer, artifacts, dtype)
         if fast and model is not target:
             pack(model)
         return model
     if cfg["kind"] == "eagle":
-        head = _eagle_head(cfg, tokenizer, run_dir, target)
+        head = _eagle_head(cfg, tokenizer, artifacts, target)
         if fast:
             pack(head)
         return head
@@ -116,15 +128,14 @@ def _level_vocab(vocab: str, name: str, i: int, heads: list[EagleHead]) -> torch
     return vocabularies[0]
 
 
-def level_model(cfg: dict, target: PreTrainedModel, tokenizer, run_dir: Path, dtype: str) -> PreTrainedModel:
+def level_model(cfg: dict, target: PreTrainedModel, tokenizer, artifacts: Artifacts, dtype: str) -> PreTrainedModel:
+    """A model level's model: the target itself, or the model its `model:` names (checked against the
+    target's vocabulary), cut to its first `layers` layers if set."""
     spec = str(cfg.get("model", "target"))
     if spec == "target":
         model = target
     else:
-        path = Path(spec).expanduser()
-        if not spec.startswith(("bundled:", "hf:")) and not path.is_absolute() and not path.exists():
-            if (run_dir / path).exists() or "/" not in spec or (run_dir / path.parts[0]).exists():
-                spec = str(run_dir / path)  # a run artifact such as `w4` (missing: "no such model folder")
+        spec = artifacts.model_spec(spec)  # a missing run artifact such as `w4` says "no such model folder"
         try:
             model, level_tokenizer = load_model(spec, dtype=str(cfg.get("dtype") or dtype))
         except ModelSourceError as err:
@@ -160,13 +171,11 @@ def truncated_copy(model: PreTrainedModel, layers: int) -> PreTrainedModel:
     return clone.eval()
 
 
-def _eagle_head(cfg: dict, tokenizer, run_dir: Path, target: PreTrainedModel) -> EagleHead:
+def _eagle_head(cfg: dict, tokenizer, artifacts: Artifacts, target: PreTrainedModel) -> EagleHead:
     path = str(cfg.get("path", "eagle"))
     if path == "untrained":
         return EagleHead.for_target(target).eval()
-    folder = Path(path).expanduser()
-    if not folder.is_absolute() and not folder.exists():
-        folder = run_dir / folder
+    folder = artifacts.folder(path)
     if not folder.exists():
         raise DecodeError(f"{folder}: no EAGLE head folder (train one with python -m train.eagle)")
     try:

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from data.cli import flag, run_or_exit
-from decode.build import build_chain
+from decode.build import configured_chain
 from decode.chain import Chain, DecodeError, Generation, decoding_settings
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -28,9 +28,7 @@ def chain_from_config(cfg: DictConfig, name: str, target, tokenizer) -> Chain:
     chains = cfg.decode.chains
     if name not in chains or chains[name] is None:
         raise DecodeError(f"decode.chain={name!r}: no such chain in conf/decode/chain.yaml; known: {', '.join(chains)}")
-    levels = OmegaConf.to_container(chains[name], resolve=True)
-    return build_chain(levels, target, tokenizer, run_dir=cfg.run_dir, dtype=cfg.model.dtype,
-                       fast=flag(cfg.decode, "fast", default=False, error=DecodeError))
+    return configured_chain(cfg, OmegaConf.to_container(chains[name], resolve=True), target, tokenizer)
 
 
 def sampling_args(cfg: DictConfig) -> dict:

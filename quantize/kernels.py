@@ -15,6 +15,7 @@ import torch
 from omegaconf import DictConfig
 from transformers import AutoModelForCausalLM, GPTQConfig, PreTrainedModel
 
+from data.artifacts import Artifacts
 from data.cli import run_or_exit
 from data.models import ModelSourceError, load_model, load_tokenizer, resolve_model_path
 from data.sharegpt import DataError, load_conversations, split_conversations, tokenize_conversation
@@ -44,7 +45,7 @@ def kernel_kind(model: PreTrainedModel) -> str:
 
 
 def run(cfg: DictConfig) -> dict[str, dict[str, float | str]]:
-    w4_path = Path(cfg.quantize.output)
+    w4_path = Artifacts.of(cfg).output("w4")
     if not (w4_path / "config.json").exists():
         raise QuantizeError(f"{w4_path}: no W4 checkpoint; run python -m quantize.w4 first")
     src = resolve_model_path(cfg.model.name)

@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from data.artifacts import Artifacts
 from data.cli import check_writable, flag, run_or_exit
 from data.models import ModelSourceError, load_model, load_tokenizer, resolve_model_path, weights_hash
 from data.sharegpt import (
@@ -333,7 +334,7 @@ def run(cfg: DictConfig) -> Path:
     skip_if_valid = flag(qcfg, "skip_if_valid", error=QuantizeError)
     for key in ("sym", "desc_act", "act_group_aware", "true_sequential"):
         flag(qcfg, key, error=QuantizeError)
-    out = Path(qcfg.output)
+    out = Artifacts.of(cfg).output("w4")
     check_output(out, overwrite or skip_if_valid)
     check_writable(out, "quantize.output", error=QuantizeError)  # fail now, not after minutes of GPTQ
     src = source_model_path(cfg.model.name)

@@ -13,7 +13,8 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
-from decode.build import build_chain
+from data.artifacts import Artifacts
+from decode.build import build_chain, configured_chain
 from decode.chain import DecodeError, EagleLevel, ModelLevel, NgramLevel, read_features
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -94,7 +95,7 @@ def test_feature_levels_must_keep_hidden_states_from_construction(target):
 def test_bad_chains_fail_with_one_line(target, levels, message):
     model, tokenizer = target
     with pytest.raises(DecodeError) as err:
-        build_chain(levels, model, tokenizer, run_dir="/nonexistent-run")
+        build_chain(levels, model, tokenizer, Artifacts(Path("/nonexistent-run")))
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
@@ -110,8 +111,30 @@ def test_relative_level_folder_resolves_against_run_dir(target, tmp_path):
     model, tokenizer = target
     saved = Path(saved_level(tmp_path, "w"))
     saved.rename(tmp_path / "w4")
-    chain = build_chain([{"kind": "model"}, {"kind": "model", "model": "w4"}], model, tokenizer, run_dir=tmp_path)
+    chain = build_chain([{"kind": "model"}, {"kind": "model", "model": "w4"}], model, tokenizer, Artifacts(tmp_path))
     assert chain.levels[1].model is not model
+
+
+def test_configured_outputs_are_where_chains_and_the_eval_look(target, tmp_path):
+    """quantize.output and train.output moved out of the run dir: `model: w4` and `path: eagle` follow them,
+    in the builder and in the eval's bundle (data/artifacts.py)."""
+    from data.models import weights_hash
+    from decode.eval import level_folder
+    from decode.head import EagleHead
+
+    model, tokenizer = target
+    w4, head = tmp_path / "elsewhere" / "quantized", tmp_path / "heads" / "first"
+    w4.parent.mkdir()
+    Path(saved_level(tmp_path, "w")).rename(w4)
+    EagleHead.for_target(model).save_pretrained(head, target_hash=weights_hash(model), tokenizer=tokenizer)
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"run_dir={tmp_path / 'run'}", f"quantize.output={w4}",
+                                                       f"train.output={head}", "decode.fast=false"])
+    levels = [{"kind": "model"}, {"kind": "model", "name": "w4", "model": "w4"}, {"kind": "eagle", "path": "eagle"}]
+    chain = configured_chain(cfg, levels, model, tokenizer)
+    assert weights_hash(chain.levels[1].model) == weights_hash(tiny_model(seed=1, vocab=VOCAB))
+    assert isinstance(chain.levels[2], EagleLevel) and chain.levels[1].keep_hidden
+    assert [level_folder(level, Artifacts.of(cfg)) for level in levels] == [None, w4, head]
 
 
 def test_generate_cli_reports_bad_input_in_one_line():

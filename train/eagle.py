@@ -39,6 +39,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
+from data.artifacts import Artifacts
 from data.models import ModelSourceError, load_model, same_vocabulary, weights_hash
 from data.cli import flag
 from data.sharegpt import (DataError, chat_prompt_ids, load_conversations, split_conversations, tokenize_conversation,
@@ -102,11 +103,11 @@ def init_distributed() -> tuple[int, int]:
 
 
 def load_verifiers(cfg: DictConfig) -> tuple[PreTrainedModel, Any, PreTrainedModel]:
-    """(target, its tokenizer, the feature model): the target itself or the W4 model in ${run_dir}/w4."""
+    """(target, its tokenizer, the feature model): the target itself or the W4 model in quantize.output."""
     target, tokenizer = load_model(cfg.model.name, cfg.model.dtype)
     if cfg.train.feature_source == "target":
         return target, tokenizer, target
-    w4_path = Path(cfg.run_dir) / "w4"
+    w4_path = Artifacts.of(cfg).output("w4")
     if not (w4_path / "config.json").is_file():
         raise TrainError(f"{w4_path}: no W4 model there (run `python -m quantize.w4` first, or use train.feature_source=target)")
     w4, w4_tokenizer = load_model(str(w4_path), cfg.model.dtype)
@@ -391,8 +392,8 @@ RUN_CONTROL_KEYS = ("resume", "skip_if_valid")  # how a run is driven, not what 
 
 
 def head_is_current(cfg: DictConfig, target_hash: str) -> bool:
-    """True when ${run_dir}/eagle holds a finished head for this target and this training config."""
-    out_dir = Path(cfg.run_dir) / "eagle"
+    """True when train.output holds a finished head for this target and this training config."""
+    out_dir = Artifacts.of(cfg).output("eagle")
     try:
         saved = json.loads((out_dir / "config.json").read_text())
         json.loads((out_dir / "metrics.json").read_text())
@@ -401,7 +402,7 @@ def head_is_current(cfg: DictConfig, target_hash: str) -> bool:
     wanted = {**OmegaConf.to_container(cfg.train, resolve=True), "seed": cfg.seed,
               "data": OmegaConf.to_container(cfg.data, resolve=True)}
     trained = saved.get("training", {})
-    same = all(trained.get(k) == v for k, v in wanted.items() if k not in RUN_CONTROL_KEYS)
+    same = all(trained.get(k) == v for k, v in wanted.items() if k not in (*RUN_CONTROL_KEYS, "output"))  # where, not what
     return same and saved.get("target", {}).get("weights_hash") == target_hash
 
 
@@ -485,7 +486,7 @@ def resume_progress(engine: Any, cfg: DictConfig, world: int, total_steps: int, 
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
-    """Run the stage; returns the final metrics (also in ${run_dir}/eagle/metrics.json)."""
+    """Run the stage; returns the final metrics (also in train.output/metrics.json)."""
     validate(cfg)
     import deepspeed
 
@@ -497,8 +498,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     target_hash = weights_hash(target)
     if t.skip_if_valid and head_is_current(cfg, target_hash):
         if rank == 0:
-            print(f"EAGLE head in {Path(cfg.run_dir) / 'eagle'} is up to date (same target and training config); skipping")
-        return json.loads((Path(cfg.run_dir) / "eagle" / "metrics.json").read_text())
+            print(f"EAGLE head in {Artifacts.of(cfg).output('eagle')} is up to date (same target and training config); skipping")
+        return json.loads((Artifacts.of(cfg).output("eagle") / "metrics.json").read_text())
     feature_hash = target_hash if feature_model is target else weights_hash(feature_model)
     examples, prompts = load_examples(cfg, tokenizer)
     per_step = t.micro_batch * t.grad_accum * world
@@ -656,7 +657,7 @@ def finish(cfg: DictConfig, head: EagleHead, eval_sequences: list[EvalSequence],
     training = {**OmegaConf.to_container(t, resolve=True), "seed": cfg.seed, "world_size": world,
                 "data": OmegaConf.to_container(cfg.data, resolve=True), "feature_model_hash": hashes["features"],
                 "total_steps": total_steps}
-    out_dir = Path(cfg.run_dir) / "eagle"
+    out_dir = Artifacts.of(cfg).output("eagle")
     head.save_pretrained(out_dir, target_hash=hashes["target"], tokenizer=tokenizer, feature_source=t.feature_source,
                          training=training, metrics=metrics,
                          files={"learning_curve.png": learning_curve_png(progress.curve, k)})
