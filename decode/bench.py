@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from data.artifacts import Artifacts
-from data.cli import check_writable, run_or_exit
+from data.cli import check_writable, run_main
 from decode.build import level_model, load_target
 from decode.chain import DecodeError, Generation
 from decode.generate import chain_from_config, sampling_args
@@ -142,11 +142,7 @@ def run(cfg: DictConfig) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from data.models import ModelSourceError
-    from data.sharegpt import DataError
-    from decode.head import HeadError
-
-    run_or_exit(run, cfg, errors=(DecodeError, ModelSourceError, DataError, HeadError))
+    run_main(run, cfg)
 
 
 def cli() -> None:

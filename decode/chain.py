@@ -17,12 +17,13 @@ from typing import Any, Callable
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from data.cli import PolyspecError
 from decode import tree as trees
 from decode.head import softcapped, spread, vocabulary_rows
 from decode.sampling import Sampling, SamplingError, probabilities, sample, verify_greedy, verify_sampled
 
 
-class DecodeError(RuntimeError):
+class DecodeError(PolyspecError, RuntimeError):
     """A chain that cannot be built or run; the message is one line, meant for the user."""
 
 

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from transformers import DynamicCache
 
 from data.artifacts import Artifacts
-from data.cli import run_or_exit
+from data.cli import run_main
 from data.timing import Step, cached_forward, median_ms
 
 
@@ -135,11 +135,7 @@ def run(cfg: DictConfig) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from data.models import ModelSourceError
-    from data.sharegpt import DataError
-    from decode.head import HeadError
-
-    run_or_exit(run, cfg, errors=(ModelSourceError, DataError, HeadError))
+    run_main(run, cfg)
 
 
 if __name__ == "__main__":

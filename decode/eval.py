@@ -16,7 +16,8 @@ admissible when no check failed for it and it measured faster than AR; the faste
 published (eval.publish.chain=<chain>: that chain only, and only if every check passed).
 T_i is the engine's mean forward time; L_i and its variance pool every verification of the run, and
 Theorem 3.3 compares that variance with a sampled decode (temperature 1) per level.
-Exit codes: 0 published, 1 bad input (one-line error), 2 no chain admissible and nothing was published.
+Exit codes (data/cli.py, README): 0 published, 2 bad input (a one-line error), 3 no chain admissible and nothing
+published.
 """
 from __future__ import annotations
 
@@ -33,17 +34,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from data.artifacts import Artifacts
+from data.cli import EXIT_NOT_PUBLISHED, PolyspecError, run_main
 from data.tracking import replace_dir
 from decode import measure
 from decode.theory import TheoryError, insertion_conditions, insertion_improves
 
 
-class EvalError(RuntimeError):
+class EvalError(PolyspecError, RuntimeError):
     """Bad eval input (config, chain, question file); the message is one line."""
 
 
@@ -731,27 +734,12 @@ def conclude(
         if stale is not None:
             print(f"moved the previously published bundle aside to {stale}: this eval does not admit it")
     tracker.finish(out / "metrics.json")
-    return 0 if decision["publish"] else 2
+    return 0 if decision["publish"] else EXIT_NOT_PUBLISHED
 
 
-def main() -> None:
-    import hydra
-
-    from data.models import ModelSourceError
-    from data.sharegpt import DataError
-    from decode.chain import DecodeError
-    from decode.head import HeadError
-
-    @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-    def _main(cfg: DictConfig) -> None:
-        try:
-            code = run(cfg)
-        except (EvalError, TheoryError, DecodeError, HeadError, ModelSourceError, DataError) as err:
-            print(f"error: {err}", file=sys.stderr)
-            code = 1
-        sys.exit(code)
-
-    _main()
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    run_main(run, cfg)
 
 
 if __name__ == "__main__":

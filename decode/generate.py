@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from data.cli import flag, run_or_exit
+from data.cli import flag, run_main
 from decode.build import configured_chain
 from decode.chain import Chain, DecodeError, Generation, decoding_settings
 
@@ -162,11 +162,7 @@ def run(cfg: DictConfig) -> None:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from data.models import ModelSourceError
-    from data.sharegpt import DataError
-    from decode.head import HeadError
-
-    run_or_exit(run, cfg, errors=(DecodeError, ModelSourceError, DataError, HeadError))
+    run_main(run, cfg)
 
 
 def shorthand(arg: str) -> str:

@@ -16,9 +16,9 @@ from omegaconf import DictConfig
 from transformers import AutoModelForCausalLM, GPTQConfig, PreTrainedModel
 
 from data.artifacts import Artifacts
-from data.cli import run_or_exit
-from data.models import ModelSourceError, load_model, load_tokenizer, resolve_model_path
-from data.sharegpt import DataError, load_conversations, split_conversations, tokenize_conversation
+from data.cli import run_main
+from data.models import load_model, load_tokenizer, resolve_model_path
+from data.sharegpt import load_conversations, split_conversations, tokenize_conversation
 from data.tracking import write_json_atomic
 from quantize.w4 import QuantizeError, forward_ms
 
@@ -91,7 +91,7 @@ def run(cfg: DictConfig) -> dict[str, dict[str, float | str]]:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run_or_exit(run, cfg, errors=(QuantizeError, ModelSourceError, DataError))
+    run_main(run, cfg)
 
 
 if __name__ == "__main__":

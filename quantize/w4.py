@@ -33,17 +33,17 @@ from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from data.artifacts import Artifacts
-from data.cli import check_writable, flag, run_or_exit
-from data.models import ModelSourceError, load_model, load_tokenizer, resolve_model_path, weights_hash
+from data.cli import PolyspecError, check_writable, flag, run_main
+from data.models import load_model, load_tokenizer, resolve_model_path, weights_hash
 from data.sharegpt import (
-    Conversation, DataError, TokenizedConversation, chat_prompt_ids, load_conversations, split_conversations,
+    Conversation, TokenizedConversation, chat_prompt_ids, load_conversations, split_conversations,
     tokenize_conversation,
 )
 from data.timing import cached_forward, median_ms
 from data.tracking import replace_dir
 
 
-class QuantizeError(RuntimeError):
+class QuantizeError(PolyspecError, RuntimeError):
     """Bad input to the W4 stage; the message is one line, meant for the user."""
 
 
@@ -391,7 +391,7 @@ def run(cfg: DictConfig) -> Path:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run_or_exit(run, cfg, errors=(QuantizeError, ModelSourceError, DataError))
+    run_main(run, cfg)
 
 
 if __name__ == "__main__":

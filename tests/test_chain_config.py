@@ -141,5 +141,5 @@ def test_generate_cli_reports_bad_input_in_one_line():
     out = subprocess.run([sys.executable, "-m", "decode.generate", "chain=polybasic"], capture_output=True, text=True,
                          cwd=CONF.parent, env={"WANDB_MODE": "disabled", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
                          timeout=300)
-    assert out.returncode == 1
+    assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1] == 'error: no prompt: python -m decode.generate prompt="your question"'

@@ -115,7 +115,7 @@ def test_config_errors_are_one_line(tiny_setup, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "train.eagle", *overrides(tiny_setup, tmp_path, "train.zero_stage=7")],
         cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "WANDB_MODE": "disabled"})
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == "error: train.zero_stage=7: DeepSpeed ZeRO stage must be one of 0, 1, 2, 3"
     assert "Traceback" not in result.stderr
 

@@ -24,7 +24,6 @@ import re
 import shutil
 import signal
 import socket
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,13 +39,13 @@ from tqdm import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
 from data.artifacts import Artifacts
-from data.models import ModelSourceError, load_model, same_vocabulary, weights_hash
-from data.cli import flag
-from data.sharegpt import (DataError, chat_prompt_ids, load_conversations, split_conversations, tokenize_conversation,
+from data.models import load_model, same_vocabulary, weights_hash
+from data.cli import Interrupted, PolyspecError, flag, run_main
+from data.sharegpt import (chat_prompt_ids, load_conversations, split_conversations, tokenize_conversation,
                            warn_truncated)
 from data.tracking import Tracker
 from data.vocab import assistant_token_counts, coverage, top_tokens
-from decode.head import EagleHead, HeadError, additive_mask
+from decode.head import EagleHead, additive_mask
 from train import store
 
 FEATURE_SOURCES = ("target", "w4")
@@ -55,11 +54,11 @@ ZERO_STAGES = (0, 1, 2, 3)
 INITS = ("random", "target_last_layer")
 
 
-class TrainError(RuntimeError):
+class TrainError(PolyspecError, RuntimeError):
     """A bad training config or state; the message is one line, meant for the user."""
 
 
-class TrainingInterrupted(Exception):
+class TrainingInterrupted(Interrupted):
     """Ctrl-C (or SIGTERM) stopped training after a checkpoint was written."""
 
 
@@ -670,14 +669,7 @@ def finish(cfg: DictConfig, head: EagleHead, eval_sequences: list[EvalSequence],
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    try:
-        train(cfg)
-    except TrainingInterrupted as stopped:
-        print(str(stopped), file=sys.stderr)
-        sys.exit(130)
-    except (TrainError, HeadError, ModelSourceError, DataError, store.StoreError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+    run_main(train, cfg)
 
 
 if __name__ == "__main__":
