@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from data.artifacts import Artifacts
@@ -34,19 +35,22 @@ def load_target(cfg: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
 
 def configured_chain(cfg: Any, chain_cfg: list[dict], target_model: PreTrainedModel,
                      tokenizer: PreTrainedTokenizerBase) -> Chain:
-    """`build_chain` with what the config says: the run's artifacts, model.dtype and decode.fast."""
+    """`build_chain` with what the config says: the run's artifacts, model.dtype, decode.fast and
+    decode.draft_defaults."""
     return build_chain(chain_cfg, target_model, tokenizer, Artifacts.of(cfg), cfg.model.dtype,
-                       flag(cfg.decode, "fast", default=False, error=DecodeError))
+                       flag(cfg.decode, "fast", default=False, error=DecodeError),
+                       OmegaConf.to_container(cfg.decode.draft_defaults, resolve=True))
 
 
 def build_chain(
     chain_cfg: list[dict], target_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-    artifacts: Artifacts | None = None, dtype: str = "float32", fast: bool = False,
+    artifacts: Artifacts | None = None, dtype: str = "float32", fast: bool = False, draft_defaults: dict | None = None,
 ) -> Chain:
     """Build a chain from level configs (a list from conf/decode/chain.yaml); level 1 is the target.
 
     Level keys: kind (model | eagle | ngram), name, mu (middle levels), draft (last level:
-    {mode: chain, length} or {mode: tree, depth, top_k, total_tokens}).
+    {mode: chain, length} or {mode: tree, depth, top_k, total_tokens}; the keys it leaves out come from
+    `draft_defaults`, by mode: decode.draft_defaults).
     model: `model` (`target`, a model spec or a folder: `w4` is the W4 stage's output, other relative folders
     are in the run dir, see data.artifacts; a GPTQ folder loads the same way), `dtype`, `layers` (keep the
     first n decoder layers: an early-exit copy sharing the weights, a stand-in drafter), `vocab: head` (a
@@ -66,7 +70,7 @@ def build_chain(
     read = max((i for i, cfg in enumerate(configs) if cfg["kind"] == "eagle"), default=-1)  # levels above it keep features
     levels: list[Level] = []
     for i, (cfg, source) in enumerate(zip(configs, loaded)):
-        name, draft = cfg.get("name") or f"L{i + 1}", cfg.get("draft")
+        name, draft = cfg.get("name") or f"L{i + 1}", _draft(cfg.get("draft"), draft_defaults or {})
         if cfg["kind"] == "model":
             vocab = None if cfg.get("vocab") is None else _level_vocab(cfg["vocab"], name, i, heads)
             levels.append(ModelLevel(name, source, int(cfg.get("mu", 1)), draft, vocab=vocab, keep_hidden=i < read))
@@ -88,6 +92,12 @@ def _level_config(i: int, raw: dict) -> dict:
     if cfg["kind"] not in KINDS:
         raise DecodeError(f"level {i + 1} ({cfg.get('name') or f'L{i + 1}'}): unknown kind {cfg['kind']!r}; use model, eagle or ngram")
     return cfg
+
+
+def _draft(draft: dict | None, defaults: dict) -> dict:
+    """A level's draft with the keys it leaves out taken from `defaults` (by mode; mode is chain unless set)."""
+    draft = {"mode": "chain", **(draft or {})}
+    return {**defaults.get(draft["mode"], {}), **draft}
 
 
 def _load(cfg: dict, target: PreTrainedModel, tokenizer, artifacts: Artifacts, dtype: str, fast: bool) -> Any:

@@ -120,14 +120,21 @@ def crop_cache(cache: DynamicCache, length: int) -> None:
         cache.crop(-extra)
 
 
+# What a drafter's draft must set, by mode (decode.draft_defaults in conf/decode/chain.yaml has the values).
+DRAFT_KEYS = {"chain": ("length",), "tree": ("depth", "top_k", "total_tokens")}
+
+
 class Level:
-    """One model of the chain. Subclasses implement `draft` (bottom level) and/or `verify`."""
+    """One model of the chain. Subclasses implement `draft` (bottom level) and/or `verify`.
+
+    `draft` (the last level's; see DRAFT_KEYS): {mode: chain, length} or {mode: tree, depth, top_k,
+    total_tokens}; mode is chain unless set."""
 
     kind = "level"
 
     def __init__(self, name: str, mu: int = 1, draft: dict | None = None):
         self.name, self.mu = name, mu
-        self.draft_cfg = dict(draft or {"mode": "chain", "length": 4})
+        self.draft_cfg = {"mode": "chain", **(draft or {})}
         self.stats = LevelStats(name, self.kind)
 
     def reset(self) -> None:
@@ -246,7 +253,7 @@ class ModelLevel(Level):
 
     def draft(self, ctx, budget, sampling, gen):
         start, fwd = time.perf_counter(), self.stats.draft_time_s + self.stats.verify_time_s
-        if self.draft_cfg.get("mode", "chain") == "tree":
+        if self.draft_cfg["mode"] == "tree":
             proposal = tree_proposal(trees.build(self._tree_step(ctx), self.draft_cfg, budget))
             # tree nodes sit at tree positions, not sequence positions: drop them from the cache
             crop_cache(self.cache, len(ctx))
@@ -255,7 +262,7 @@ class ModelLevel(Level):
                 self.hidden = self.hidden[:, : len(ctx)]
         else:
             tokens, qs = [], []
-            for _ in range(min(int(self.draft_cfg.get("length", 4)), budget)):
+            for _ in range(min(int(self.draft_cfg["length"]), budget)):
                 logits = self.forward(ctx + tokens, 1, "draft")[-1]
                 tokens.append(choose(logits, sampling, gen, qs))
             proposal = Proposal(tokens, torch.stack(qs) if qs else None)
@@ -290,7 +297,7 @@ class NgramLevel(Level):
 
     def draft(self, ctx, budget, sampling, gen):
         start = time.perf_counter()
-        k = min(int(self.draft_cfg.get("length", 4)), budget)
+        k = min(int(self.draft_cfg["length"]), budget)
         tokens: list[int] = []
         for n in range(min(self.max_ngram, len(ctx) - 1), self.min_ngram - 1, -1):
             pattern = ctx[-n:]
@@ -348,11 +355,11 @@ class EagleLevel(Level):
             return Proposal([])
         real = len(ctx) - 1
         hidden, logits = self._prefill(ctx)
-        if self.draft_cfg.get("mode", "chain") == "tree":
+        if self.draft_cfg["mode"] == "tree":
             proposal = tree_proposal(trees.build(self._tree_step(ctx, hidden, logits), self.draft_cfg, budget))
         else:
             tokens, qs = [], []
-            for i in range(min(int(self.draft_cfg.get("length", 4)), budget)):
+            for i in range(min(int(self.draft_cfg["length"]), budget)):
                 if i:
                     h, lg = self._head([tokens[-1]], hidden, [real + i - 1])
                     hidden, logits = h[:, -1:], lg[0, -1]
@@ -397,8 +404,15 @@ class Chain:
         for i, level in enumerate(levels[:-1]):
             if level.mu < 1:
                 raise DecodeError(f"level {level.name!r}: mu must be >= 1, got {level.mu}")
-            if levels[i + 1].draft_cfg.get("mode") == "tree" and i + 1 != len(levels) - 1:
+            if levels[i + 1].draft_cfg["mode"] == "tree" and i + 1 != len(levels) - 1:
                 raise DecodeError(f"level {levels[i + 1].name!r}: only the last level can draft a tree")
+        drafter, draft = levels[-1], levels[-1].draft_cfg
+        if draft["mode"] not in DRAFT_KEYS:
+            raise DecodeError(f"level {drafter.name!r}: draft mode must be chain or tree, got {draft['mode']!r}")
+        missing = [key for key in DRAFT_KEYS[draft["mode"]] if key not in draft]
+        if missing:
+            raise DecodeError(f"level {drafter.name!r}: a {draft['mode']} draft needs {', '.join(missing)} "
+                              "(decode.draft_defaults fills in what a configured chain leaves out)")
         self.levels = levels
         self.target = levels[0]
 

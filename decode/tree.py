@@ -57,7 +57,7 @@ def build(step: Step, cfg: dict, budget: int) -> Tree | None:
     """EAGLE-2: expand the top_k best frontier nodes per depth, keep every candidate with its cumulative
     log-probability, then keep the total_tokens best candidates (a node always scores below its parent,
     so the kept set is a tree). None when the budget leaves no depth to draft."""
-    depth, top_k, total = min(int(cfg.get("depth", 5)), budget), int(cfg.get("top_k", 8)), int(cfg.get("total_tokens", 48))
+    depth, top_k, total = min(int(cfg["depth"]), budget), int(cfg["top_k"]), int(cfg["total_tokens"])
     if depth <= 0:
         return None
     fed = Tree()

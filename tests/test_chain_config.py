@@ -69,8 +69,10 @@ def test_levels_built_from_config(target, tmp_path):
 
 def test_eagle_level_from_config(target):
     model, tokenizer = target
-    chain = build_chain([{"kind": "model"}, {"kind": "eagle", "path": "untrained"}], model, tokenizer)
+    chain = build_chain([{"kind": "model"}, {"kind": "eagle", "path": "untrained"}], model, tokenizer,
+                        draft_defaults={"chain": {"length": 3}})
     assert isinstance(chain.levels[1], EagleLevel) and chain.levels[0].keep_hidden
+    assert chain.levels[1].draft_cfg == {"mode": "chain", "length": 3}
 
 
 def test_feature_levels_must_keep_hidden_states_from_construction(target):
@@ -91,6 +93,8 @@ def test_feature_levels_must_keep_hidden_states_from_construction(target):
     ([{"kind": "model"}, {"kind": "model", "model": "target", "layers": 9}], "layers must be between 1 and 3"),
     ([{"kind": "model"}, {"kind": "eagle", "path": "no_such_head"}], "no EAGLE head folder"),
     ([{"kind": "model"}, {"kind": "eagle", "path": "untrained", "features": "w7"}], "features must be nearest or target"),
+    ([{"kind": "model"}, {"kind": "ngram", "draft": {"mode": "tree", "depth": 2}}], "a tree draft needs top_k, total_tokens"),
+    ([{"kind": "model"}, {"kind": "ngram", "draft": {"mode": "trees", "length": 2}}], "draft mode must be chain or tree"),
 ])
 def test_bad_chains_fail_with_one_line(target, levels, message):
     model, tokenizer = target
@@ -111,7 +115,8 @@ def test_relative_level_folder_resolves_against_run_dir(target, tmp_path):
     model, tokenizer = target
     saved = Path(saved_level(tmp_path, "w"))
     saved.rename(tmp_path / "w4")
-    chain = build_chain([{"kind": "model"}, {"kind": "model", "model": "w4"}], model, tokenizer, Artifacts(tmp_path))
+    chain = build_chain([{"kind": "model"}, {"kind": "model", "model": "w4", "draft": {"length": 4}}], model, tokenizer,
+                        Artifacts(tmp_path))
     assert chain.levels[1].model is not model
 
 
@@ -134,6 +139,7 @@ def test_configured_outputs_are_where_chains_and_the_eval_look(target, tmp_path)
     chain = configured_chain(cfg, levels, model, tokenizer)
     assert weights_hash(chain.levels[1].model) == weights_hash(tiny_model(seed=1, vocab=VOCAB))
     assert isinstance(chain.levels[2], EagleLevel) and chain.levels[1].keep_hidden
+    assert chain.levels[2].draft_cfg == {"mode": "chain", **cfg.decode.draft_defaults.chain}  # the draft from config
     assert [level_folder(level, Artifacts.of(cfg)) for level in levels] == [None, w4, head]
 
 

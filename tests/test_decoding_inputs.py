@@ -50,7 +50,7 @@ def test_sampling_accepts_the_usual_settings():
 @pytest.fixture
 def chain(one_thread):
     model = tiny_model(layers=2)
-    return Chain([ModelLevel("target", model), NgramLevel("lookup")]), model
+    return Chain([ModelLevel("target", model), NgramLevel("lookup", draft={"length": 4})]), model
 
 
 @pytest.mark.parametrize("n", [0, -3, 2.5, True, "8"])

@@ -135,9 +135,9 @@ def test_restricted_vocabulary_comes_from_the_chains_head_and_never_on_the_targe
 def test_eos_stops_generation(models):
     target, middle, _ = models
     prompt = prompts(VOCAB, n=1)[0]
-    reference = Chain([ModelLevel("t", target), ModelLevel("d", middle)]).generate(prompt, 30).tokens
+    reference = Chain([ModelLevel("t", target), ModelLevel("d", middle, draft={"length": 4})]).generate(prompt, 30).tokens
     eos = reference[10]
-    chain = Chain([ModelLevel("t", target), ModelLevel("m", middle, mu=3), NgramLevel("n")])
+    chain = Chain([ModelLevel("t", target), ModelLevel("m", middle, mu=3), NgramLevel("n", draft={"length": 4})])
     tokens = chain.generate(prompt, 30, eos_token_id=eos).tokens
     assert tokens == reference[: reference.index(eos) + 1]
 

@@ -100,7 +100,7 @@ def test_tree_and_prompt_lookup_proposals_sample_like_the_target(models):
     target, middle, drafter = models
     tree = Chain([ModelLevel("target", target),
                   ModelLevel("drafter", drafter, draft={"mode": "tree", "depth": 2, "top_k": 2, "total_tokens": 5})])
-    ngram = Chain([ModelLevel("target", target), ModelLevel("middle", middle, mu=2), NgramLevel("lookup")])
+    ngram = Chain([ModelLevel("target", target), ModelLevel("middle", middle, mu=2), NgramLevel("lookup", draft={"length": 4})])
     joint = exact_joint(target)
     for chain in (tree, ngram):
         p = chi_square_pvalue(chain_counts(chain), joint)

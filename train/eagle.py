@@ -83,8 +83,9 @@ def validate(cfg: DictConfig) -> None:
     for key in ("micro_batch", "grad_accum", "epochs", "max_len", "checkpoint_every", "store_batch", "unroll"):
         if not isinstance(t[key], int) or t[key] < 1:
             raise TrainError(f"train.{key}={t[key]!r}: must be a positive integer")
-    if not isinstance(t.eval.depth, int) or t.eval.depth < 1:
-        raise TrainError(f"train.eval.depth={t.eval.depth!r}: must be a positive integer")
+    for key in ("depth", "batch"):
+        if not isinstance(t.eval[key], int) or t.eval[key] < 1:
+            raise TrainError(f"train.eval.{key}={t.eval[key]!r}: must be a positive integer")
 
 
 def init_distributed() -> tuple[int, int]:
@@ -233,13 +234,13 @@ class EvalSequence:
 
 
 @torch.no_grad()
-def prepare_eval(model: PreTrainedModel, tokenizer: Any, prompts: list[list[int]], gen_tokens: int) -> list[EvalSequence]:
+def prepare_eval(model: PreTrainedModel, tokenizer: Any, prompts: list[list[int]], gen_tokens: int, batch: int) -> list[EvalSequence]:
     """Held-out prompts continued greedily by the verifier: on such text, a chain draft is accepted
     exactly while the head's argmax equals the verifier's, so acceptance is measured, not approximated."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     out = []
-    for i in range(0, len(prompts), 8):
-        group = prompts[i: i + 8]
+    for i in range(0, len(prompts), batch):
+        group = prompts[i: i + batch]
         width = max(map(len, group))
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in group])
         attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
@@ -519,7 +520,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if rank == 0:
         print(f"train.eagle: {len(examples)} conversations, {total_steps} steps of {per_step} "
               f"(micro {t.micro_batch} x accum {t.grad_accum} x {world} ranks), features from {t.feature_source}")
-        eval_sequences = prepare_eval(feature_model, tokenizer, prompts, t.eval.gen_tokens)
+        eval_sequences = prepare_eval(feature_model, tokenizer, prompts, t.eval.gen_tokens, t.eval.batch)
     if not progress.curve:
         progress.curve.append(curve_point(progress, evaluate_on_rank0(head, eval_sequences, t.eval.depth, rank)))
         if rank == 0:
