@@ -273,3 +273,28 @@ def test_bundled_model_quantizes_and_the_w4_level_is_close(tmp_path):
     assert metrics["ppl_ratio"] < 1.5  # 4 bits on a 135M model: a loose sanity bound, the full run reports the real figure
     assert metrics["greedy_agreement"] > 0.5
     assert metrics["size_mb_w4"] < 0.5 * metrics["size_mb_target"]
+
+
+def test_packed_int4_forward_matches_gptqmodels_own(quantized):
+    """decode.fast.pack gives the int4 linears a lean forward: same kernel, same logits, and unpack undoes it."""
+    from transformers import DynamicCache
+
+    from data.models import load_model
+    from decode.fast import pack, unpack
+
+    model, _ = load_model(str(quantized))
+    ids = torch.tensor([list(range(10, 40))])
+    with torch.no_grad():
+        own = model(ids).logits
+        int4 = [m for m in model.modules() if type(m).__name__ == "TorchFusedLinear"]
+        assert pack(model) >= len(int4) > 0
+        assert all("forward" in vars(m) for m in int4)
+        lean = model(ids).logits
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :20], past_key_values=cache, use_cache=True)
+        step = model(ids[:, 20:], past_key_values=cache, use_cache=True).logits
+        unpack(model)
+        assert not any("forward" in vars(m) for m in int4)
+        again = model(ids).logits
+    assert torch.equal(lean, own) and torch.equal(again, own)
+    assert torch.allclose(step[0], own[0, 20:], atol=5e-2)  # the kernel computes in bf16
