@@ -14,7 +14,6 @@ split across ranks, so the result does not depend on how many processes share it
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -34,7 +33,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
-from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
