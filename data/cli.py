@@ -1,28 +1,50 @@
-"""What every stage's `__main__` shares: a project error is one line on stderr and exit code 1; strictly
-typed config flags; an output folder checked writable before any work."""
+"""What every stage's `__main__` shares: one error class for what the user can fix, one table of exit codes,
+strictly typed config flags, an output folder checked writable before any work.
+
+Exit codes of every stage (README, "Exit codes"): 0 done; 1 a crash, i.e. a bug (Python's or Hydra's
+traceback; Hydra's own command-line errors exit 1 too); 2 a PolyspecError, one line on stderr (bad config or
+input, a missing or damaged artifact); 3 decode.eval published nothing (no chain admissible); 130 interrupted
+(Ctrl-C; train.eagle writes a checkpoint first, also on SIGTERM).
+"""
 from __future__ import annotations
 
 import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 _MISSING = object()
+EXIT_USER_ERROR = 2
+EXIT_NOT_PUBLISHED = 3  # decode.eval: every chain was ruled out, nothing published
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 
-class ConfigError(ValueError):
+class PolyspecError(Exception):
+    """An error the user can fix (config, input, a missing or damaged artifact); the message is one line."""
+
+
+class Interrupted(Exception):
+    """A stage stopped on request after saving what it resumes from; the message says how to continue."""
+
+
+class ConfigError(PolyspecError, ValueError):
     """A config value of the wrong type or range; the message is one line and names the key."""
 
 
-def run_or_exit(stage: Callable[..., Any], *args: Any, errors: tuple[type[Exception], ...]) -> Any:
-    """Run a stage; any of `errors` (and ConfigError) becomes `error: <message>` and exit 1 (no traceback,
-    no Hydra noise)."""
+def run_main(stage: Callable[[Any], Any], cfg: Any) -> NoReturn:
+    """Run a stage (`run(cfg)`) and exit with the table's code: the code the stage returns if it returns an
+    int (decode.eval: EXIT_NOT_PUBLISHED), else 0; `error: <message>` and 2 for a PolyspecError; its message
+    and 130 when interrupted. Anything else is a bug and propagates with its traceback (exit 1)."""
     try:
-        return stage(*args)
-    except (*errors, ConfigError) as err:
+        result = stage(cfg)
+    except PolyspecError as err:
         print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(EXIT_USER_ERROR)
+    except (Interrupted, KeyboardInterrupt) as stopped:
+        print(str(stopped) or "interrupted", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
+    sys.exit(result if type(result) is int else 0)
 
 
 def full_key(node: Any, key: str) -> str:

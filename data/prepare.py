@@ -9,10 +9,10 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from data.cli import run_or_exit
-from data.models import ModelSourceError, load_model
+from data.cli import run_main
+from data.models import load_model
 from data.prompts import load_questions
-from data.sharegpt import DataError, chat_prompt_ids, load_tokenized
+from data.sharegpt import chat_prompt_ids, load_tokenized
 
 
 def prepare(cfg: DictConfig) -> dict[str, int]:
@@ -36,7 +36,7 @@ def prepare(cfg: DictConfig) -> dict[str, int]:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run_or_exit(prepare, cfg, errors=(ModelSourceError, DataError))
+    run_main(prepare, cfg)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ from typing import Any, Iterable
 
 from transformers import PreTrainedTokenizerBase
 
+from data.cli import PolyspecError
+
 ROLES = {
     "human": "user", "user": "user",
     "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
@@ -26,7 +28,7 @@ ROLES = {
 }
 
 
-class DataError(RuntimeError):
+class DataError(PolyspecError, RuntimeError):
     """A data source that cannot be read at all; the message is one line."""
 
 

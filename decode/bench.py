@@ -20,8 +20,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from data.cli import check_writable, run_or_exit
-from decode.chain import DecodeError, Generation, level_model, load_target
+from data.artifacts import Artifacts
+from data.cli import check_writable, run_main
+from decode.build import level_model, load_target
+from decode.chain import DecodeError, Generation
 from decode.generate import chain_from_config, sampling_args
 from decode.measure import level_line, prediction_line, summarize
 
@@ -38,11 +40,11 @@ def methods(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Method], dict
     b, eos, kw = cfg.decode.bench, tokenizer.eos_token_id, sampling_args(cfg)
     assistant_cfg = OmegaConf.to_container(b.assistant, resolve=True)
     try:
-        assistant = level_model(assistant_cfg, target, tokenizer, cfg.run_dir, cfg.model.dtype)
+        assistant = level_model(assistant_cfg, target, tokenizer, Artifacts.of(cfg), cfg.model.dtype)
     except DecodeError as err:
         print(f"hf_assisted: assistant unavailable ({err}); using stand-in {dict(b.assistant_stand_in)}", file=sys.stderr)
         assistant_cfg = OmegaConf.to_container(b.assistant_stand_in, resolve=True)
-        assistant = level_model(assistant_cfg, target, tokenizer, cfg.run_dir, cfg.model.dtype)
+        assistant = level_model(assistant_cfg, target, tokenizer, Artifacts.of(cfg), cfg.model.dtype)
     if cfg.decode.get("fast"):
         pack(assistant)
     eager_target = load_model(cfg.model.name, cfg.model.dtype)[0]  # plain nn.Linear forwards, for comparison
@@ -140,11 +142,7 @@ def run(cfg: DictConfig) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from data.models import ModelSourceError
-    from data.sharegpt import DataError
-    from decode.head import HeadError
-
-    run_or_exit(run, cfg, errors=(DecodeError, ModelSourceError, DataError, HeadError))
+    run_main(run, cfg)
 
 
 def cli() -> None:

@@ -5,26 +5,25 @@ keeps what it accepts (plus one token of its own) in a pending buffer until it h
 hands the buffer up together with its own distributions, which are the proposal q for the level above.
 Every model level keeps its own KV cache: before each forward it crops the cache to the longest prefix
 its cached tokens share with the current sequence, so rejected tokens are rolled back and nothing is
-recomputed from the start.
+recomputed from the start. Every level is complete when constructed; decode/build.py builds chains from config.
 """
 from __future__ import annotations
 
 import numbers
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import DynamicCache, PreTrainedModel
 
+from data.cli import PolyspecError
 from decode import tree as trees
-from decode.fast import pack
 from decode.head import softcapped, spread, vocabulary_rows
 from decode.sampling import Sampling, SamplingError, probabilities, sample, verify_greedy, verify_sampled
 
 
-class DecodeError(RuntimeError):
+class DecodeError(PolyspecError, RuntimeError):
     """A chain that cannot be built or run; the message is one line, meant for the user."""
 
 
@@ -76,13 +75,13 @@ class Generation:
     stats: GenerationStats
 
 
-
 def choose(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator | None, qs: list[torch.Tensor]) -> int:
     """A drafted token: the argmax when greedy, else a sample whose distribution joins qs (the proposal q)."""
     if sampling.greedy:
         return int(logits.argmax())
     qs.append(probabilities(logits, sampling))
     return sample(qs[-1], gen)
+
 
 @dataclass
 class Proposal:
@@ -91,6 +90,14 @@ class Proposal:
     tokens: list[int]
     q: torch.Tensor | None = None  # [len(tokens), V]; None = deterministic (one-hot) proposals
     tree: trees.Tree | None = None
+
+
+def tree_proposal(tree: trees.Tree | None) -> Proposal:
+    """A drafted tree as a proposal (None: nothing drafted)."""
+    return Proposal([]) if tree is None else Proposal(tree.tokens, tree=tree)
+
+
+Features = Callable[[list[int], int, int], torch.Tensor]  # (ctx, start, end) -> [1, end - start, h]
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -113,14 +120,21 @@ def crop_cache(cache: DynamicCache, length: int) -> None:
         cache.crop(-extra)
 
 
+# What a drafter's draft must set, by mode (decode.draft_defaults in conf/decode/chain.yaml has the values).
+DRAFT_KEYS = {"chain": ("length",), "tree": ("depth", "top_k", "total_tokens")}
+
+
 class Level:
-    """One model of the chain. Subclasses implement `draft` (bottom level) and/or `verify`."""
+    """One model of the chain. Subclasses implement `draft` (bottom level) and/or `verify`.
+
+    `draft` (the last level's; see DRAFT_KEYS): {mode: chain, length} or {mode: tree, depth, top_k,
+    total_tokens}; mode is chain unless set."""
 
     kind = "level"
 
     def __init__(self, name: str, mu: int = 1, draft: dict | None = None):
         self.name, self.mu = name, mu
-        self.draft_cfg = dict(draft or {"mode": "chain", "length": 4})
+        self.draft_cfg = {"mode": "chain", **(draft or {})}
         self.stats = LevelStats(name, self.kind)
 
     def reset(self) -> None:
@@ -143,24 +157,21 @@ class Level:
 
 
 class ModelLevel(Level):
-    """Any HF causal LM (the target, a quantized copy, a smaller model of the same vocabulary)."""
+    """Any HF causal LM (the target, a quantized copy, a smaller model of the same vocabulary).
+
+    `vocab` restricts the level's logits to those token ids (None = all): its LM head computes those rows only
+    and every other token gets -inf, so it never proposes one. Lossless, as any proposal q is: the level above
+    still verifies over its own full vocabulary. Never for the target, whose output it would change.
+    `keep_hidden`: keep the last hidden states of the cached tokens, for an EAGLE level below (`read_features`)."""
 
     kind = "model"
 
     def __init__(self, name: str, model: PreTrainedModel, mu: int = 1, draft: dict | None = None,
-                 vocab: torch.Tensor | None = None):
+                 vocab: torch.Tensor | None = None, keep_hidden: bool = False):
         super().__init__(name, mu, draft)
-        self.model = model
-        self.keep_hidden = False  # set by the chain when an EAGLE level reads this level's features
-        self.set_vocab(vocab)
+        self.model, self.vocab, self.keep_hidden = model, vocab, keep_hidden
+        self._vocab_rows = None if vocab is None else vocabulary_rows(model.get_output_embeddings(), vocab)
         self.reset()
-
-    def set_vocab(self, vocab: torch.Tensor | None) -> None:
-        """Restrict the level's logits to `vocab` (token ids; None = all): its LM head computes those rows only
-        and every other token gets -inf, so it never proposes one. Lossless, as any proposal q is: the level
-        above still verifies over its own full vocabulary. Never for the target, whose output it would change."""
-        self.vocab = vocab
-        self._vocab_rows = None if vocab is None else vocabulary_rows(self.model.get_output_embeddings(), vocab)
 
     def reset(self) -> None:
         super().reset()
@@ -242,8 +253,8 @@ class ModelLevel(Level):
 
     def draft(self, ctx, budget, sampling, gen):
         start, fwd = time.perf_counter(), self.stats.draft_time_s + self.stats.verify_time_s
-        if self.draft_cfg.get("mode", "chain") == "tree":
-            proposal = trees.build(self._tree_step(ctx), self.draft_cfg, budget)
+        if self.draft_cfg["mode"] == "tree":
+            proposal = tree_proposal(trees.build(self._tree_step(ctx), self.draft_cfg, budget))
             # tree nodes sit at tree positions, not sequence positions: drop them from the cache
             crop_cache(self.cache, len(ctx))
             self.tokens = list(ctx)
@@ -251,7 +262,7 @@ class ModelLevel(Level):
                 self.hidden = self.hidden[:, : len(ctx)]
         else:
             tokens, qs = [], []
-            for _ in range(min(int(self.draft_cfg.get("length", 4)), budget)):
+            for _ in range(min(int(self.draft_cfg["length"]), budget)):
                 logits = self.forward(ctx + tokens, 1, "draft")[-1]
                 tokens.append(choose(logits, sampling, gen, qs))
             proposal = Proposal(tokens, torch.stack(qs) if qs else None)
@@ -286,7 +297,7 @@ class NgramLevel(Level):
 
     def draft(self, ctx, budget, sampling, gen):
         start = time.perf_counter()
-        k = min(int(self.draft_cfg.get("length", 4)), budget)
+        k = min(int(self.draft_cfg["length"]), budget)
         tokens: list[int] = []
         for n in range(min(self.max_ngram, len(ctx) - 1), self.min_ngram - 1, -1):
             pattern = ctx[-n:]
@@ -302,11 +313,11 @@ class NgramLevel(Level):
 
 
 class EagleLevel(Level):
-    """EAGLE draft head: drafts from the features (last hidden states) of the levels above."""
+    """EAGLE draft head: drafts from `features`, the last hidden states of the model levels above (read_features)."""
 
     kind = "eagle"
 
-    def __init__(self, name: str, head: torch.nn.Module, features: Callable | None, draft: dict | None = None):
+    def __init__(self, name: str, head: torch.nn.Module, features: Features, draft: dict | None = None):
         super().__init__(name, 1, draft)
         self.head, self.features = head, features
         self.reset()
@@ -344,11 +355,11 @@ class EagleLevel(Level):
             return Proposal([])
         real = len(ctx) - 1
         hidden, logits = self._prefill(ctx)
-        if self.draft_cfg.get("mode", "chain") == "tree":
-            proposal = trees.build(self._tree_step(ctx, hidden, logits), self.draft_cfg, budget)
+        if self.draft_cfg["mode"] == "tree":
+            proposal = tree_proposal(trees.build(self._tree_step(ctx, hidden, logits), self.draft_cfg, budget))
         else:
             tokens, qs = [], []
-            for i in range(min(int(self.draft_cfg.get("length", 4)), budget)):
+            for i in range(min(int(self.draft_cfg["length"]), budget)):
                 if i:
                     h, lg = self._head([tokens[-1]], hidden, [real + i - 1])
                     hidden, logits = h[:, -1:], lg[0, -1]
@@ -393,8 +404,15 @@ class Chain:
         for i, level in enumerate(levels[:-1]):
             if level.mu < 1:
                 raise DecodeError(f"level {level.name!r}: mu must be >= 1, got {level.mu}")
-            if levels[i + 1].draft_cfg.get("mode") == "tree" and i + 1 != len(levels) - 1:
+            if levels[i + 1].draft_cfg["mode"] == "tree" and i + 1 != len(levels) - 1:
                 raise DecodeError(f"level {levels[i + 1].name!r}: only the last level can draft a tree")
+        drafter, draft = levels[-1], levels[-1].draft_cfg
+        if draft["mode"] not in DRAFT_KEYS:
+            raise DecodeError(f"level {drafter.name!r}: draft mode must be chain or tree, got {draft['mode']!r}")
+        missing = [key for key in DRAFT_KEYS[draft["mode"]] if key not in draft]
+        if missing:
+            raise DecodeError(f"level {drafter.name!r}: a {draft['mode']} draft needs {', '.join(missing)} "
+                              "(decode.draft_defaults fills in what a configured chain leaves out)")
         self.levels = levels
         self.target = levels[0]
 
@@ -450,28 +468,28 @@ class Chain:
         rounds = len(stats[-2].acceptance_lengths)
         return Generation(new, GenerationStats(wall, ttft, len(new), stats[-1].forward_calls / max(rounds, 1), stats))
 
-    def features(self, order: list[ModelLevel]) -> Callable[[list[int], int, int], torch.Tensor]:
-        """Feature source for an EAGLE level: positions [start, end) of ctx, each from the first level in
-        `order` whose hidden states cover it (cached states stay valid while the prefix is unchanged)."""
+
+def read_features(order: list[ModelLevel], hidden_size: int, dtype: torch.dtype) -> Features:
+    """Feature source for an EAGLE level: positions [start, end) of ctx, each from the first level in `order`
+    whose kept hidden states cover it (cached states stay valid while the prefix is unchanged). Every level
+    in `order` must have been built with keep_hidden=True."""
+    forgetful = [level.name for level in order if not level.keep_hidden]
+    if forgetful:
+        raise DecodeError(f"levels {', '.join(forgetful)} do not keep their hidden states (build them with keep_hidden=True)")
+    empty = torch.zeros(1, 0, hidden_size, dtype=dtype)
+
+    def features(ctx: list[int], start: int, end: int) -> torch.Tensor:
+        parts, pos = [], start
         for level in order:
-            level.keep_hidden = True
+            valid = min(level.hidden_valid(ctx), end)
+            if valid > pos:
+                parts.append(level.hidden[:, pos:valid])
+                pos = valid
+        if pos < end:
+            raise DecodeError(f"no level holds features for positions {pos}..{end - 1}")
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0] if parts else empty
 
-        def features(ctx: list[int], start: int, end: int) -> torch.Tensor:
-            parts, pos = [], start
-            for level in order:
-                valid = min(level.hidden_valid(ctx), end)
-                if valid > pos:
-                    parts.append(level.hidden[:, pos:valid])
-                    pos = valid
-            if pos < end:
-                raise DecodeError(f"no level holds features for positions {pos}..{end - 1}")
-            return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0] if parts else self._empty_features()
-
-        return features
-
-    def _empty_features(self) -> torch.Tensor:
-        h = self.target.model.config.hidden_size
-        return torch.zeros(1, 0, h, dtype=self.target.model.dtype)
+    return features
 
 
 def decoding_settings(max_new_tokens: Any, temperature: Any = 0.0, top_k: Any = 0, top_p: Any = 1.0,
@@ -486,147 +504,3 @@ def decoding_settings(max_new_tokens: Any, temperature: Any = 0.0, top_k: Any = 
         return Sampling(temperature, top_k, top_p)
     except SamplingError as err:
         raise DecodeError(str(err)) from None
-
-
-def load_target(cfg: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The chain's target as configured: `model.name` in `model.dtype`, its linears packed when
-    `decode.fast` (decode.fast: the AR reference and every chain then share that same configuration)."""
-    from data.models import load_model
-    from decode.fast import pack
-
-    target, tokenizer = load_model(cfg.model.name, cfg.model.dtype)
-    if cfg.decode.get("fast"):
-        pack(target)
-    return target, tokenizer
-
-
-def build_chain(
-    chain_cfg: list[dict], target_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-    run_dir: str | Path = ".", dtype: str = "float32", fast: bool = False,
-) -> Chain:
-    """Build a chain from level configs (a list from conf/decode/chain.yaml); level 1 is the target.
-
-    Level keys: kind (model | eagle | ngram), name, mu (middle levels), draft (last level:
-    {mode: chain, length} or {mode: tree, depth, top_k, total_tokens}).
-    model: `model` (`target`, a model spec or folder; relative folders resolve against run_dir, a GPTQ
-    folder loads the same way), `dtype`, `layers` (keep the first n decoder layers: an early-exit copy
-    sharing the weights, a stand-in drafter). eagle: `path` (head folder, or `untrained`), `features`
-    (nearest: the level above first, then upwards; target: the target first, then downwards).
-    ngram: max_ngram, min_ngram. `dtype` is the default for model levels that set none. `fast` packs the
-    linears of every model level loaded here (decode.fast; pack the target itself with `load_target`).
-    """
-    if not chain_cfg:
-        raise DecodeError("empty chain: list at least the target and one drafter")
-    levels: list[Level] = []
-    for i, raw in enumerate(chain_cfg):
-        cfg = dict(raw)
-        kind, name = cfg.get("kind", "model"), cfg.get("name") or f"L{i + 1}"
-        if i == 0 and (kind != "model" or cfg.get("model", "target") != "target" or cfg.get("layers")):
-            raise DecodeError(f"level 1 must be the target ({{kind: model, model: target}}), got {raw}")
-        if kind == "model":
-            model = level_model(cfg, target_model, tokenizer, Path(run_dir), dtype)
-            if fast and model is not target_model:
-                pack(model)
-            levels.append(ModelLevel(name, model, int(cfg.get("mu", 1)), cfg.get("draft")))
-        elif kind == "eagle":
-            head = _eagle_head(cfg, levels, tokenizer, Path(run_dir), target_model)
-            if fast:
-                pack(head)
-            levels.append(EagleLevel(name, head, None, cfg.get("draft")))
-        elif kind == "ngram":
-            levels.append(NgramLevel(name, int(cfg.get("max_ngram", 3)), int(cfg.get("min_ngram", 1)), cfg.get("draft")))
-        else:
-            raise DecodeError(f"level {i + 1} ({name}): unknown kind {kind!r}; use model, eagle or ngram")
-    chain = Chain(levels)
-    for i, (level, cfg) in enumerate(zip(levels, chain_cfg)):
-        if cfg.get("vocab") is not None and isinstance(level, ModelLevel):
-            level.set_vocab(_level_vocab(cfg, i, levels))
-        if isinstance(level, EagleLevel):
-            above = levels[:i][::-1]  # nearest first
-            trained_on = getattr(level.head, "feature_source", None)  # what the head was trained on
-            source = cfg.get("features") or ("target" if trained_on == "target" else "nearest")
-            order = {"nearest": above, "target": above[::-1]}.get(source)
-            if order is None:
-                raise DecodeError(f"level {level.name!r}: features must be nearest or target, got {source!r}")
-            level.features = chain.features(order)
-    return chain
-
-
-def _level_vocab(cfg: dict, i: int, levels: list[Level]) -> torch.Tensor:
-    """A middle level's vocabulary (`vocab: head`): the draft vocabulary of the chain's EAGLE head."""
-    name = cfg.get("name", f"L{i + 1}")
-    if i == 0:
-        raise DecodeError(f"level {name!r}: the target cannot have a restricted vocabulary (it would change the output)")
-    if cfg["vocab"] != "head":
-        raise DecodeError(f"level {name!r}: vocab must be 'head' (the EAGLE head's draft vocabulary), got {cfg['vocab']!r}")
-    heads = [l.head for l in levels if isinstance(l, EagleLevel) and l.head.draft_vocab is not None]
-    if not heads:
-        raise DecodeError(f"level {name!r}: vocab: head needs an EAGLE level whose head has a draft vocabulary")
-    return heads[0].draft_vocab
-
-
-def level_model(cfg: dict, target: PreTrainedModel, tokenizer, run_dir: Path, dtype: str) -> PreTrainedModel:
-    spec = str(cfg.get("model", "target"))
-    if spec == "target":
-        model = target
-    else:
-        from data.models import ModelSourceError, load_model, same_vocabulary
-
-        path = Path(spec).expanduser()
-        if not spec.startswith(("bundled:", "hf:")) and not path.is_absolute() and not path.exists():
-            if (run_dir / path).exists() or "/" not in spec or (run_dir / path.parts[0]).exists():
-                spec = str(run_dir / path)  # a run artifact such as `w4` (missing: "no such model folder")
-        try:
-            model, level_tokenizer = load_model(spec, dtype=str(cfg.get("dtype") or dtype))
-        except ModelSourceError as err:
-            raise DecodeError(f"level {cfg.get('name', spec)!r}: {err}") from None
-        if not same_vocabulary(tokenizer, level_tokenizer):
-            raise DecodeError(f"level {cfg.get('name', spec)!r}: {spec} has a different vocabulary than the target")
-    if model.config.vocab_size != target.config.vocab_size:
-        raise DecodeError(f"level {cfg.get('name', spec)!r}: vocab size {model.config.vocab_size} != target's {target.config.vocab_size}")
-    if cfg.get("layers"):
-        model = truncated_copy(model, int(cfg["layers"]))
-    return model
-
-
-def truncated_copy(model: PreTrainedModel, layers: int) -> PreTrainedModel:
-    """The same model with only its first `layers` decoder layers (then the final norm and head).
-
-    Shares every weight with `model`; a cheap, partially agreeing stand-in drafter."""
-    import copy
-
-    total = model.config.num_hidden_layers
-    if not 0 < layers < total:
-        raise DecodeError(f"layers must be between 1 and {total - 1} for this model, got {layers}")
-    decoder = model.get_decoder()
-    kept = decoder.layers[:layers]
-    full, decoder.layers = decoder.layers, torch.nn.ModuleList()
-    try:
-        clone = copy.deepcopy(model)  # copies everything but the (now empty) layer list
-    finally:
-        decoder.layers = full
-    clone.get_decoder().layers = kept  # the same layer modules: weights are shared, not copied
-    clone.config.num_hidden_layers = layers
-    for attr in ("layer_types",):
-        if getattr(clone.config, attr, None):
-            setattr(clone.config, attr, clone.config.layer_types[:layers])
-    return clone.eval()
-
-
-def _eagle_head(cfg: dict, levels: list[Level], tokenizer, run_dir: Path, target: PreTrainedModel):
-    from decode.head import EagleHead
-
-    path = str(cfg.get("path", "eagle"))
-    if not levels:
-        raise DecodeError("an EAGLE level needs a model level above it")
-    if path == "untrained":
-        return EagleHead.for_target(target).eval()
-    folder = Path(path).expanduser()
-    if not folder.is_absolute() and not folder.exists():
-        folder = run_dir / folder
-    if not folder.exists():
-        raise DecodeError(f"{folder}: no EAGLE head folder (train one with python -m train.eagle)")
-    try:
-        return EagleHead.from_pretrained(str(folder), target, tokenizer).eval()
-    except (OSError, ValueError, RuntimeError) as err:
-        raise DecodeError(f"{folder}: cannot load the EAGLE head ({str(err).splitlines()[0]})") from None

@@ -10,14 +10,14 @@ Writes `decode.costs.out` (json).
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import hydra
 import torch
 from omegaconf import DictConfig
 from transformers import DynamicCache
 
-from data.cli import run_or_exit
+from data.artifacts import Artifacts
+from data.cli import run_main
 from data.timing import Step, cached_forward, median_ms
 
 
@@ -79,7 +79,8 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
     context = context_ids(cfg, tokenizer, int(c.context))
     steps = {"target eager": cached_forward(target, context), "target": cached_forward(fast_target, context)}
     notes = {"target eager": f"{cfg.model.dtype}, plain nn.Linear", "target": f"{cfg.model.dtype}, packed (decode.fast)"}
-    w4_dir = Path(cfg.quantize.output)
+    artifacts = Artifacts.of(cfg)
+    w4_dir = artifacts.output("w4")
     if (w4_dir / "config.json").is_file():
         w4, _ = load_model(str(w4_dir), cfg.model.dtype)
         pack(w4)
@@ -88,7 +89,7 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
         print(f"costs: no W4 model in {w4_dir}; skipping it", file=sys.stderr)
     with torch.inference_mode():
         features = target(torch.tensor([context]), output_hidden_states=True).hidden_states[-1]
-    head_dir = Path(cfg.run_dir) / "eagle"
+    head_dir = artifacts.output("eagle")
     heads = {}
     if (head_dir / "config.json").is_file():
         heads["head"] = EagleHead.from_pretrained(head_dir, fast_target, tokenizer)
@@ -134,11 +135,7 @@ def run(cfg: DictConfig) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from data.models import ModelSourceError
-    from data.sharegpt import DataError
-    from decode.head import HeadError
-
-    run_or_exit(run, cfg, errors=(ModelSourceError, DataError, HeadError))
+    run_main(run, cfg)
 
 
 if __name__ == "__main__":

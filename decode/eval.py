@@ -16,7 +16,8 @@ admissible when no check failed for it and it measured faster than AR; the faste
 published (eval.publish.chain=<chain>: that chain only, and only if every check passed).
 T_i is the engine's mean forward time; L_i and its variance pool every verification of the run, and
 Theorem 3.3 compares that variance with a sampled decode (temperature 1) per level.
-Exit codes: 0 published, 1 bad input (one-line error), 2 no chain admissible and nothing was published.
+Exit codes (data/cli.py, README): 0 published, 2 bad input (a one-line error), 3 no chain admissible and nothing
+published.
 """
 from __future__ import annotations
 
@@ -33,16 +34,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from data.artifacts import Artifacts
+from data.cli import EXIT_NOT_PUBLISHED, PolyspecError, run_main
 from data.tracking import replace_dir
 from decode import measure
 from decode.theory import TheoryError, insertion_conditions, insertion_improves
 
 
-class EvalError(RuntimeError):
+class EvalError(PolyspecError, RuntimeError):
     """Bad eval input (config, chain, question file); the message is one line."""
 
 
@@ -440,14 +444,14 @@ def failed_lines(checks: list[dict[str, Any]]) -> list[str]:
     return [f"check failed: {c['name']}: {reason}" for c in checks if not c["passed"] for reason in c["reasons"]]
 
 
-def level_folder(level_cfg: Any, run_dir: str | Path) -> Path | None:
-    """The folder a level loads from (head, W4 model), resolved as build_chain does; None for the target/specs."""
+def level_folder(level_cfg: Any, artifacts: Artifacts) -> Path | None:
+    """The folder a level loads from (head, W4 model), resolved as decode.build does; None for the target,
+    `untrained` and models that are no folder (bundled:, hub ids)."""
     kind = level_cfg.get("kind", "model")
     source = level_cfg.get("path") if kind == "eagle" else level_cfg.get("model") if kind == "model" else None
-    if not source or source in ("target", "untrained") or str(source).startswith("bundled:"):
+    if not source or source in ("target", "untrained"):
         return None
-    path = Path(str(source)).expanduser()
-    path = path if path.is_absolute() else Path(run_dir) / path
+    path = Path(artifacts.model_spec(str(source))) if kind == "model" else artifacts.folder(str(source))
     return path if path.is_dir() else None
 
 
@@ -457,10 +461,10 @@ def chain_manifest(
 ) -> tuple[dict[str, Any], dict[str, Path]]:
     """chain.json for the published chain (its levels as decoded, planned values included), and the level
     folders to copy into the bundle."""
-    levels, folders = [], {}
+    levels, folders, artifacts = [], {}, Artifacts.of(cfg)
     for i, level_cfg in enumerate(level_cfgs):
         entry, label = {"config": level_cfg}, level_cfg.get("name") or f"L{i + 1}"
-        folder = level_folder(level_cfg, cfg.run_dir)
+        folder = level_folder(level_cfg, artifacts)
         if folder is not None:
             entry |= {"source": str(folder), "content_hash": folder_hash(folder), "bundled_as": f"levels/{label}"}
             folders[label] = folder
@@ -569,7 +573,7 @@ def chain_decoder(chain, eos: Any, values: dict[str, Any] | None = None) -> Deco
 def build_decoders(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Decoder], dict[str, Any]]:
     """The AR reference and every configured chain, as decoders; and the built chains."""
     from decode.baselines import autoregressive
-    from decode.chain import build_chain
+    from decode.build import configured_chain
 
     eos = eos_of(target, tokenizer)
     decoders: dict[str, Decoder] = {"ar": lambda p, n: autoregressive(target, p, n, eos_token_id=eos)}
@@ -584,8 +588,7 @@ def build_decoders(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Decode
             raise EvalError("eval.chains: 'ar' is reserved for the autoregressive reference")
         if levels is None:
             continue  # a chain switched off from the command line (eval.chains.polybasic=null)
-        built[name] = build_chain(OmegaConf.to_container(levels, resolve=True), target, tokenizer, run_dir=cfg.run_dir,
-                                  dtype=cfg.model.dtype, fast=bool(cfg.decode.get("fast")))
+        built[name] = configured_chain(cfg, OmegaConf.to_container(levels, resolve=True), target, tokenizer)
         decoders[name] = chain_decoder(built[name], eos)
     if not built:
         raise EvalError("eval.chains is empty: nothing to evaluate")
@@ -642,7 +645,7 @@ def plan_chains(cfg: DictConfig, built: dict[str, Any], decoders: dict[str, Deco
 def run(cfg: DictConfig) -> int:
     from data.models import weights_hash
     from data.prompts import load_questions
-    from decode.chain import load_target
+    from decode.build import load_target
     from data.tracking import Tracker
     from data.cli import check_writable, flag
 
@@ -731,27 +734,12 @@ def conclude(
         if stale is not None:
             print(f"moved the previously published bundle aside to {stale}: this eval does not admit it")
     tracker.finish(out / "metrics.json")
-    return 0 if decision["publish"] else 2
+    return 0 if decision["publish"] else EXIT_NOT_PUBLISHED
 
 
-def main() -> None:
-    import hydra
-
-    from data.models import ModelSourceError
-    from data.sharegpt import DataError
-    from decode.chain import DecodeError
-    from decode.head import HeadError
-
-    @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-    def _main(cfg: DictConfig) -> None:
-        try:
-            code = run(cfg)
-        except (EvalError, TheoryError, DecodeError, HeadError, ModelSourceError, DataError) as err:
-            print(f"error: {err}", file=sys.stderr)
-            code = 1
-        sys.exit(code)
-
-    _main()
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    run_main(run, cfg)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from data.cli import flag, run_or_exit
-from decode.chain import Chain, DecodeError, Generation, build_chain, decoding_settings
+from data.cli import flag, run_main
+from decode.build import configured_chain
+from decode.chain import Chain, DecodeError, Generation, decoding_settings
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -27,9 +28,7 @@ def chain_from_config(cfg: DictConfig, name: str, target, tokenizer) -> Chain:
     chains = cfg.decode.chains
     if name not in chains or chains[name] is None:
         raise DecodeError(f"decode.chain={name!r}: no such chain in conf/decode/chain.yaml; known: {', '.join(chains)}")
-    levels = OmegaConf.to_container(chains[name], resolve=True)
-    return build_chain(levels, target, tokenizer, run_dir=cfg.run_dir, dtype=cfg.model.dtype,
-                       fast=flag(cfg.decode, "fast", default=False, error=DecodeError))
+    return configured_chain(cfg, OmegaConf.to_container(chains[name], resolve=True), target, tokenizer)
 
 
 def sampling_args(cfg: DictConfig) -> dict:
@@ -121,7 +120,7 @@ def level_table(generation: Generation) -> str:
 def run(cfg: DictConfig) -> None:
     from data.sharegpt import chat_prompt_ids
     from decode.baselines import autoregressive
-    from decode.chain import load_target
+    from decode.build import load_target
 
     d = cfg.decode
     text, new_tokens, kw = prompt_text(cfg), max_new_tokens(cfg), sampling_args(cfg)  # checked before any loading
@@ -163,11 +162,7 @@ def run(cfg: DictConfig) -> None:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from data.models import ModelSourceError
-    from data.sharegpt import DataError
-    from decode.head import HeadError
-
-    run_or_exit(run, cfg, errors=(DecodeError, ModelSourceError, DataError, HeadError))
+    run_main(run, cfg)
 
 
 def shorthand(arg: str) -> str:

@@ -37,12 +37,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from data.cli import PolyspecError
 from data.tracking import replace_dir
 
 FORMAT_VERSION = 1
 
 
-class HeadError(RuntimeError):
+class HeadError(PolyspecError, RuntimeError):
     """An unusable target or a head that does not belong to the chain's target; one-line message."""
 
 

@@ -105,10 +105,8 @@ def best(model: ChainModel, mu_grid: Sequence[int]) -> tuple[tuple[int, ...], Sh
 
 
 def knobs(chain: Chain) -> dict[str, Any]:
-    """What the planner sets: every middle level's mu and the drafter's draft config (defaults spelled out)."""
-    draft = dict(chain.levels[-1].draft_cfg)
-    defaults = {"mode": "tree", "depth": 5, "top_k": 8, "total_tokens": 48} if draft.get("mode") == "tree" else {"mode": "chain", "length": 4}
-    return {"mu": {level.name: level.mu for level in chain.levels[1:-1]}, "draft": defaults | draft}
+    """What the planner sets: every middle level's mu and the drafter's draft config."""
+    return {"mu": {level.name: level.mu for level in chain.levels[1:-1]}, "draft": dict(chain.levels[-1].draft_cfg)}
 
 
 def apply(chain: Chain, values: dict[str, Any]) -> None:

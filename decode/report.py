@@ -33,9 +33,15 @@ def _error(prediction: dict[str, Any]) -> str:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    from decode.measure import level_line, prediction_line
+    """report.md: the gate's decision and the checks first, then one section per part of the report."""
+    lines = _gate_section(report) + _chains_section(report) + _plan_section(report) + _theorem_3_3_section(report)
+    lines += _categories_section(report) + _insertions_section(report)
+    lines += ["", "Plots: speedup_by_category.png, acceptance_<chain>.png, predicted_vs_measured.png.", ""]
+    return "\n".join(lines)
 
-    chains = list(report["chains"])
+
+def _gate_section(report: dict[str, Any]) -> list[str]:
+    """The title, what was published or why nothing was, and every check with its reasons."""
     gate = report["gate"]
     lines = [f"# Chain evaluation: {report['run_name']}", ""]
     lines += [f"**Published: {gate['chain']}.** {gate['explanation']}" if gate["publish"] else
@@ -52,10 +58,15 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["", f"Lossless: {lossless['details']['compared_turns']} turns compared, "
               f"{len(lossless['details']['near_ties'])} near-ties excused (relative top-2 margin <= "
               f"{lossless['details']['near_tie_tolerance']:.0e}).", ""]
+    return lines
 
-    lines += ["## Chains", ""]
+
+def _chains_section(report: dict[str, Any]) -> list[str]:
+    """AR, the baselines and every chain: speed, both predictions, T_i and L_i per level."""
+    from decode.measure import level_line, prediction_line
+
+    chains, baselines = list(report["chains"]), report.get("baselines", {})
     rows = []
-    baselines = report.get("baselines", {})
     for name in ["ar", *baselines, *chains]:
         s = report["summaries"][name]
         res = report["chains"].get(name) or baselines.get(name, {})
@@ -69,6 +80,7 @@ def markdown(report: dict[str, Any]) -> str:
             " / ".join(f"{_f(l['L_mean'])} (var {_f(l['L_var'])})" for l in levels[:-1]) or "-",
             _f(s["draft_depth"]), _error(pred.get("paper", {})), _error(pred.get("refined", {})),
         ])
+    lines = ["## Chains", ""]
     lines += _table(["chain", "levels", "tok/s", "speedup", "time speedup", "Thm 3.1 speedup", "refined speedup", "T_i ms",
                      "L_i (var)", "beta", "Thm 3.1 time error", "refined time error"], rows)
     lines += ["", "speedup: Spec-Bench's (mean tokens/s over the AR's); time speedup: AR seconds per token over the "
@@ -77,49 +89,61 @@ def markdown(report: dict[str, Any]) -> str:
               "prediction counts each middle level's rounds from the tokens it hands up (P) and those the level above keeps.",
               "", "Per level (T = ms per forward, L = acceptance length, P = tokens handed up per round; as decode.bench prints it):", ""]
     lines += [f"- {name}: {level_line(report['summaries'][name])} | {prediction_line(report['summaries'][name])}" for name in chains]
+    return lines
 
-    if report.get("plans"):
-        lines += ["", "## Plan (decode.plan)", ""]
-        rows = []
-        for base, plan in report["plans"].items():
-            for side, name in (("configured", base), ("planned", plan["chain"])):
-                k, pr = plan[side]["knobs"], plan[side]
-                rows.append([f"{name} ({side})", ", ".join(f"{n}={m}" for n, m in k["mu"].items()) or "-",
-                             ", ".join(f"{a}={b}" for a, b in k["draft"].items() if a != "mode") + f" ({k['draft']['mode']})",
-                             _ms(pr["predicted"]["s_per_token"]), _ms(pr.get("measured_s_per_token")), _f(pr.get("error"), "+.0%"),
-                             _f(pr["predicted"]["speedup"]), _f(pr.get("measured_speedup"))])
-        lines += _table(["chain", "mu", "draft", "predicted ms/token", "measured ms/token", "error", "predicted speedup",
-                         "measured speedup"], rows)
-        lines += ["", "Decoding time after the first token; speedups over AR's own decoding (predicted: the target's "
-                  "1-token forward from the same cost curve), which cancels load that changed since the calibration.", ""]
-        for base, plan in report["plans"].items():
-            cal = plan["calibration"]
-            costs = ", ".join(f"{n} ({c['source']}, x{c['scale']:.2f})" for n, c in cal["costs"].items())
-            lines.append(f"- {base}: {plan['candidates']} configurations predicted from {cal['decodes']} calibration decodes "
-                         f"({cal['prompts']} held-out prompts x {cal['max_new_tokens']} tokens, mu {cal['mu']}, "
-                         f"{cal['seconds']:.0f}s); cost curves: {costs}.")
 
-    if report.get("theorem_3_3"):
-        lines += ["", "## Theorem 3.3: acceptance-length variance, greedy vs sampling", "",
-                  "The paper's claim: with speculative sampling the acceptance length is stable, its variance lower "
-                  "than with greedy decoding. Measured on the same first turns, sampling at temperature "
-                  f"{report['config']['theorem_3_3']['temperature']}:", ""]
-        rows = [[name, r["level"], f"{_f(r['greedy']['L'])} ({_f(r['greedy']['var'])})",
-                 f"{_f(r['sampling']['L'])} ({_f(r['sampling']['var'])})",
-                 f"{r['greedy']['verifications']} / {r['sampling']['verifications']}",
-                 {True: "holds", False: "does not hold", None: "n/a"}[r["claim_holds"]]]
-                for name, rows_ in report["theorem_3_3"].items() for r in rows_]
-        lines += _table(["chain", "level", "greedy L (var)", "sampling L (var)", "verifications", "claim"], rows)
-
-    lines += ["", "## Per category", ""]
+def _plan_section(report: dict[str, Any]) -> list[str]:
+    """decode.plan's choice per chain, predicted against measured, and what each plan was calibrated on."""
+    if not report.get("plans"):
+        return []
     rows = []
-    for category, row in report["categories"].items():
-        rows.append([category] + [
-            f"{_f(row[n]['speedup'])}x, L {'/'.join(_f(x) for x in row[n]['L'])}" for n in chains
-        ])
-    lines += _table(["category", *chains], rows)
+    for base, plan in report["plans"].items():
+        for side, name in (("configured", base), ("planned", plan["chain"])):
+            k, pr = plan[side]["knobs"], plan[side]
+            rows.append([f"{name} ({side})", ", ".join(f"{n}={m}" for n, m in k["mu"].items()) or "-",
+                         ", ".join(f"{a}={b}" for a, b in k["draft"].items() if a != "mode") + f" ({k['draft']['mode']})",
+                         _ms(pr["predicted"]["s_per_token"]), _ms(pr.get("measured_s_per_token")), _f(pr.get("error"), "+.0%"),
+                         _f(pr["predicted"]["speedup"]), _f(pr.get("measured_speedup"))])
+    lines = ["", "## Plan (decode.plan)", ""]
+    lines += _table(["chain", "mu", "draft", "predicted ms/token", "measured ms/token", "error", "predicted speedup",
+                     "measured speedup"], rows)
+    lines += ["", "Decoding time after the first token; speedups over AR's own decoding (predicted: the target's "
+              "1-token forward from the same cost curve), which cancels load that changed since the calibration.", ""]
+    for base, plan in report["plans"].items():
+        cal = plan["calibration"]
+        costs = ", ".join(f"{n} ({c['source']}, x{c['scale']:.2f})" for n, c in cal["costs"].items())
+        lines.append(f"- {base}: {plan['candidates']} configurations predicted from {cal['decodes']} calibration decodes "
+                     f"({cal['prompts']} held-out prompts x {cal['max_new_tokens']} tokens, mu {cal['mu']}, "
+                     f"{cal['seconds']:.0f}s); cost curves: {costs}.")
+    return lines
 
-    lines += ["", "## Theorem 3.2: inserted levels (T in ms)", ""]
+
+def _theorem_3_3_section(report: dict[str, Any]) -> list[str]:
+    """Acceptance-length variance per level, greedy against sampling, next to the paper's claim."""
+    if not report.get("theorem_3_3"):
+        return []
+    lines = ["", "## Theorem 3.3: acceptance-length variance, greedy vs sampling", "",
+             "The paper's claim: with speculative sampling the acceptance length is stable, its variance lower "
+             "than with greedy decoding. Measured on the same first turns, sampling at temperature "
+             f"{report['config']['theorem_3_3']['temperature']}:", ""]
+    rows = [[name, r["level"], f"{_f(r['greedy']['L'])} ({_f(r['greedy']['var'])})",
+             f"{_f(r['sampling']['L'])} ({_f(r['sampling']['var'])})",
+             f"{r['greedy']['verifications']} / {r['sampling']['verifications']}",
+             {True: "holds", False: "does not hold", None: "n/a"}[r["claim_holds"]]]
+            for name, rows_ in report["theorem_3_3"].items() for r in rows_]
+    return lines + _table(["chain", "level", "greedy L (var)", "sampling L (var)", "verifications", "claim"], rows)
+
+
+def _categories_section(report: dict[str, Any]) -> list[str]:
+    """Each chain's speedup and acceptance lengths per question category."""
+    chains = list(report["chains"])
+    rows = [[category] + [f"{_f(row[n]['speedup'])}x, L {'/'.join(_f(x) for x in row[n]['L'])}" for n in chains]
+            for category, row in report["categories"].items()]
+    return ["", "## Per category", ""] + _table(["category", *chains], rows)
+
+
+def _insertions_section(report: dict[str, Any]) -> list[str]:
+    """Theorem 3.2 for every inserted level: the measured values, both conditions, the verdict, the speedups."""
     rows = []
     for ins in report["insertions"]:
         v, t = ins["values"], ins.get("theorem_3_2", {})
@@ -132,10 +156,9 @@ def markdown(report: dict[str, Any]) -> str:
             f"{_f(sp.get('without', {}).get('predicted'))}x -> {_f(sp.get('with', {}).get('predicted'))}x",
             f"{_f(sp.get('without', {}).get('measured'))}x -> {_f(sp.get('with', {}).get('measured'))}x",
         ])
-    lines += _table(["insertion", "T_i", "L_i-new", "T_new", "L_new", "T_i+1", "L_i", "lhs T_new/T_i", "rhs",
-                     "2nd: T_new/T_i+1 < rhs", "verdict", "Thm 3.1 speedup", "time speedup"], rows)
-    lines += ["", "Plots: speedup_by_category.png, acceptance_<chain>.png, predicted_vs_measured.png.", ""]
-    return "\n".join(lines)
+    return ["", "## Theorem 3.2: inserted levels (T in ms)", ""] + _table(
+        ["insertion", "T_i", "L_i-new", "T_new", "L_new", "T_i+1", "L_i", "lhs T_new/T_i", "rhs",
+         "2nd: T_new/T_i+1 < rhs", "verdict", "Thm 3.1 speedup", "time speedup"], rows)
 
 
 def plot_speedups(report: dict[str, Any], path: Path) -> None:

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
+from data.cli import PolyspecError
 
-class SamplingError(ValueError):
+
+class SamplingError(PolyspecError, ValueError):
     """Sampling settings that define no distribution; the message is one line and names the setting."""
 
 

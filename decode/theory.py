@@ -36,8 +36,10 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
+from data.cli import PolyspecError
 
-class TheoryError(ValueError):
+
+class TheoryError(PolyspecError, ValueError):
     """A value the theory cannot use (missing, not a number, out of range); one line, names the value."""
 
 

@@ -53,15 +53,13 @@ class Tree:
 Step = Callable[[Tree | None, int, int], torch.Tensor]
 
 
-def build(step: Step, cfg: dict, budget: int):
+def build(step: Step, cfg: dict, budget: int) -> Tree | None:
     """EAGLE-2: expand the top_k best frontier nodes per depth, keep every candidate with its cumulative
     log-probability, then keep the total_tokens best candidates (a node always scores below its parent,
-    so the kept set is a tree)."""
-    from decode.chain import Proposal
-
-    depth, top_k, total = min(int(cfg.get("depth", 5)), budget), int(cfg.get("top_k", 8)), int(cfg.get("total_tokens", 48))
+    so the kept set is a tree). None when the budget leaves no depth to draft."""
+    depth, top_k, total = min(int(cfg["depth"]), budget), int(cfg["top_k"]), int(cfg["total_tokens"])
     if depth <= 0:
-        return Proposal([])
+        return None
     fed = Tree()
     cand_tok, cand_parent, cand_score = [], [], []  # candidates; parents index candidates (-1 = root)
     cand_fed: dict[int, int] = {}  # candidate index -> fed-tree index
@@ -92,7 +90,7 @@ def build(step: Step, cfg: dict, budget: int):
         if parent >= 0 and parent not in index:
             continue  # only possible on exact score ties: drop the orphan (and so its subtree)
         index[c] = tree.add(cand_tok[c], index[parent] if parent >= 0 else -1)
-    return Proposal(tree.tokens, tree=tree)
+    return tree
 
 
 def walk(tree: Tree, logits: torch.Tensor, sampling: Sampling, gen: torch.Generator | None):

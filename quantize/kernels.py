@@ -1,6 +1,6 @@
 """`python -m quantize.kernels`: which CPU kernel runs the W4 checkpoint fastest, next to the target.
 
-Times one forward of 1 and of 8 new tokens over a KV cache of `quantize.eval.timing_context` tokens
+Times one forward of `quantize.eval.timing_tokens` new tokens (1 and 8) over a KV cache of `quantize.eval.timing_context` tokens
 for the full-precision target (fp32, bf16) and for the W4 model under each GPTQModel CPU kernel and
 under plain `transformers` loading (its own kernel choice), all in one process, interleaved per
 repeat, medians. The winner is what `data.models.load_model` uses for GPTQ folders (GPTQ_CPU_BACKEND).
@@ -15,9 +15,10 @@ import torch
 from omegaconf import DictConfig
 from transformers import AutoModelForCausalLM, GPTQConfig, PreTrainedModel
 
-from data.cli import run_or_exit
-from data.models import ModelSourceError, load_model, load_tokenizer, resolve_model_path
-from data.sharegpt import DataError, load_conversations, split_conversations, tokenize_conversation
+from data.artifacts import Artifacts
+from data.cli import run_main
+from data.models import load_model, load_tokenizer, resolve_model_path
+from data.sharegpt import load_conversations, split_conversations, tokenize_conversation
 from data.tracking import write_json_atomic
 from quantize.w4 import QuantizeError, forward_ms
 
@@ -44,7 +45,7 @@ def kernel_kind(model: PreTrainedModel) -> str:
 
 
 def run(cfg: DictConfig) -> dict[str, dict[str, float | str]]:
-    w4_path = Path(cfg.quantize.output)
+    w4_path = Artifacts.of(cfg).output("w4")
     if not (w4_path / "config.json").exists():
         raise QuantizeError(f"{w4_path}: no W4 checkpoint; run python -m quantize.w4 first")
     src = resolve_model_path(cfg.model.name)
@@ -77,20 +78,23 @@ def run(cfg: DictConfig) -> dict[str, dict[str, float | str]]:
             runnable[name] = model
         except Exception as err:
             print(f"{name}: forward fails ({err.__class__.__name__}: {(str(err).splitlines() or [''])[0][:120]})")
-    ms = forward_ms(runnable, context, [1, 8], ecfg.timing_repeats)
+    ks = list(ecfg.timing_tokens)
+    ms = forward_ms(runnable, context, ks, ecfg.timing_repeats)
     base = ms["target fp32"]
     print(f"\nmedian ms per forward, {len(context)}-token KV cache, {ecfg.timing_repeats} repeats, interleaved")
-    print(f"{'model':40s}{'1 tok':>9s}{'8 tok':>9s}{'vs fp32 (1/8)':>16s}  kernel")
+    versus = "vs fp32 (" + "/".join(map(str, ks)) + ")"
+    print(f"{'model':40s}" + "".join(f"{f'{k} tok':>9s}" for k in ks) + f"{versus:>16s}  kernel")
     for name, per in ms.items():
-        print(f"{name:40s}{per[1]:9.1f}{per[8]:9.1f}{per[1] / base[1]:8.2f}x{per[8] / base[8]:7.2f}x  {kinds[name]}")
-    result = {name: {"ms_1tok": per[1], "ms_8tok": per[8], "kernel": kinds[name]} for name, per in ms.items()}
+        ratios = "".join(f"{per[k] / base[k]:{8 if i == 0 else 7}.2f}x" for i, k in enumerate(ks))
+        print(f"{name:40s}" + "".join(f"{per[k]:9.1f}" for k in ks) + f"{ratios}  {kinds[name]}")
+    result = {name: {**{f"ms_{k}tok": per[k] for k in ks}, "kernel": kinds[name]} for name, per in ms.items()}
     write_json_atomic(Path(cfg.run_dir) / "w4_kernels.json", result)
     return result
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run_or_exit(run, cfg, errors=(QuantizeError, ModelSourceError, DataError))
+    run_main(run, cfg)
 
 
 if __name__ == "__main__":

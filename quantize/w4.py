@@ -32,17 +32,18 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from data.cli import check_writable, flag, run_or_exit
-from data.models import ModelSourceError, load_model, load_tokenizer, resolve_model_path, weights_hash
+from data.artifacts import Artifacts
+from data.cli import PolyspecError, check_writable, flag, run_main
+from data.models import load_model, load_tokenizer, resolve_model_path, weights_hash
 from data.sharegpt import (
-    Conversation, DataError, TokenizedConversation, chat_prompt_ids, load_conversations, split_conversations,
+    Conversation, TokenizedConversation, chat_prompt_ids, load_conversations, split_conversations,
     tokenize_conversation,
 )
 from data.timing import cached_forward, median_ms
 from data.tracking import replace_dir
 
 
-class QuantizeError(RuntimeError):
+class QuantizeError(PolyspecError, RuntimeError):
     """Bad input to the W4 stage; the message is one line, meant for the user."""
 
 
@@ -282,11 +283,11 @@ def evaluate(
     metrics["draft_depth"] = ecfg.draft_depth
 
     context = [i for t in ppl_convs for i in t.input_ids][: ecfg.timing_context]
-    ms = forward_ms({"target": target, "w4": w4}, context, [1, 8], ecfg.timing_repeats)
+    ms = forward_ms({"target": target, "w4": w4}, context, list(ecfg.timing_tokens), ecfg.timing_repeats)
     for name, per in ms.items():
         for n, value in per.items():
             metrics[f"forward_ms_{name}_{n}tok"] = value
-    metrics["timing_context"] = len(context)
+    metrics["timing_context"], metrics["timing_tokens"] = len(context), list(ecfg.timing_tokens)
     return metrics
 
 
@@ -315,12 +316,11 @@ def remove_stale_temps(out: Path) -> None:
 
 def report(metrics: dict[str, Any]) -> str:
     m = metrics
-    rows = [
-        ("held-out perplexity", f"{m['ppl_target']:.3f}", f"{m['ppl_w4']:.3f}", f"{100 * (m['ppl_ratio'] - 1):+.1f}%"),
-        ("forward ms, 1 new token", f"{m['forward_ms_target_1tok']:.1f}", f"{m['forward_ms_w4_1tok']:.1f}", f"{m['forward_ms_w4_1tok'] / m['forward_ms_target_1tok']:.2f}x"),
-        ("forward ms, 8 new tokens", f"{m['forward_ms_target_8tok']:.1f}", f"{m['forward_ms_w4_8tok']:.1f}", f"{m['forward_ms_w4_8tok'] / m['forward_ms_target_8tok']:.2f}x"),
-        ("size on disk, MB", f"{m['size_mb_target']:.1f}", f"{m['size_mb_w4']:.1f}", f"{m['size_mb_w4'] / m['size_mb_target']:.2f}x"),
-    ]
+    rows = [("held-out perplexity", f"{m['ppl_target']:.3f}", f"{m['ppl_w4']:.3f}", f"{100 * (m['ppl_ratio'] - 1):+.1f}%")]
+    for k in m["timing_tokens"]:
+        target, w4 = m[f"forward_ms_target_{k}tok"], m[f"forward_ms_w4_{k}tok"]
+        rows.append((f"forward ms, {k} new token{'s' if k > 1 else ''}", f"{target:.1f}", f"{w4:.1f}", f"{w4 / target:.2f}x"))
+    rows.append(("size on disk, MB", f"{m['size_mb_target']:.1f}", f"{m['size_mb_w4']:.1f}", f"{m['size_mb_w4'] / m['size_mb_target']:.2f}x"))
     lines = [f"{'':26s}{'target':>10s}{'W4':>10s}{'W4/target':>12s}"] + [f"{a:26s}{b:>10s}{c:>10s}{d:>12s}" for a, b, c, d in rows]
     lines.append(f"greedy agreement {100 * m['greedy_agreement']:.1f}%  ->  L(M1 <- M2) = {m['acceptance_length_m1_m2']:.2f} tokens/round at draft depth {m['draft_depth']}")
     lines.append(f"quantization wall time {m['quantize_s']:.0f} s; group handling: {m['group_handling']}")
@@ -333,7 +333,7 @@ def run(cfg: DictConfig) -> Path:
     skip_if_valid = flag(qcfg, "skip_if_valid", error=QuantizeError)
     for key in ("sym", "desc_act", "act_group_aware", "true_sequential"):
         flag(qcfg, key, error=QuantizeError)
-    out = Path(qcfg.output)
+    out = Artifacts.of(cfg).output("w4")
     check_output(out, overwrite or skip_if_valid)
     check_writable(out, "quantize.output", error=QuantizeError)  # fail now, not after minutes of GPTQ
     src = source_model_path(cfg.model.name)
@@ -390,7 +390,7 @@ def run(cfg: DictConfig) -> Path:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run_or_exit(run, cfg, errors=(QuantizeError, ModelSourceError, DataError))
+    run_main(run, cfg)
 
 
 if __name__ == "__main__":

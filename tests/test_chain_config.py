@@ -13,7 +13,9 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
-from decode.chain import DecodeError, EagleLevel, ModelLevel, NgramLevel, build_chain
+from data.artifacts import Artifacts
+from decode.build import build_chain, configured_chain
+from decode.chain import DecodeError, EagleLevel, ModelLevel, NgramLevel, read_features
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 VOCAB = 300
@@ -67,8 +69,16 @@ def test_levels_built_from_config(target, tmp_path):
 
 def test_eagle_level_from_config(target):
     model, tokenizer = target
-    chain = build_chain([{"kind": "model"}, {"kind": "eagle", "path": "untrained"}], model, tokenizer)
+    chain = build_chain([{"kind": "model"}, {"kind": "eagle", "path": "untrained"}], model, tokenizer,
+                        draft_defaults={"chain": {"length": 3}})
     assert isinstance(chain.levels[1], EagleLevel) and chain.levels[0].keep_hidden
+    assert chain.levels[1].draft_cfg == {"mode": "chain", "length": 3}
+
+
+def test_feature_levels_must_keep_hidden_states_from_construction(target):
+    model, _ = target
+    with pytest.raises(DecodeError, match="levels t do not keep their hidden states"):
+        read_features([ModelLevel("t", model)], model.config.hidden_size, model.dtype)
 
 
 @pytest.mark.parametrize("levels, message", [
@@ -83,11 +93,13 @@ def test_eagle_level_from_config(target):
     ([{"kind": "model"}, {"kind": "model", "model": "target", "layers": 9}], "layers must be between 1 and 3"),
     ([{"kind": "model"}, {"kind": "eagle", "path": "no_such_head"}], "no EAGLE head folder"),
     ([{"kind": "model"}, {"kind": "eagle", "path": "untrained", "features": "w7"}], "features must be nearest or target"),
+    ([{"kind": "model"}, {"kind": "ngram", "draft": {"mode": "tree", "depth": 2}}], "a tree draft needs top_k, total_tokens"),
+    ([{"kind": "model"}, {"kind": "ngram", "draft": {"mode": "trees", "length": 2}}], "draft mode must be chain or tree"),
 ])
 def test_bad_chains_fail_with_one_line(target, levels, message):
     model, tokenizer = target
     with pytest.raises(DecodeError) as err:
-        build_chain(levels, model, tokenizer, run_dir="/nonexistent-run")
+        build_chain(levels, model, tokenizer, Artifacts(Path("/nonexistent-run")))
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
@@ -103,13 +115,37 @@ def test_relative_level_folder_resolves_against_run_dir(target, tmp_path):
     model, tokenizer = target
     saved = Path(saved_level(tmp_path, "w"))
     saved.rename(tmp_path / "w4")
-    chain = build_chain([{"kind": "model"}, {"kind": "model", "model": "w4"}], model, tokenizer, run_dir=tmp_path)
+    chain = build_chain([{"kind": "model"}, {"kind": "model", "model": "w4", "draft": {"length": 4}}], model, tokenizer,
+                        Artifacts(tmp_path))
     assert chain.levels[1].model is not model
+
+
+def test_configured_outputs_are_where_chains_and_the_eval_look(target, tmp_path):
+    """quantize.output and train.output moved out of the run dir: `model: w4` and `path: eagle` follow them,
+    in the builder and in the eval's bundle (data/artifacts.py)."""
+    from data.models import weights_hash
+    from decode.eval import level_folder
+    from decode.head import EagleHead
+
+    model, tokenizer = target
+    w4, head = tmp_path / "elsewhere" / "quantized", tmp_path / "heads" / "first"
+    w4.parent.mkdir()
+    Path(saved_level(tmp_path, "w")).rename(w4)
+    EagleHead.for_target(model).save_pretrained(head, target_hash=weights_hash(model), tokenizer=tokenizer)
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"run_dir={tmp_path / 'run'}", f"quantize.output={w4}",
+                                                       f"train.output={head}", "decode.fast=false"])
+    levels = [{"kind": "model"}, {"kind": "model", "name": "w4", "model": "w4"}, {"kind": "eagle", "path": "eagle"}]
+    chain = configured_chain(cfg, levels, model, tokenizer)
+    assert weights_hash(chain.levels[1].model) == weights_hash(tiny_model(seed=1, vocab=VOCAB))
+    assert isinstance(chain.levels[2], EagleLevel) and chain.levels[1].keep_hidden
+    assert chain.levels[2].draft_cfg == {"mode": "chain", **cfg.decode.draft_defaults.chain}  # the draft from config
+    assert [level_folder(level, Artifacts.of(cfg)) for level in levels] == [None, w4, head]
 
 
 def test_generate_cli_reports_bad_input_in_one_line():
     out = subprocess.run([sys.executable, "-m", "decode.generate", "chain=polybasic"], capture_output=True, text=True,
                          cwd=CONF.parent, env={"WANDB_MODE": "disabled", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
                          timeout=300)
-    assert out.returncode == 1
+    assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1] == 'error: no prompt: python -m decode.generate prompt="your question"'

@@ -9,7 +9,7 @@ import tempfile
 import pytest
 from omegaconf import OmegaConf
 
-from data.cli import ConfigError, check_writable, flag, run_or_exit
+from data.cli import EXIT_INTERRUPTED, EXIT_NOT_PUBLISHED, EXIT_USER_ERROR, ConfigError, Interrupted, check_writable, flag, run_main
 
 
 @pytest.mark.parametrize("value", [True, False])
@@ -34,14 +34,35 @@ def test_flag_default_only_for_an_absent_key():
         flag({"k": "yes"}, "k", error=KeyError)
 
 
-def test_run_or_exit_turns_config_errors_into_one_line(capsys):
-    def stage():
+def exit_code(stage) -> int:
+    with pytest.raises(SystemExit) as exit_:
+        run_main(stage, None)
+    return exit_.value.code
+
+
+def test_run_main_turns_project_errors_into_one_line_and_exit_2(capsys):
+    def stage(cfg):
         raise ConfigError("quantize.overwrite must be true or false, got 'false' (str)")
 
-    with pytest.raises(SystemExit) as exit_:
-        run_or_exit(stage, errors=())
-    assert exit_.value.code == 1
+    assert exit_code(stage) == EXIT_USER_ERROR == 2
     assert capsys.readouterr().err == "error: quantize.overwrite must be true or false, got 'false' (str)\n"
+
+
+def test_run_main_exit_codes(capsys):
+    def interrupted(cfg):
+        raise Interrupted("interrupted at step 3/8; continue with train.resume=true")
+
+    def ctrl_c(cfg):
+        raise KeyboardInterrupt
+
+    def bug(cfg):
+        raise KeyError("no such key")
+
+    assert exit_code(lambda cfg: {"metrics": 1}) == 0 and exit_code(lambda cfg: EXIT_NOT_PUBLISHED) == 3
+    assert exit_code(interrupted) == exit_code(ctrl_c) == EXIT_INTERRUPTED == 130
+    assert capsys.readouterr().err == "interrupted at step 3/8; continue with train.resume=true\ninterrupted\n"
+    with pytest.raises(KeyError):  # a crash keeps its traceback (exit 1)
+        run_main(bug, None)
 
 
 def test_check_writable_creates_nothing(tmp_path):

@@ -50,7 +50,7 @@ def test_sampling_accepts_the_usual_settings():
 @pytest.fixture
 def chain(one_thread):
     model = tiny_model(layers=2)
-    return Chain([ModelLevel("target", model), NgramLevel("lookup")]), model
+    return Chain([ModelLevel("target", model), NgramLevel("lookup", draft={"length": 4})]), model
 
 
 @pytest.mark.parametrize("n", [0, -3, 2.5, True, "8"])
@@ -155,5 +155,5 @@ def test_generate_cli_refuses_bad_settings_before_loading_anything(tmp_path):
     env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, "-m", "decode.generate", "prompt=${HOME} \\", "decode.top_p=0",
                            f"run_dir={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == "error: decode.top_p must be in (0, 1] (1 = off), got 0.0"

@@ -43,9 +43,9 @@ def test_bad_input_is_refused_before_any_work(tmp_path, override, message):
     assert not any(tmp_path.iterdir())
 
 
-def test_cli_prints_one_line_error_and_exits_1(tmp_path):
+def test_cli_prints_one_line_error_and_exits_2(tmp_path):
     proc = run_eval(tmp_path, "eval.prompts=/nonexistent/question.jsonl")
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == "error: /nonexistent/question.jsonl: no such question file"
     assert "Traceback" not in proc.stderr and not (tmp_path / "publish").exists()
 
@@ -61,7 +61,7 @@ def test_smoke_eval_on_the_bundled_model_evaluates_every_check(tmp_path):
         {"question_id": 3, "category": "math", "turns": ["What is 7 times 8?"]},
     ]))
     proc = run_eval(tmp_path, "eval=smoke", f"eval.prompts={questions}", "eval.max_new_tokens=16", timeout=1200)
-    assert proc.returncode in (0, 2), proc.stderr[-3000:]
+    assert proc.returncode in (0, 3), proc.stderr[-3000:]  # 3: nothing published
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     checks = {c["name"]: c for c in report["checks"]}
     assert set(checks) == {"lossless", "insertion", "agreement"}

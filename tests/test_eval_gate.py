@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from data.cli import EXIT_NOT_PUBLISHED
 from data.tracking import Tracker
 from decode.baselines import autoregressive
 from decode.chain import Chain, ModelLevel
@@ -100,7 +101,7 @@ def test_no_chain_slower_than_ar_is_published_and_a_refusal_sets_the_old_bundle_
     capsys.readouterr()
     code, report, checks = run_eval(models, tmp_path, {"dualistic": slow}, tolerance=100.0, force=True)
     out = capsys.readouterr().out
-    assert code == 2 and all(c["passed"] for c in checks.values())  # every check passed, force too: still refused
+    assert code == EXIT_NOT_PUBLISHED and all(c["passed"] for c in checks.values())  # every check passed, force too: still refused
     assert report["chains"]["dualistic"]["time_speedup"] < 1 and report["gate"]["decision"] == "not published"
     assert report["gate"]["rejected"]["dualistic"][-1].startswith("faster than AR: measured 0.")
     assert not (tmp_path / "publish").exists() and not (tmp_path / ".publish.tmp-left-over").exists()
@@ -113,7 +114,7 @@ def test_lossy_chain_fails_the_lossless_check(models, tmp_path, capsys):
     target, _, drafter = models
     lossy = Chain([AcceptEverything("target", target), ModelLevel("draft", drafter, draft=DRAFT)])
     code, report, checks = run_eval(models, tmp_path, {"lossy": lossy}, tolerance=100.0)
-    assert code == 2 and not (tmp_path / "publish").exists()
+    assert code == EXIT_NOT_PUBLISHED and not (tmp_path / "publish").exists()
     assert not checks["lossless"]["passed"] and checks["insertion"]["passed"]
     assert "check failed: lossless: lossy: question 1 turn 1: token" in capsys.readouterr().err
 
@@ -121,7 +122,7 @@ def test_lossy_chain_fails_the_lossless_check(models, tmp_path, capsys):
 def test_strict_gate_refuses_when_any_check_fails_and_force_records_it(models, tmp_path):
     chains = {"polybasic": slow_polybasic(models), "dualistic": dualistic(models)}
     code, report, _ = run_eval(models, tmp_path, chains, publish="dualistic")
-    assert code == 2 and report["gate"]["explanation"].startswith("eval.publish.chain=dualistic (strict): a check failed")
+    assert code == EXIT_NOT_PUBLISHED and report["gate"]["explanation"].startswith("eval.publish.chain=dualistic (strict): a check failed")
     (tmp_path / "w4").mkdir()
     (tmp_path / "w4" / "model.safetensors").write_bytes(b"w4 weights")
     code, report, _ = run_eval(models, tmp_path, chains, publish="dualistic", force=True)

@@ -9,7 +9,8 @@ import pytest
 import torch
 from decode_fixtures import greedy_equal, noisy_copy, packed, prompts, tiny_model
 
-from decode.chain import Chain, EagleLevel, ModelLevel, NgramLevel, build_chain
+from decode.build import build_chain
+from decode.chain import Chain, EagleLevel, ModelLevel, NgramLevel
 
 VOCAB = 300
 TREE = {"mode": "tree", "depth": 4, "top_k": 3, "total_tokens": 10}
@@ -113,8 +114,9 @@ def test_middle_level_with_restricted_vocabulary_greedy_equals_target_greedy(mod
     assert tokens_outside(chain, target, every=3) > 0 and chain.levels[1].stats.accepted > 0, "the test exercises nothing"
 
 
-def test_restricted_vocabulary_comes_from_the_chains_head_and_never_on_the_target(models):
-    from decode.chain import DecodeError, _level_vocab
+def test_restricted_vocabulary_comes_from_the_chains_head_and_never_on_the_target(models, monkeypatch):
+    from decode import build
+    from decode.chain import DecodeError
     from decode.head import EagleHead
 
     target = models[0]
@@ -124,17 +126,18 @@ def test_restricted_vocabulary_comes_from_the_chains_head_and_never_on_the_targe
         build_chain(config, target, tokenizer=None)
     with pytest.raises(DecodeError, match="the target cannot have a restricted vocabulary"):
         build_chain([{"kind": "model", "vocab": "head"}, *config[1:]], target, tokenizer=None)
-    head = EagleHead.for_target(target, draft_vocab=torch.arange(0, VOCAB, 5))
-    levels = [ModelLevel("t", target), ModelLevel("m", target, mu=2), EagleLevel("h", head, None)]
-    assert torch.equal(_level_vocab(config[1], 1, levels), head.draft_vocab)
+    head = EagleHead.for_target(target, draft_vocab=torch.arange(0, VOCAB, 5)).eval()
+    monkeypatch.setattr(build, "_eagle_head", lambda *args: head)  # the head is loaded after the level it restricts
+    chain = build_chain(config, target, tokenizer=None)
+    assert chain.levels[-1].head is head and torch.equal(chain.levels[1].vocab, head.draft_vocab)
 
 
 def test_eos_stops_generation(models):
     target, middle, _ = models
     prompt = prompts(VOCAB, n=1)[0]
-    reference = Chain([ModelLevel("t", target), ModelLevel("d", middle)]).generate(prompt, 30).tokens
+    reference = Chain([ModelLevel("t", target), ModelLevel("d", middle, draft={"length": 4})]).generate(prompt, 30).tokens
     eos = reference[10]
-    chain = Chain([ModelLevel("t", target), ModelLevel("m", middle, mu=3), NgramLevel("n")])
+    chain = Chain([ModelLevel("t", target), ModelLevel("m", middle, mu=3), NgramLevel("n", draft={"length": 4})])
     tokens = chain.generate(prompt, 30, eos_token_id=eos).tokens
     assert tokens == reference[: reference.index(eos) + 1]
 

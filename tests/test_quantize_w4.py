@@ -218,7 +218,7 @@ def test_missing_model_is_a_one_line_cli_error(tmp_path):
         [sys.executable, "-m", "quantize.w4", "~train", "~decode", "~eval", f"run_dir={tmp_path}", f"model.name={tmp_path}/nope"],
         cwd=REPO, capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "WANDB_MODE": "disabled"},
     )
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == f"error: {tmp_path}/nope: no such model folder"
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "w4").exists()

@@ -64,7 +64,7 @@ def models(request):
 
 def draft_vocab_chain(models, draft: dict) -> Chain:
     """target <- EAGLE head that can propose only 4 of the 8 tokens: the others come only from residuals."""
-    from decode.chain import build_chain
+    from decode.build import build_chain
     from decode.head import EagleHead
 
     chain = build_chain([{"kind": "model"}, {"kind": "eagle", "path": "untrained", "draft": draft}], models[0], tokenizer=None)
@@ -100,7 +100,7 @@ def test_tree_and_prompt_lookup_proposals_sample_like_the_target(models):
     target, middle, drafter = models
     tree = Chain([ModelLevel("target", target),
                   ModelLevel("drafter", drafter, draft={"mode": "tree", "depth": 2, "top_k": 2, "total_tokens": 5})])
-    ngram = Chain([ModelLevel("target", target), ModelLevel("middle", middle, mu=2), NgramLevel("lookup")])
+    ngram = Chain([ModelLevel("target", target), ModelLevel("middle", middle, mu=2), NgramLevel("lookup", draft={"length": 4})])
     joint = exact_joint(target)
     for chain in (tree, ngram):
         p = chi_square_pvalue(chain_counts(chain), joint)
@@ -124,7 +124,7 @@ def test_broken_acceptance_rule_is_caught(models, monkeypatch, chain):
 
 
 def test_sampling_is_reproducible_per_seed_for_every_level_kind(models):
-    from decode.chain import build_chain
+    from decode.build import build_chain
 
     target = models[0]
     tree = {"mode": "tree", "depth": 3, "top_k": 2, "total_tokens": 6}

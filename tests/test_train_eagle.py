@@ -20,8 +20,9 @@ from data.models import load_tokenizer, weights_hash
 from decode.head import EagleHead, HeadError
 
 REPO = Path(__file__).resolve().parents[1]
-# Stages this one does not read; dropping them keeps the test independent of their configs.
-UNUSED_GROUPS = ["~quantize", "~decode", "~eval"]
+# Stages this one does not read (of quantize it reads the W4 model's folder, quantize.output); dropping them
+# keeps the test independent of their configs.
+UNUSED_GROUPS = ["~decode", "~eval"]
 
 
 def tiny_llama(seed: int) -> LlamaForCausalLM:
@@ -114,7 +115,7 @@ def test_config_errors_are_one_line(tiny_setup, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "train.eagle", *overrides(tiny_setup, tmp_path, "train.zero_stage=7")],
         cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "WANDB_MODE": "disabled"})
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == "error: train.zero_stage=7: DeepSpeed ZeRO stage must be one of 0, 1, 2, 3"
     assert "Traceback" not in result.stderr
 
@@ -198,13 +199,16 @@ def test_resume_reads_only_own_checkpoints_and_never_unpickles_code(tiny_setup, 
 
 
 def test_feature_source_w4_trains_on_the_w4_models_features(tiny_setup, tmp_path):
-    with pytest.raises(eagle.TrainError, match=r"/w4: no W4 model there"):
-        eagle.train(compose(tiny_setup, tmp_path, "train.feature_source=w4"))
+    """The W4 model and the head where quantize.output and train.output put them, not in the run dir."""
+    moved = [f"quantize.output={tmp_path / 'quantized'}", f"train.output={tmp_path / 'heads' / 'w4_features'}"]
+    with pytest.raises(eagle.TrainError, match=r"/quantized: no W4 model there"):
+        eagle.train(compose(tiny_setup, tmp_path, "train.feature_source=w4", *moved))
     w4 = tiny_llama(7)  # stands in for the quantized copy: same architecture and vocabulary, other weights
-    w4.save_pretrained(tmp_path / "w4")
-    load_tokenizer(str(tiny_setup / "target")).save_pretrained(tmp_path / "w4")
-    metrics = eagle.train(compose(tiny_setup, tmp_path, "train.feature_source=w4", "train.epochs=1"))
-    config = json.loads((tmp_path / "eagle" / "config.json").read_text())
+    w4.save_pretrained(tmp_path / "quantized")
+    load_tokenizer(str(tiny_setup / "target")).save_pretrained(tmp_path / "quantized")
+    metrics = eagle.train(compose(tiny_setup, tmp_path, "train.feature_source=w4", "train.epochs=1", *moved))
+    assert not (tmp_path / "eagle").exists()
+    config = json.loads((tmp_path / "heads" / "w4_features" / "config.json").read_text())
     assert config["feature_source"] == "w4"
     assert config["training"]["feature_model_hash"] == weights_hash(w4) != config["target"]["weights_hash"]
     target_metrics = eagle.train(compose(tiny_setup, tmp_path / "t", "train.epochs=1"))

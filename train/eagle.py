@@ -14,7 +14,6 @@ split across ranks, so the result does not depend on how many processes share it
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -24,7 +23,6 @@ import re
 import shutil
 import signal
 import socket
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,17 +33,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
-from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
-from data.models import ModelSourceError, load_model, same_vocabulary, weights_hash
-from data.cli import flag
-from data.sharegpt import (DataError, chat_prompt_ids, load_conversations, split_conversations, tokenize_conversation,
+from data.artifacts import Artifacts
+from data.models import load_model, same_vocabulary, weights_hash
+from data.cli import Interrupted, PolyspecError, flag, run_main
+from data.sharegpt import (chat_prompt_ids, load_conversations, split_conversations, tokenize_conversation,
                            warn_truncated)
 from data.tracking import Tracker
 from data.vocab import assistant_token_counts, coverage, top_tokens
-from decode.head import EagleHead, HeadError, additive_mask
+from decode.head import EagleHead, additive_mask
 from train import store
 
 FEATURE_SOURCES = ("target", "w4")
@@ -54,11 +52,11 @@ ZERO_STAGES = (0, 1, 2, 3)
 INITS = ("random", "target_last_layer")
 
 
-class TrainError(RuntimeError):
+class TrainError(PolyspecError, RuntimeError):
     """A bad training config or state; the message is one line, meant for the user."""
 
 
-class TrainingInterrupted(Exception):
+class TrainingInterrupted(Interrupted):
     """Ctrl-C (or SIGTERM) stopped training after a checkpoint was written."""
 
 
@@ -83,8 +81,9 @@ def validate(cfg: DictConfig) -> None:
     for key in ("micro_batch", "grad_accum", "epochs", "max_len", "checkpoint_every", "store_batch", "unroll"):
         if not isinstance(t[key], int) or t[key] < 1:
             raise TrainError(f"train.{key}={t[key]!r}: must be a positive integer")
-    if not isinstance(t.eval.depth, int) or t.eval.depth < 1:
-        raise TrainError(f"train.eval.depth={t.eval.depth!r}: must be a positive integer")
+    for key in ("depth", "batch"):
+        if not isinstance(t.eval[key], int) or t.eval[key] < 1:
+            raise TrainError(f"train.eval.{key}={t.eval[key]!r}: must be a positive integer")
 
 
 def init_distributed() -> tuple[int, int]:
@@ -102,11 +101,11 @@ def init_distributed() -> tuple[int, int]:
 
 
 def load_verifiers(cfg: DictConfig) -> tuple[PreTrainedModel, Any, PreTrainedModel]:
-    """(target, its tokenizer, the feature model): the target itself or the W4 model in ${run_dir}/w4."""
+    """(target, its tokenizer, the feature model): the target itself or the W4 model in quantize.output."""
     target, tokenizer = load_model(cfg.model.name, cfg.model.dtype)
     if cfg.train.feature_source == "target":
         return target, tokenizer, target
-    w4_path = Path(cfg.run_dir) / "w4"
+    w4_path = Artifacts.of(cfg).output("w4")
     if not (w4_path / "config.json").is_file():
         raise TrainError(f"{w4_path}: no W4 model there (run `python -m quantize.w4` first, or use train.feature_source=target)")
     w4, w4_tokenizer = load_model(str(w4_path), cfg.model.dtype)
@@ -233,13 +232,13 @@ class EvalSequence:
 
 
 @torch.no_grad()
-def prepare_eval(model: PreTrainedModel, tokenizer: Any, prompts: list[list[int]], gen_tokens: int) -> list[EvalSequence]:
+def prepare_eval(model: PreTrainedModel, tokenizer: Any, prompts: list[list[int]], gen_tokens: int, batch: int) -> list[EvalSequence]:
     """Held-out prompts continued greedily by the verifier: on such text, a chain draft is accepted
     exactly while the head's argmax equals the verifier's, so acceptance is measured, not approximated."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     out = []
-    for i in range(0, len(prompts), 8):
-        group = prompts[i: i + 8]
+    for i in range(0, len(prompts), batch):
+        group = prompts[i: i + batch]
         width = max(map(len, group))
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in group])
         attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
@@ -391,8 +390,8 @@ RUN_CONTROL_KEYS = ("resume", "skip_if_valid")  # how a run is driven, not what 
 
 
 def head_is_current(cfg: DictConfig, target_hash: str) -> bool:
-    """True when ${run_dir}/eagle holds a finished head for this target and this training config."""
-    out_dir = Path(cfg.run_dir) / "eagle"
+    """True when train.output holds a finished head for this target and this training config."""
+    out_dir = Artifacts.of(cfg).output("eagle")
     try:
         saved = json.loads((out_dir / "config.json").read_text())
         json.loads((out_dir / "metrics.json").read_text())
@@ -401,7 +400,7 @@ def head_is_current(cfg: DictConfig, target_hash: str) -> bool:
     wanted = {**OmegaConf.to_container(cfg.train, resolve=True), "seed": cfg.seed,
               "data": OmegaConf.to_container(cfg.data, resolve=True)}
     trained = saved.get("training", {})
-    same = all(trained.get(k) == v for k, v in wanted.items() if k not in RUN_CONTROL_KEYS)
+    same = all(trained.get(k) == v for k, v in wanted.items() if k not in (*RUN_CONTROL_KEYS, "output"))  # where, not what
     return same and saved.get("target", {}).get("weights_hash") == target_hash
 
 
@@ -485,7 +484,7 @@ def resume_progress(engine: Any, cfg: DictConfig, world: int, total_steps: int, 
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
-    """Run the stage; returns the final metrics (also in ${run_dir}/eagle/metrics.json)."""
+    """Run the stage; returns the final metrics (also in train.output/metrics.json)."""
     validate(cfg)
     import deepspeed
 
@@ -497,8 +496,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     target_hash = weights_hash(target)
     if t.skip_if_valid and head_is_current(cfg, target_hash):
         if rank == 0:
-            print(f"EAGLE head in {Path(cfg.run_dir) / 'eagle'} is up to date (same target and training config); skipping")
-        return json.loads((Path(cfg.run_dir) / "eagle" / "metrics.json").read_text())
+            print(f"EAGLE head in {Artifacts.of(cfg).output('eagle')} is up to date (same target and training config); skipping")
+        return json.loads((Artifacts.of(cfg).output("eagle") / "metrics.json").read_text())
     feature_hash = target_hash if feature_model is target else weights_hash(feature_model)
     examples, prompts = load_examples(cfg, tokenizer)
     per_step = t.micro_batch * t.grad_accum * world
@@ -519,7 +518,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if rank == 0:
         print(f"train.eagle: {len(examples)} conversations, {total_steps} steps of {per_step} "
               f"(micro {t.micro_batch} x accum {t.grad_accum} x {world} ranks), features from {t.feature_source}")
-        eval_sequences = prepare_eval(feature_model, tokenizer, prompts, t.eval.gen_tokens)
+        eval_sequences = prepare_eval(feature_model, tokenizer, prompts, t.eval.gen_tokens, t.eval.batch)
     if not progress.curve:
         progress.curve.append(curve_point(progress, evaluate_on_rank0(head, eval_sequences, t.eval.depth, rank)))
         if rank == 0:
@@ -656,7 +655,7 @@ def finish(cfg: DictConfig, head: EagleHead, eval_sequences: list[EvalSequence],
     training = {**OmegaConf.to_container(t, resolve=True), "seed": cfg.seed, "world_size": world,
                 "data": OmegaConf.to_container(cfg.data, resolve=True), "feature_model_hash": hashes["features"],
                 "total_steps": total_steps}
-    out_dir = Path(cfg.run_dir) / "eagle"
+    out_dir = Artifacts.of(cfg).output("eagle")
     head.save_pretrained(out_dir, target_hash=hashes["target"], tokenizer=tokenizer, feature_source=t.feature_source,
                          training=training, metrics=metrics,
                          files={"learning_curve.png": learning_curve_png(progress.curve, k)})
@@ -669,14 +668,7 @@ def finish(cfg: DictConfig, head: EagleHead, eval_sequences: list[EvalSequence],
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    try:
-        train(cfg)
-    except TrainingInterrupted as stopped:
-        print(str(stopped), file=sys.stderr)
-        sys.exit(130)
-    except (TrainError, HeadError, ModelSourceError, DataError, store.StoreError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+    run_main(train, cfg)
 
 
 if __name__ == "__main__":

@@ -26,10 +26,12 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
+from data.cli import PolyspecError
+
 SHARD_EXAMPLES = 64
 
 
-class StoreError(RuntimeError):
+class StoreError(PolyspecError, RuntimeError):
     """A feature store that cannot be used as it is; one-line message."""
 STORE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
