@@ -4,8 +4,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -37,6 +39,20 @@ def replace_dir(tmp: Path, final: Path) -> None:
         final.rename(old)
     tmp.rename(final)
     shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def atomic_dir(final: str | Path) -> Iterator[Path]:
+    """A temp folder beside `final` to write an artifact into: renamed into place (replacing an old one)
+    when the block finishes, removed if it fails, so readers never see a half-written artifact."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        yield tmp
+        replace_dir(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 class Tracker:

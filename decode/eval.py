@@ -28,7 +28,6 @@ import platform
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +40,7 @@ from tqdm import tqdm
 
 from data.artifacts import Artifacts
 from data.cli import EXIT_NOT_PUBLISHED, PolyspecError, run_main
-from data.tracking import replace_dir
+from data.tracking import atomic_dir
 from decode import measure
 from decode.theory import TheoryError, insertion_conditions, insertion_improves
 
@@ -426,17 +425,11 @@ def publish_bundle(
     `folders` maps a level name to the folder to copy (the head, the W4 model): bundle/levels/<name>/.
     """
     final = Path(publish_dir)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
+    with atomic_dir(final) as tmp:
         shutil.copytree(report_dir, tmp / "report")
         for name, folder in folders.items():
             shutil.copytree(folder, tmp / "levels" / name)
         (tmp / "chain.json").write_text(json.dumps(chain_json, indent=2, sort_keys=True, default=str) + "\n")
-        replace_dir(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 

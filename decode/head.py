@@ -26,8 +26,6 @@ import copy
 import hashlib
 import inspect
 import json
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +36,7 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from data.cli import PolyspecError
-from data.tracking import replace_dir
+from data.tracking import atomic_dir
 
 FORMAT_VERSION = 1
 
@@ -200,9 +198,7 @@ class EagleHead(nn.Module):
         """Write config.json, model.safetensors (head weights only), metrics.json and any extra `files`
         (name -> bytes, e.g. a learning-curve PNG); atomic (temp dir + rename)."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-        try:
+        with atomic_dir(path) as tmp:
             config = {
                 "format": "polyspec-eagle-head",
                 "format_version": FORMAT_VERSION,
@@ -223,10 +219,6 @@ class EagleHead(nn.Module):
             (tmp / "metrics.json").write_text(json.dumps(metrics or {}, indent=2, sort_keys=True, default=float) + "\n")
             for name, content in (files or {}).items():
                 (tmp / name).write_bytes(content)
-            replace_dir(tmp, path)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
         return path
 
     @classmethod

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the headless backend)
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from data.tracking import replace_dir  # noqa: E402
+from data.tracking import atomic_dir  # noqa: E402
 
 
 def _f(value: Any, fmt: str = ".2f") -> str:
@@ -223,17 +221,11 @@ def plot_predicted_vs_measured(report: dict[str, Any], path: Path) -> None:
 def write_report(report: dict[str, Any], out_dir: str | Path) -> Path:
     """Write report.json, report.md and the plots into a temp folder, then rename it to out_dir."""
     final = Path(out_dir)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
+    with atomic_dir(final) as tmp:
         (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
         (tmp / "report.md").write_text(markdown(report))
         plot_speedups(report, tmp / "speedup_by_category.png")
         for name in report["chains"]:
             plot_acceptance(name, report["summaries"][name], tmp / f"acceptance_{name}.png")
         plot_predicted_vs_measured(report, tmp / "predicted_vs_measured.png")
-        replace_dir(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return final
