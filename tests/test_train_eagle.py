@@ -215,6 +215,31 @@ def test_feature_source_w4_trains_on_the_w4_models_features(tiny_setup, tmp_path
     assert metrics["train/loss"] != pytest.approx(target_metrics["train/loss"], rel=1e-3)
 
 
+def test_verifier_replies_are_its_own_greedy_answers_generated_once(tiny_setup, tmp_path, monkeypatch):
+    """train.replies=verifier: each example is a first user turn plus the feature model's greedy reply
+    (batched left-padded generation = the prompt alone), cached by key and reused without generating."""
+    cfg = compose(tiny_setup, tmp_path, "train.replies=verifier", "train.regenerate.max_new_tokens=6",
+                  "train.regenerate.batch=3")
+    target = LlamaForCausalLM.from_pretrained(tiny_setup / "target").eval()
+    tokenizer = load_tokenizer(str(tiny_setup / "target"))
+    examples, _ = eagle.load_examples(cfg, tokenizer, target, weights_hash(target))
+    assert len(examples) == 16 and len(list((tmp_path / "eagle_features").glob("replies-*.json"))) == 1
+    for example in examples[:4]:
+        prompt = example.input_ids[~example.loss_mask]
+        assert not example.loss_mask[: len(prompt)].any() and example.loss_mask[len(prompt):].all()
+        alone = target.generate(input_ids=prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.eos_token_id)[0, len(prompt):]
+        assert example.input_ids[len(prompt):].tolist() == alone[: example.loss_mask.sum()].tolist()
+    monkeypatch.setattr(eagle.replies, "_generate", lambda *a: pytest.fail("cached replies were regenerated"))
+    again, _ = eagle.load_examples(cfg, tokenizer, target, weights_hash(target))
+    assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(examples, again))
+    with pytest.raises(pytest.fail.Exception, match="regenerated"):  # another model: another key, never the old file
+        eagle.load_examples(cfg, tokenizer, tiny_llama(7), "other-weights")
+    metrics = eagle.train(compose(tiny_setup, tmp_path, "train.replies=verifier", "train.regenerate.max_new_tokens=6",
+                                  "train.regenerate.batch=3", "train.epochs=1"))
+    assert torch.isfinite(torch.tensor(metrics["train/loss"]))
+
+
 def test_feature_store_is_sized_first_reused_and_rebuilt_when_its_key_changes(tiny_setup, tmp_path, capsys):
     """The store holds the verifier's exact features, is reused by a re-run (same result), and a store for
     other data is never read: a new key builds a new store and the stale one is removed."""
@@ -225,7 +250,7 @@ def test_feature_store_is_sized_first_reused_and_rebuilt_when_its_key_changes(ti
     meta = json.loads((store_dir / "meta.json").read_text())
     assert meta["key"] == store_dir.name and meta["conversations"] == 16
     target = LlamaForCausalLM.from_pretrained(tiny_setup / "target")
-    examples, _ = eagle.load_examples(compose(tiny_setup, tmp_path), load_tokenizer(str(tiny_setup / "target")))
+    examples, _ = eagle.load_examples(compose(tiny_setup, tmp_path), load_tokenizer(str(tiny_setup / "target")), target, "")
     stored = eagle.store.build_or_load(target, [e.input_ids for e in examples], [e.loss_mask for e in examples],
                                        tmp_path / "eagle_features", weights_hash(target), "bfloat16", 4)
     with torch.no_grad():

@@ -44,9 +44,10 @@ from data.sharegpt import (chat_prompt_ids, load_conversations, split_conversati
 from data.tracking import Tracker
 from data.vocab import assistant_token_counts, coverage, top_tokens
 from decode.head import EagleHead, additive_mask
-from train import store
+from train import replies, store
 
 FEATURE_SOURCES = ("target", "w4")
+REPLIES = ("dataset", "verifier")
 PRECISIONS = ("fp32", "bf16")
 ZERO_STAGES = (0, 1, 2, 3)
 INITS = ("random", "target_last_layer")
@@ -74,6 +75,8 @@ def validate(cfg: DictConfig) -> None:
         raise TrainError(f"train.precision={t.precision!r}: must be one of {', '.join(PRECISIONS)}")
     if t.store_dtype not in store.STORE_DTYPES:
         raise TrainError(f"train.store_dtype={t.store_dtype!r}: must be one of {', '.join(store.STORE_DTYPES)}")
+    if t.replies not in REPLIES:
+        raise TrainError(f"train.replies={t.replies!r}: must be one of {', '.join(REPLIES)}")
     if t.init not in INITS:
         raise TrainError(f"train.init={t.init!r}: must be one of {', '.join(INITS)}")
     if t.draft_vocab is not None and (not isinstance(t.draft_vocab, int) or t.draft_vocab < 1):
@@ -81,9 +84,9 @@ def validate(cfg: DictConfig) -> None:
     for key in ("micro_batch", "grad_accum", "epochs", "max_len", "checkpoint_every", "store_batch", "unroll"):
         if not isinstance(t[key], int) or t[key] < 1:
             raise TrainError(f"train.{key}={t[key]!r}: must be a positive integer")
-    for key in ("depth", "batch"):
-        if not isinstance(t.eval[key], int) or t.eval[key] < 1:
-            raise TrainError(f"train.eval.{key}={t.eval[key]!r}: must be a positive integer")
+    for group, key in (("eval", "depth"), ("eval", "batch"), ("regenerate", "max_new_tokens"), ("regenerate", "batch")):
+        if not isinstance(t[group][key], int) or t[group][key] < 1:
+            raise TrainError(f"train.{group}.{key}={t[group][key]!r}: must be a positive integer")
 
 
 def init_distributed() -> tuple[int, int]:
@@ -123,27 +126,54 @@ class Example:
     loss_mask: torch.Tensor  # [L] bool: assistant tokens
 
 
-def load_examples(cfg: DictConfig, tokenizer: Any) -> tuple[list[Example], list[list[int]]]:
-    """Training conversations (tokenized, masked, capped) and held-out chat prompts for evaluation."""
+def load_examples(cfg: DictConfig, tokenizer: Any, feature_model: PreTrainedModel, feature_hash: str,
+                  rank: int = 0, world: int = 1) -> tuple[list[Example], list[list[int]]]:
+    """Training conversations (tokenized, masked, capped; their replies the dataset's or, with
+    `train.replies=verifier`, the feature model's own) and held-out chat prompts for evaluation."""
     train, held_out = split_conversations(load_conversations(cfg.data.source), cfg.data.held_out_fraction)
     caps = [c for c in (cfg.data.get("max_conversations"), cfg.train.max_conversations) if c]
     train = train[: min(caps)] if caps else train
     max_len = min(cfg.data.max_len, cfg.train.max_len)
-    tokenized = [tokenize_conversation(tokenizer, conv, max_len) for conv in train]
-    warn_truncated(tokenized, max_len, "train.max_len")
-    examples = [Example(tok.id, torch.tensor(tok.input_ids), torch.tensor(tok.loss_mask, dtype=torch.bool))
-                for tok in tokenized if len(tok.input_ids) >= 3 and any(tok.loss_mask[2:])]
+    if cfg.train.replies == "verifier":
+        examples = verifier_examples(cfg, train, tokenizer, feature_model, feature_hash, max_len, rank, world)
+    else:
+        tokenized = [tokenize_conversation(tokenizer, conv, max_len) for conv in train]
+        warn_truncated(tokenized, max_len, "train.max_len")
+        examples = [Example(tok.id, torch.tensor(tok.input_ids), torch.tensor(tok.loss_mask, dtype=torch.bool))
+                    for tok in tokenized]
+    examples = [e for e in examples if len(e.input_ids) >= 3 and e.loss_mask[2:].any()]
     if not examples:
         raise TrainError(f"{cfg.data.source}: no training conversation with assistant tokens")
     prompts = []
     for conv in held_out:
-        first_reply = next(i for i, t in enumerate(conv.turns) if t.role == "assistant")
-        ids = chat_prompt_ids(tokenizer, conv.messages()[:first_reply])
-        if len(ids) <= cfg.train.eval.max_prompt_len:
+        ids = first_turn_prompt(tokenizer, conv)
+        if ids is not None and len(ids) <= cfg.train.eval.max_prompt_len:
             prompts.append(ids)
         if len(prompts) == cfg.train.eval.conversations:
             break
     return examples, prompts
+
+
+def first_turn_prompt(tokenizer: Any, conv: Any) -> list[int] | None:
+    """The chat prompt asking for a conversation's first assistant reply (None if it has none)."""
+    first_reply = next((i for i, t in enumerate(conv.turns) if t.role == "assistant"), None)
+    return None if first_reply is None else chat_prompt_ids(tokenizer, conv.messages()[:first_reply])
+
+
+def verifier_examples(cfg: DictConfig, conversations: list[Any], tokenizer: Any, model: PreTrainedModel, feature_hash: str,
+                      max_len: int, rank: int, world: int) -> list[Example]:
+    """Each conversation's first user turn and the feature model's greedy reply to it (train/replies.py)."""
+    r = cfg.train.regenerate
+    pairs = [(conv.id, ids) for conv in conversations
+             if (ids := first_turn_prompt(tokenizer, conv)) is not None and len(ids) < max_len - 2]
+    answers = replies.regenerate(model, tokenizer, [ids for _, ids in pairs], r.max_new_tokens, r.batch,
+                                 Path(cfg.run_dir) / "eagle_features", feature_hash, rank, world)
+    examples = []
+    for (conv_id, prompt), reply in zip(pairs, answers):
+        reply = reply[: max_len - len(prompt)]
+        examples.append(Example(conv_id, torch.tensor(prompt + reply),
+                                torch.tensor([False] * len(prompt) + [True] * len(reply))))
+    return examples
 
 
 def sample_index(i: int, n: int, seed: int) -> int:
@@ -499,7 +529,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             print(f"EAGLE head in {Artifacts.of(cfg).output('eagle')} is up to date (same target and training config); skipping")
         return json.loads((Artifacts.of(cfg).output("eagle") / "metrics.json").read_text())
     feature_hash = target_hash if feature_model is target else weights_hash(feature_model)
-    examples, prompts = load_examples(cfg, tokenizer)
+    examples, prompts = load_examples(cfg, tokenizer, feature_model, feature_hash, rank, world)
     per_step = t.micro_batch * t.grad_accum * world
     total_steps = t.max_steps or (t.epochs * len(examples)) // per_step
     if total_steps < 1:

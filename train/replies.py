@@ -1,0 +1,75 @@
+"""Training replies written by the verifier itself (`train.replies=verifier`): self-distillation data.
+
+At run time the head drafts the verifier's own greedy text, but ShareGPT's replies were written by
+another, much larger model: a 135M verifier phrases, repeats and ends differently, and the head learns
+most from the text it will actually be asked to continue. Here each training conversation's first user
+turn (with any system turn before it) is answered greedily by the feature model, in left-padded
+batches, and the prompt plus that reply becomes the training example (loss on the reply).
+
+Generating costs a verifier forward per new token (batched, so a fraction of AR decoding's), and is
+done once: the replies are cached as JSON under `<root>/replies-<key>.json`, where the key hashes the
+feature model's weights, the prompts and the generation settings. A cache under another key is never
+read. With several ranks, each generates every world-th batch and the replies are all-gathered.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+from transformers import PreTrainedModel
+
+from data.tracking import write_json_atomic
+
+
+def replies_key(feature_hash: str, prompts: list[list[int]], max_new_tokens: int, eos: int | None) -> str:
+    digest = hashlib.sha256(f"{feature_hash}|{max_new_tokens}|{eos}|greedy".encode())
+    for ids in prompts:
+        digest.update(json.dumps(ids).encode() + b"|")
+    return digest.hexdigest()[:16]
+
+
+@torch.inference_mode()
+def _generate(model: PreTrainedModel, prompts: list[list[int]], max_new_tokens: int, pad: int, eos: int | None) -> list[list[int]]:
+    """Greedy replies of one batch (left padding), each cut after its first EOS."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=pad, eos_token_id=eos)
+    replies = []
+    for row in out[:, width:].tolist():
+        replies.append(row[: row.index(eos) + 1] if eos in row else row)
+    return replies
+
+
+def regenerate(model: PreTrainedModel, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch: int,
+               root: Path, feature_hash: str, rank: int = 0, world: int = 1) -> list[list[int]]:
+    """The feature model's greedy reply to each prompt (token ids), from the cache under `root` or generated."""
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    path = root / f"replies-{replies_key(feature_hash, prompts, max_new_tokens, eos)}.json"
+    if path.is_file():
+        if rank == 0:
+            print(f"replies: reusing {path}")
+        return json.loads(path.read_text())["replies"]
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch: less padding
+    batches = [order[s: s + batch] for s in range(0, len(order), batch)]
+    mine = {}
+    for group in tqdm(batches[rank::world], desc=f"replies by the verifier (<= {max_new_tokens} tokens each)", disable=rank != 0):
+        for i, reply in zip(group, _generate(model, [prompts[i] for i in group], max_new_tokens, pad, eos)):
+            mine[i] = reply
+    if world > 1:
+        parts: list[dict] = [{} for _ in range(world)]
+        dist.all_gather_object(parts, mine)
+        mine = {i: reply for part in parts for i, reply in part.items()}
+    replies = [mine[i] for i in range(len(prompts))]
+    if rank == 0:
+        write_json_atomic(path, {"max_new_tokens": max_new_tokens, "prompts": len(prompts), "replies": replies})
+        print(f"replies: {sum(map(len, replies)):,} tokens written to {path}")
+    if world > 1:
+        dist.barrier()
+    return replies
