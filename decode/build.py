@@ -18,7 +18,7 @@ from data.artifacts import Artifacts
 from data.cli import flag
 from data.models import ModelSourceError, load_model, same_vocabulary
 from decode.chain import Chain, DecodeError, EagleLevel, Level, ModelLevel, NgramLevel, read_features
-from decode.fast import pack
+from decode.fast import pack, quantize_lm_head
 from decode.head import EagleHead
 
 KINDS = ("model", "eagle", "ngram")
@@ -54,7 +54,8 @@ def build_chain(
     model: `model` (`target`, a model spec or a folder: `w4` is the W4 stage's output, other relative folders
     are in the run dir, see data.artifacts; a GPTQ folder loads the same way), `dtype`, `layers` (keep the
     first n decoder layers: an early-exit copy sharing the weights, a stand-in drafter), `vocab: head` (a
-    middle level restricted to the head's draft vocabulary). eagle: `path` (`eagle`, the head stage's
+    middle level restricted to the head's draft vocabulary), `lm_head: int8` (a drafting level's LM head on
+    int8 weights). eagle: `path` (`eagle`, the head stage's
     output; another head folder; or `untrained`), `features` (nearest: the level above first, then upwards;
     target: the target first, then downwards). ngram: max_ngram, min_ngram. `artifacts` resolves the
     folders (None: relative to the working directory). `dtype` is the default for model levels that set
@@ -106,6 +107,8 @@ def _load(cfg: dict, target: PreTrainedModel, tokenizer, artifacts: Artifacts, d
         model = level_model(cfg, target, tokenizer, artifacts, dtype)
         if fast and model is not target:
             pack(model)
+        if cfg.get("lm_head") is not None:
+            _int8_lm_head(cfg, model, target)
         return model
     if cfg["kind"] == "eagle":
         head = _eagle_head(cfg, tokenizer, artifacts, target)
@@ -113,6 +116,18 @@ def _load(cfg: dict, target: PreTrainedModel, tokenizer, artifacts: Artifacts, d
             pack(head)
         return head
     return None
+
+
+def _int8_lm_head(cfg: dict, model: PreTrainedModel, target: PreTrainedModel) -> None:
+    """`lm_head: int8`: a drafting level's LM head on int8 weights (decode.fast.quantize_lm_head)."""
+    name = cfg.get("name", cfg.get("model"))
+    if cfg["lm_head"] != "int8":
+        raise DecodeError(f"level {name!r}: lm_head must be int8 (or left out), got {cfg['lm_head']!r}")
+    if model is target:
+        raise DecodeError(f"level {name!r}: lm_head: int8 would change the target's own logits (and the output); "
+                          "only a drafting level may have it")
+    if not quantize_lm_head(model):
+        raise DecodeError(f"level {name!r}: lm_head: int8 needs a bias-free CPU LM head and torch's int8 weight-only kernel")
 
 
 def _feature_order(features: str | None, name: str, head: EagleHead, above: list[ModelLevel]) -> list[ModelLevel]:

@@ -69,7 +69,7 @@ def context_ids(cfg: DictConfig, tokenizer, length: int) -> list[int]:
 def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
     """The forwards to time, and a note per row on what it is."""
     from data.models import load_model
-    from decode.fast import pack
+    from decode.fast import pack, quantize_lm_head
     from decode.head import EagleHead
 
     c = cfg.decode.costs
@@ -85,6 +85,10 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
         w4, _ = load_model(str(w4_dir), cfg.model.dtype)
         pack(w4)
         steps["w4"], notes["w4"] = cached_forward(w4, context), f"{w4_dir}, packed dense layers"
+        w4_int8, _ = load_model(str(w4_dir), cfg.model.dtype)
+        pack(w4_int8)
+        if quantize_lm_head(w4_int8):
+            steps["w4 int8 head"], notes["w4 int8 head"] = cached_forward(w4_int8, context), "the W4 level with lm_head: int8"
     else:
         print(f"costs: no W4 model in {w4_dir}; skipping it", file=sys.stderr)
     with torch.inference_mode():

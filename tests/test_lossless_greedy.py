@@ -114,6 +114,35 @@ def test_middle_level_with_restricted_vocabulary_greedy_equals_target_greedy(mod
     assert tokens_outside(chain, target, every=3) > 0 and chain.levels[1].stats.accepted > 0, "the test exercises nothing"
 
 
+def test_middle_level_with_int8_lm_head_greedy_equals_target_greedy(models):
+    """`lm_head: int8` on the middle level (decode.fast.quantize_lm_head): its proposals change a little, the
+    output must not; the config refuses it on the target itself."""
+    from decode.chain import DecodeError
+    from decode.fast import Int8RowLinear
+
+    target = models[0]
+    config = [{"kind": "model"}, {"kind": "model", "model": "target", "layers": 3, "mu": 2, "lm_head": "int8"},
+              {"kind": "model", "model": "target", "layers": 1, "draft": {"length": 3}}]
+    chain = build_chain(config, target, tokenizer=None, fast=False)
+    middle = chain.levels[1].model
+    head = middle.get_output_embeddings()
+    assert isinstance(head, Int8RowLinear) and not isinstance(target.get_output_embeddings(), Int8RowLinear)
+    saved = middle.state_dict()  # the fp32 weight stays attached; the int8 copy is not saved
+    assert "lm_head.weight" in saved and not any(k.endswith(("qweight", "scales")) for k in saved)
+    h = torch.randn(5, target.config.hidden_size)
+    with torch.inference_mode():
+        exact = h @ head.weight.T
+        assert (head(h) - exact).abs().max() < 0.02 * exact.abs().max()  # int8 rows, bf16 activations
+    for prompt in prompts(VOCAB, 4, seed=11):
+        ok, _ = greedy_equal(target, prompt, chain.generate(prompt, 30).tokens)
+        assert ok, "an int8 middle-level LM head changed the target's greedy output at a clear margin"
+    assert chain.levels[1].stats.accepted > 0
+    with pytest.raises(DecodeError, match="would change the target's own logits"):
+        build_chain([{"kind": "model"}, {"kind": "model", "model": "target", "lm_head": "int8"}, config[2]], target, tokenizer=None)
+    with pytest.raises(DecodeError, match="lm_head must be int8"):
+        build_chain([config[0], {**config[1], "lm_head": "int4"}, config[2]], target, tokenizer=None)
+
+
 def test_restricted_vocabulary_comes_from_the_chains_head_and_never_on_the_target(models, monkeypatch):
     from decode import build
     from decode.chain import DecodeError
