@@ -230,14 +230,14 @@ def test_verifier_replies_are_its_own_greedy_answers_generated_once(tiny_setup, 
         alone = target.generate(input_ids=prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                 max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.eos_token_id)[0, len(prompt):]
         assert example.input_ids[len(prompt):].tolist() == alone[: example.loss_mask.sum()].tolist()
-    monkeypatch.setattr(eagle.replies, "_generate", lambda *a: pytest.fail("cached replies were regenerated"))
+    metrics = eagle.train(compose(tiny_setup, tmp_path, "train.replies=verifier", "train.regenerate.max_new_tokens=6",
+                                  "train.regenerate.batch=3", "train.epochs=1"))
+    assert torch.isfinite(torch.tensor(metrics["train/loss"]))
+    monkeypatch.setattr(eagle.replies, "greedy_replies", lambda *a: pytest.fail("cached replies were regenerated"))
     again, _ = eagle.load_examples(cfg, tokenizer, target, weights_hash(target))
     assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(examples, again))
     with pytest.raises(pytest.fail.Exception, match="regenerated"):  # another model: another key, never the old file
         eagle.load_examples(cfg, tokenizer, tiny_llama(7), "other-weights")
-    metrics = eagle.train(compose(tiny_setup, tmp_path, "train.replies=verifier", "train.regenerate.max_new_tokens=6",
-                                  "train.regenerate.batch=3", "train.epochs=1"))
-    assert torch.isfinite(torch.tensor(metrics["train/loss"]))
 
 
 def test_feature_store_is_sized_first_reused_and_rebuilt_when_its_key_changes(tiny_setup, tmp_path, capsys):

@@ -265,18 +265,10 @@ class EvalSequence:
 def prepare_eval(model: PreTrainedModel, tokenizer: Any, prompts: list[list[int]], gen_tokens: int, batch: int) -> list[EvalSequence]:
     """Held-out prompts continued greedily by the verifier: on such text, a chain draft is accepted
     exactly while the head's argmax equals the verifier's, so acceptance is measured, not approximated."""
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     out = []
     for i in range(0, len(prompts), batch):
         group = prompts[i: i + batch]
-        width = max(map(len, group))
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in group])
-        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
-        gen = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=gen_tokens, do_sample=False,
-                             pad_token_id=pad_id, eos_token_id=tokenizer.eos_token_id)
-        for p, row in zip(group, gen[:, width:].tolist()):
-            if tokenizer.eos_token_id in row:
-                row = row[: row.index(tokenizer.eos_token_id) + 1]
+        for p, row in zip(group, replies.greedy_replies(model, tokenizer, group, gen_tokens)):
             seq = torch.tensor([p + row])
             features = getattr(model, model.base_model_prefix)(input_ids=seq).last_hidden_state
             greedy = model.get_output_embeddings()(features).argmax(-1)

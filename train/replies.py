@@ -33,25 +33,22 @@ def replies_key(feature_hash: str, prompts: list[list[int]], max_new_tokens: int
 
 
 @torch.inference_mode()
-def _generate(model: PreTrainedModel, prompts: list[list[int]], max_new_tokens: int, pad: int, eos: int | None) -> list[list[int]]:
-    """Greedy replies of one batch (left padding), each cut after its first EOS."""
+def greedy_replies(model: PreTrainedModel, tokenizer, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The model's greedy continuation of each prompt of one batch (left padding), each cut after its first EOS."""
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     width = max(map(len, prompts))
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=False,
                          pad_token_id=pad, eos_token_id=eos)
-    replies = []
-    for row in out[:, width:].tolist():
-        replies.append(row[: row.index(eos) + 1] if eos in row else row)
-    return replies
+    return [row[: row.index(eos) + 1] if eos in row else row for row in out[:, width:].tolist()]
 
 
 def regenerate(model: PreTrainedModel, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch: int,
                root: Path, feature_hash: str, rank: int = 0, world: int = 1) -> list[list[int]]:
     """The feature model's greedy reply to each prompt (token ids), from the cache under `root` or generated."""
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    path = root / f"replies-{replies_key(feature_hash, prompts, max_new_tokens, eos)}.json"
+    path = root / f"replies-{replies_key(feature_hash, prompts, max_new_tokens, tokenizer.eos_token_id)}.json"
     if path.is_file():
         if rank == 0:
             print(f"replies: reusing {path}")
@@ -60,7 +57,7 @@ def regenerate(model: PreTrainedModel, tokenizer, prompts: list[list[int]], max_
     batches = [order[s: s + batch] for s in range(0, len(order), batch)]
     mine = {}
     for group in tqdm(batches[rank::world], desc=f"replies by the verifier (<= {max_new_tokens} tokens each)", disable=rank != 0):
-        for i, reply in zip(group, _generate(model, [prompts[i] for i in group], max_new_tokens, pad, eos)):
+        for i, reply in zip(group, greedy_replies(model, tokenizer, [prompts[i] for i in group], max_new_tokens)):
             mine[i] = reply
     if world > 1:
         parts: list[dict] = [{} for _ in range(world)]
