@@ -112,6 +112,8 @@ def test_unroll_3_trains_a_loadable_head(tiny_setup, tmp_path):
 def test_config_errors_are_one_line(tiny_setup, tmp_path):
     with pytest.raises(eagle.TrainError, match=r"train.feature_source='bogus': must be one of target, w4"):
         eagle.validate(compose(tiny_setup, tmp_path, "train.feature_source=bogus"))
+    with pytest.raises(eagle.TrainError, match=r"train.loss_tokens='user': must be one of replies, all"):
+        eagle.validate(compose(tiny_setup, tmp_path, "train.loss_tokens=user"))
     result = subprocess.run(
         [sys.executable, "-m", "train.eagle", *overrides(tiny_setup, tmp_path, "train.zero_stage=7")],
         cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "WANDB_MODE": "disabled"})
@@ -251,7 +253,7 @@ def test_feature_store_is_sized_first_reused_and_rebuilt_when_its_key_changes(ti
     assert meta["key"] == store_dir.name and meta["conversations"] == 16
     target = LlamaForCausalLM.from_pretrained(tiny_setup / "target")
     examples, _ = eagle.load_examples(compose(tiny_setup, tmp_path), load_tokenizer(str(tiny_setup / "target")), target, "")
-    stored = eagle.store.build_or_load(target, [e.input_ids for e in examples], [e.loss_mask for e in examples],
+    stored = eagle.store.build_or_load(target, [e.input_ids for e in examples],
                                        tmp_path / "eagle_features", weights_hash(target), "bfloat16", 4)
     with torch.no_grad():
         online = target.model(input_ids=examples[5].input_ids[None]).last_hidden_state[0]
@@ -266,10 +268,28 @@ def test_feature_store_is_sized_first_reused_and_rebuilt_when_its_key_changes(ti
     assert new_dir.name != store_dir.name
 
 
+def test_loss_on_all_tokens_reuses_the_store_and_counts_every_real_position(tiny_setup, tmp_path, capsys):
+    """train.loss_tokens=all: the loss covers user and template tokens too (their features are stored
+    anyway), padding never; the store does not depend on which tokens carry the loss, so it is reused."""
+    replies = eagle.train(compose(tiny_setup, tmp_path))
+    capsys.readouterr()
+    everything = eagle.train(compose(tiny_setup, tmp_path, "train.loss_tokens=all"))
+    assert "feature store: reusing" in capsys.readouterr().out
+    assert everything["train/loss"] != replies["train/loss"]
+    examples, _ = eagle.load_examples(compose(tiny_setup, tmp_path), load_tokenizer(str(tiny_setup / "target")),
+                                      tiny_llama(0), "")
+    batch = examples[:2]
+    features = [torch.zeros(len(e.input_ids), 32) for e in batch]
+    _, _, assistant = eagle.pad(batch, features)
+    _, _, every = eagle.pad(batch, features, all_tokens=True)
+    lengths = [len(e.input_ids) for e in batch]
+    assert every.sum() == sum(lengths) and assistant.sum() == sum(int(e.loss_mask.sum()) for e in batch) < sum(lengths)
+    assert all(not every[b, n:].any() for b, n in enumerate(lengths))
+
+
 def test_interrupted_store_build_keeps_finished_shards(tiny_setup, tmp_path, monkeypatch):
     target = LlamaForCausalLM.from_pretrained(tiny_setup / "target")
     seqs = [torch.randint(0, 1000, (5 + i % 7,), generator=torch.Generator().manual_seed(i)) for i in range(150)]
-    masks = [torch.ones(len(s), dtype=torch.bool) for s in seqs]
     calls = []
     real = eagle.store._features
 
@@ -281,12 +301,12 @@ def test_interrupted_store_build_keeps_finished_shards(tiny_setup, tmp_path, mon
 
     monkeypatch.setattr(eagle.store, "_features", failing_after_two_shards)
     with pytest.raises(KeyboardInterrupt):
-        eagle.store.build_or_load(target, seqs, masks, tmp_path, "h", "float32", 8)
+        eagle.store.build_or_load(target, seqs, tmp_path, "h", "float32", 8)
     (partial,) = tmp_path.iterdir()
     assert partial.name.endswith(".partial") and len(list(partial.glob("shard-*"))) == 2
     calls.clear()
     monkeypatch.setattr(eagle.store, "_features", lambda model, part, batch: calls.append(len(part)) or real(model, part, batch))
-    features = eagle.store.build_or_load(target, seqs, masks, tmp_path, "h", "float32", 8)
+    features = eagle.store.build_or_load(target, seqs, tmp_path, "h", "float32", 8)
     assert calls == [150 - 2 * eagle.store.SHARD_EXAMPLES] and [len(f) for f in features] == [len(s) for s in seqs]
 
 

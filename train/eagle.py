@@ -48,6 +48,7 @@ from train import replies, store
 
 FEATURE_SOURCES = ("target", "w4")
 REPLIES = ("dataset", "verifier")
+LOSS_TOKENS = ("replies", "all")
 PRECISIONS = ("fp32", "bf16")
 ZERO_STAGES = (0, 1, 2, 3)
 INITS = ("random", "target_last_layer")
@@ -77,6 +78,8 @@ def validate(cfg: DictConfig) -> None:
         raise TrainError(f"train.store_dtype={t.store_dtype!r}: must be one of {', '.join(store.STORE_DTYPES)}")
     if t.replies not in REPLIES:
         raise TrainError(f"train.replies={t.replies!r}: must be one of {', '.join(REPLIES)}")
+    if t.loss_tokens not in LOSS_TOKENS:
+        raise TrainError(f"train.loss_tokens={t.loss_tokens!r}: must be one of {', '.join(LOSS_TOKENS)}")
     if t.init not in INITS:
         raise TrainError(f"train.init={t.init!r}: must be one of {', '.join(INITS)}")
     if t.draft_vocab is not None and (not isinstance(t.draft_vocab, int) or t.draft_vocab < 1):
@@ -198,15 +201,16 @@ def step_micro_batches(step: int, n: int, t: DictConfig, seed: int, rank: int, w
     return chunks
 
 
-def pad(examples: list[Example], features: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded (input_ids, features in fp32, loss_mask) of a micro batch; padding is never a loss position."""
+def pad(examples: list[Example], features: list[torch.Tensor], all_tokens: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (input_ids, features in fp32, loss_mask) of a micro batch; padding is never a loss position.
+    The loss mask is the examples' (assistant tokens) or, with `all_tokens`, every real position."""
     L, h = max(len(e.input_ids) for e in examples), features[0].shape[-1]
     ids = torch.zeros(len(examples), L, dtype=torch.long)
     feats = torch.zeros(len(examples), L, h)
     loss = torch.zeros(len(examples), L, dtype=torch.bool)
     for b, (e, f) in enumerate(zip(examples, features)):
         n = len(e.input_ids)
-        ids[b, :n], feats[b, :n], loss[b, :n] = e.input_ids, f, e.loss_mask
+        ids[b, :n], feats[b, :n], loss[b, :n] = e.input_ids, f, True if all_tokens else e.loss_mask
     return ids, feats, loss
 
 
@@ -526,7 +530,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     total_steps = t.max_steps or (t.epochs * len(examples)) // per_step
     if total_steps < 1:
         raise TrainError(f"{len(examples)} training conversations cannot fill one step of {per_step} (micro_batch x grad_accum x ranks)")
-    features = store.build_or_load(feature_model, [e.input_ids for e in examples], [e.loss_mask for e in examples],
+    features = store.build_or_load(feature_model, [e.input_ids for e in examples],
                                    Path(cfg.run_dir) / "eagle_features", feature_hash, t.store_dtype, t.store_batch, rank, world)
     head = new_head(cfg, target, draft_vocabulary(cfg, examples, tokenizer, target.config.vocab_size, rank))
     optimizer = torch.optim.AdamW(head.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
@@ -615,7 +619,8 @@ def optimizer_step(cfg: DictConfig, engine: Any, examples: list[Example], featur
     engine.train()
     sums = {"loss": 0.0, "feature_loss": 0.0, "ce": 0.0, "correct": 0, "predicted": 0, "tokens": 0}
     for chunk, indices in step_micro_batches(step, len(examples), cfg.train, cfg.seed, rank, world):
-        ids, feats, loss_mask = pad([examples[i] for i in indices], [features[i] for i in indices])
+        ids, feats, loss_mask = pad([examples[i] for i in indices], [features[i] for i in indices],
+                                    all_tokens=cfg.train.loss_tokens == "all")
         loss, stats = micro_batch_loss(engine, feats, ids, loss_mask, cfg.train,
                                        noise_seed=cfg.seed * 1_000_003 + step * 1_009 + chunk)
         engine.backward(loss)

@@ -36,10 +36,10 @@ class StoreError(PolyspecError, RuntimeError):
 STORE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def store_key(feature_hash: str, sequences: list[torch.Tensor], masks: list[torch.Tensor], dtype: str) -> str:
+def store_key(feature_hash: str, sequences: list[torch.Tensor], dtype: str) -> str:
     digest = hashlib.sha256(f"{feature_hash}|{dtype}".encode())
-    for ids, mask in zip(sequences, masks):
-        digest.update(ids.numpy().tobytes() + mask.numpy().tobytes() + b"|")
+    for ids in sequences:
+        digest.update(ids.numpy().tobytes() + b"|")
     return digest.hexdigest()[:16]
 
 
@@ -62,10 +62,10 @@ def _features(model: PreTrainedModel, sequences: list[torch.Tensor], batch: int)
     return out  # type: ignore[return-value]
 
 
-def build_or_load(model: PreTrainedModel, sequences: list[torch.Tensor], masks: list[torch.Tensor], root: Path,
+def build_or_load(model: PreTrainedModel, sequences: list[torch.Tensor], root: Path,
                   feature_hash: str, dtype: str, batch: int, rank: int = 0, world: int = 1) -> list[torch.Tensor]:
     """Per-sequence features [len, h] in `dtype`, from the store under `root` (built first if missing)."""
-    key = store_key(feature_hash, sequences, masks, dtype)
+    key = store_key(feature_hash, sequences, dtype)
     folder = root / key
     if not (folder / "meta.json").is_file():
         _build(model, sequences, root, key, STORE_DTYPES[dtype], batch, rank, world)
