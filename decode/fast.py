@@ -30,12 +30,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
-
-
 def packing_available() -> bool:
     """oneDNN linear with prepacked weights exists in this torch build (CPU builds with MKL-DNN)."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def packable_dtypes() -> tuple[torch.dtype, ...]:
+    """Weight dtypes oneDNN can pack on this CPU: bf16 needs AVX512-BF16/AVX-NE-CONVERT-class support (an
+    AVX2-only EPYC refuses it at packing time), so there bf16 linears keep their plain forward."""
+    bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return (torch.float32, torch.bfloat16) if bf16 is not None and bf16() else (torch.float32,)
 
 
 class PackedLinear(nn.Module):
@@ -147,16 +151,16 @@ def _pack_int4(module: nn.Module) -> None:
 
 
 def pack(model: nn.Module) -> int:
-    """Swap every CPU nn.Linear of a float32/bfloat16 model for a PackedLinear and give every CPU GPTQ
-    int4 linear the lean forward, in place; returns how many layers changed. A no-op for dense layers
-    where oneDNN is unavailable."""
-    count = 0
+    """Swap every CPU nn.Linear of a float32 (bfloat16 where the CPU supports it) model for a PackedLinear
+    and give every CPU GPTQ int4 linear the lean forward, in place; returns how many layers changed. A
+    no-op for dense layers where oneDNN is unavailable."""
+    count, dtypes = 0, packable_dtypes()
     for parent, name, child in _children(model):
         if _is_cpu_int4(child):
             _pack_int4(child)
             count += 1
         elif (packing_available() and type(child) is nn.Linear and child.weight.device.type == "cpu"
-              and child.weight.dtype in PACKABLE_DTYPES):
+              and child.weight.dtype in dtypes):
             setattr(parent, name, PackedLinear(child))
             count += 1
     return count

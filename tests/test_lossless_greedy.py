@@ -143,6 +143,27 @@ def test_middle_level_with_int8_lm_head_greedy_equals_target_greedy(models):
         build_chain([config[0], {**config[1], "lm_head": "int4"}, config[2]], target, tokenizer=None)
 
 
+def test_bf16_middle_level_in_a_packed_chain_greedy_equals_target_greedy(models):
+    """A level in bf16 (`dtype: bfloat16`) with decode.fast on: oneDNN packs bf16 weights only on CPUs with
+    bf16 support (an AVX2-only EPYC refuses at packing time); elsewhere the linears keep their plain forward."""
+    import copy
+
+    from decode.fast import PackedLinear, pack, packable_dtypes, unpack
+
+    target = models[0]
+    middle = copy.deepcopy(target)
+    unpack(middle)
+    middle.to(torch.bfloat16)
+    assert pack(middle) >= 0
+    linears = [m for m in middle.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
+    assert all(isinstance(m, PackedLinear) == (torch.bfloat16 in packable_dtypes()) for m in linears)
+    chain = Chain([ModelLevel("target", target), ModelLevel("bf16", middle, mu=2),
+                   NgramLevel("lookup", draft={"mode": "chain", "length": 3})])
+    for prompt in prompts(VOCAB, 3, seed=12):
+        ok, _ = greedy_equal(target, prompt, chain.generate(prompt, 24).tokens)
+        assert ok, "a bf16 middle level changed the target's greedy output at a clear margin"
+
+
 def test_restricted_vocabulary_comes_from_the_chains_head_and_never_on_the_target(models, monkeypatch):
     from decode import build
     from decode.chain import DecodeError
