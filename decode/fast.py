@@ -154,13 +154,12 @@ def pack(model: nn.Module) -> int:
     """Swap every CPU nn.Linear of a float32 (bfloat16 where the CPU supports it) model for a PackedLinear
     and give every CPU GPTQ int4 linear the lean forward, in place; returns how many layers changed. A
     no-op for dense layers where oneDNN is unavailable."""
-    count, dtypes = 0, packable_dtypes()
+    count, dtypes = 0, packable_dtypes() if packing_available() else ()
     for parent, name, child in _children(model):
         if _is_cpu_int4(child):
             _pack_int4(child)
             count += 1
-        elif (packing_available() and type(child) is nn.Linear and child.weight.device.type == "cpu"
-              and child.weight.dtype in dtypes):
+        elif type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype in dtypes:
             setattr(parent, name, PackedLinear(child))
             count += 1
     return count
