@@ -22,13 +22,24 @@ pays for its bytes: measured on 2 cores, 2.4 ms instead of the packed fp32 head'
 3.8 vs 5.3 ms for 4 rows (7.6 vs 6.2 ms for 8: the kernel scales with rows). Never for the target: it would change
 the output; for a drafting level it changes only the proposals, which the level above verifies.
 
+Sibling linears, the ones that read the same activation (an attention block's q/k/v, an MLP's
+gate/up), are then run as one product (`fuse_siblings`): one packed weight (one int4 weight) with
+their rows stacked, each sibling taking its slice of the output. Which linears are siblings is found by
+tracing one forward (consecutive calls on the very same input tensor), not from module names, so any
+architecture gets it; the fusion is kept only if that forward's logits are bit-identical to the unfused
+ones. Measured on a 2-core AVX2 EPYC: SmolLM2-135M's 1-token forward 53 -> 48 ms, 8 tokens 76 -> 70 ms,
+its W4 copy 34.5 -> 31.5 ms (210 int4 calls per forward become 120).
+
 The original parameters stay in place (state_dict, weights hashes and training see the same model);
 the packed copy is an inference-time cache. `unpack` restores plain `nn.Linear` forwards.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 def packing_available() -> bool:
     """oneDNN linear with prepacked weights exists in this torch build (CPU builds with MKL-DNN)."""
@@ -50,10 +61,14 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias  # shared, not copied: state_dict is unchanged
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        self.sibling: tuple[SiblingGroup, int] | None = None  # set by fuse_siblings
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.weight.dtype or torch.is_grad_enabled() and x.requires_grad:
             return nn.functional.linear(x, self.weight, self.bias)
+        if self.sibling is not None:
+            out = self.sibling[0].output(self.sibling[1], x)
+            return out if out is not None else nn.functional.linear(x, self.weight, self.bias)
         flat = x.reshape(-1, self.in_features)
         bias = None if self.bias is None else self.bias.detach()
         out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, bias, "none", [], "")
@@ -61,7 +76,8 @@ class PackedLinear(nn.Module):
 
     def __deepcopy__(self, memo: dict) -> "PackedLinear":
         """Parameters are copied as usual; the packed weight (an opaque oneDNN tensor that cannot be
-        copied) is shared with the copy, which is correct while weights stay frozen, as at inference."""
+        copied) is shared with the copy, which is correct while weights stay frozen, as at inference.
+        A fused sibling's copy gets its own packed weight and runs unfused."""
         import copy
 
         clone = copy.copy(self)
@@ -69,6 +85,9 @@ class PackedLinear(nn.Module):
         clone._buffers = copy.deepcopy(self._buffers, memo)
         clone._modules = {}
         clone.__dict__ = {**clone.__dict__}
+        if clone.sibling is not None:  # a copy runs alone (its own weights may change): repack it
+            clone.sibling = None
+            clone.packed = torch.ops.mkldnn._reorder_linear_weight(clone.weight.detach(), None)
         return clone
 
     def to_linear(self) -> nn.Linear:
@@ -123,11 +142,20 @@ def _int4_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """TorchFusedLinear's CPU inference path without its wrapper (bound to the module by `pack`)."""
     if torch.is_grad_enabled() and x.requires_grad:
         return type(self).forward(self, x)
-    flat = x.reshape(-1, self.in_features).to(torch.bfloat16).index_select(1, self.gather_index)
-    out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.qweight, self.group_size, self.scales_and_zeros)
-    if self.bias is not None:
-        out.add_(self.bias)
-    return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+    sibling = getattr(self, "sibling", None)
+    out = sibling[0].output(sibling[1], x) if sibling is not None else None
+    if out is not None:
+        return out
+    return _int4_mm(x, self.gather_index, self.qweight, self.group_size, self.scales_and_zeros, self.bias)
+
+
+def _int4_mm(x: torch.Tensor, gather_index: torch.Tensor, qweight: torch.Tensor, group_size: int,
+             scales_and_zeros: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).index_select(1, gather_index)
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, qweight, group_size, scales_and_zeros)
+    if bias is not None:
+        out.add_(bias)
+    return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
 
 
 def _is_cpu_int4(module: nn.Module) -> bool:
@@ -162,7 +190,113 @@ def pack(model: nn.Module) -> int:
         elif type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype in dtypes:
             setattr(parent, name, PackedLinear(child))
             count += 1
+    if count and isinstance(model, PreTrainedModel):
+        fuse_siblings(model)
     return count
+
+
+class SiblingGroup:
+    """Linears that read the same activation, run as one product over their stacked rows.
+
+    The first sibling (in call order) computes everything and keeps the output with a strong reference to
+    its input; each later sibling takes its slice only if it is handed that very input tensor, otherwise
+    it computes alone. So a call order other than the traced one costs time, never correctness."""
+
+    def __init__(self, members: list[nn.Module], run: Callable[[torch.Tensor], torch.Tensor]):
+        sizes = [m.out_features for m in members]
+        self.bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        self.run = run
+        self.input: torch.Tensor | None = None
+        self.out: torch.Tensor | None = None
+
+    def output(self, index: int, x: torch.Tensor) -> torch.Tensor | None:
+        if index == 0:
+            self.input, self.version, self.out = x, _version(x), self.run(x)
+        elif x is not self.input or _version(x) != self.version:
+            return None
+        out = self.out[..., self.bounds[index]:self.bounds[index + 1]]
+        if index == len(self.bounds) - 2:
+            self.input = self.out = None
+        return out
+
+
+def _version(x: torch.Tensor) -> int | None:
+    """In-place writes bump a tensor's version; inference tensors have none (and nothing writes them here)."""
+    return None if x.is_inference() else x._version
+
+
+def _is_lean_int4(module: nn.Module) -> bool:
+    return getattr(vars(module).get("forward"), "__func__", None) is _int4_forward
+
+
+def _siblings(model: nn.Module, ids: torch.Tensor) -> tuple[list[list[nn.Module]], torch.Tensor]:
+    """Runs of consecutive packed (or lean int4) linear calls on the same input tensor, in one traced
+    forward; and that forward's logits."""
+    calls: list[tuple[nn.Module, torch.Tensor]] = []
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear) or _is_lean_int4(m)]
+    hooks = [m.register_forward_pre_hook(lambda m, args: calls.append((m, args[0]))) for m in linears]
+    try:
+        with torch.inference_mode():
+            logits = model(input_ids=ids, use_cache=False).logits
+    finally:
+        for hook in hooks:
+            hook.remove()
+    runs: list[list[tuple[nn.Module, torch.Tensor]]] = []
+    for module, x in calls:
+        last = runs[-1] if runs else None
+        if last and x is last[0][1] and type(module) is type(last[0][0]) and all(module is not m for m, _ in last):
+            last.append((module, x))
+        else:
+            runs.append([(module, x)])
+    return [[m for m, _ in run] for run in runs if len(run) > 1], logits
+
+
+def _fused_run(members: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The stacked product of `members`, or None if they cannot share one (int4 with different act-order
+    or group size)."""
+    first = members[0]
+    if isinstance(first, PackedLinear):
+        weight = torch.cat([m.weight.detach() for m in members])
+        bias = None if all(m.bias is None for m in members) else torch.cat(
+            [m.bias.detach() if m.bias is not None else weight.new_zeros(m.out_features) for m in members])
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+        def dense(x: torch.Tensor) -> torch.Tensor:
+            out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
+            return out.reshape(*x.shape[:-1], out.shape[-1])
+
+        return dense
+    if any(not torch.equal(m.gather_index, first.gather_index) or m.group_size != first.group_size for m in members):
+        return None
+    qweight = torch.cat([m.qweight for m in members])
+    scales_and_zeros = torch.cat([m.scales_and_zeros for m in members], dim=1)
+    bias = None if all(m.bias is None for m in members) else torch.cat(
+        [m.bias if m.bias is not None else m.scales_and_zeros.new_zeros(m.out_features) for m in members])
+    return lambda x: _int4_mm(x, first.gather_index, qweight, first.group_size, scales_and_zeros, bias)
+
+
+def fuse_siblings(model: nn.Module) -> int:
+    """Run the packed model's sibling linears (same input, e.g. q/k/v, gate/up) as one product each, in
+    place; returns how many groups were fused (0 if the fused forward was not bit-identical: undone)."""
+    device = next(model.parameters()).device
+    ids = torch.arange(2, 6, device=device)[None] % model.get_input_embeddings().num_embeddings
+    groups, reference = _siblings(model, ids)
+    fused = []
+    for members in groups:
+        run = _fused_run(members)
+        if run is not None:
+            group = SiblingGroup(members, run)
+            for i, m in enumerate(members):
+                m.sibling = (group, i)
+            fused.append(members)
+    with torch.inference_mode():
+        same = torch.equal(model(input_ids=ids, use_cache=False).logits, reference)
+    for m in (m for members in fused for m in members):
+        if not same:
+            m.sibling = None
+        elif isinstance(m, PackedLinear):
+            m.packed = None  # the stacked weight replaces it; a lone call falls back to the plain weight
+    return len(fused) if same else 0
 
 
 def unpack(model: nn.Module) -> int:
@@ -172,7 +306,8 @@ def unpack(model: nn.Module) -> int:
         if isinstance(child, PackedLinear):
             setattr(parent, name, child.to_linear())
             count += 1
-        elif "forward" in vars(child) and getattr(child.forward, "__func__", None) is _int4_forward:
+        elif _is_lean_int4(child):
             del child.forward  # back to the class's own forward (the int4pack layout stays: it is the kernel's)
+            child.sibling = None
             count += 1
     return count

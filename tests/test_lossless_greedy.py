@@ -166,6 +166,38 @@ def test_bf16_middle_level_in_a_packed_chain_greedy_equals_target_greedy(models)
         assert ok, "a bf16 middle level changed the target's greedy output at a clear margin"
 
 
+def test_sibling_linears_run_fused_with_the_unfused_packed_logits():
+    """decode.fast.pack runs q/k/v and gate/up (found by tracing, not by name) as one product each: a cached
+    decode gives bit-identical logits to the unfused packed model; a sibling handed another input computes
+    alone; a deep copy runs unfused on its own copy of the weights."""
+    import copy
+
+    from decode.fast import PackedLinear, SiblingGroup
+    from transformers import DynamicCache
+
+    fused, alone = packed(tiny_model(seed=4, vocab=VOCAB)), packed(tiny_model(seed=4, vocab=VOCAB))
+    for m in alone.modules():
+        if isinstance(m, PackedLinear) and m.sibling is not None:
+            m.sibling, m.packed = None, torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)
+    groups = {id(m.sibling[0]): m.sibling[0] for m in fused.modules() if getattr(m, "sibling", None)}
+    assert len(groups) == 2 * fused.config.num_hidden_layers and all(isinstance(g, SiblingGroup) for g in groups.values())
+    attention = fused.model.layers[0].self_attn
+    assert attention.q_proj.sibling[0] is attention.k_proj.sibling[0] is attention.v_proj.sibling[0]
+    ids = torch.tensor([prompts(VOCAB, 1, seed=5)[0]])
+    with torch.inference_mode():
+        for model in (fused, alone):
+            cache = DynamicCache(config=model.config)
+            model.steps = [model(ids[:, :9], past_key_values=cache).logits] + [
+                model(ids[:, i:i + k], past_key_values=cache).logits for i, k in ((9, 1), (10, 4), (14, 1))]
+        assert all(torch.equal(a, b) for a, b in zip(fused.steps, alone.steps))
+        x, other = torch.randn(1, 3, 64), torch.randn(1, 3, 64)
+        attention.q_proj(x)
+        assert torch.equal(attention.k_proj(other), torch.nn.functional.linear(other, attention.k_proj.weight))
+        clone = copy.deepcopy(fused).model.layers[0].self_attn
+        assert clone.k_proj.sibling is None and clone.k_proj.weight is not attention.k_proj.weight
+        assert torch.allclose(clone.k_proj(x), torch.nn.functional.linear(x, attention.k_proj.weight), atol=1e-5)
+
+
 def test_restricted_vocabulary_comes_from_the_chains_head_and_never_on_the_target(models, monkeypatch):
     from decode import build
     from decode.chain import DecodeError
