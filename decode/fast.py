@@ -30,6 +30,13 @@ architecture gets it; the fusion is kept only if that forward's logits are bit-i
 ones. Measured on a 2-core AVX2 EPYC: SmolLM2-135M's 1-token forward 53 -> 48 ms, 8 tokens 76 -> 70 ms,
 its W4 copy 34.5 -> 31.5 ms (210 int4 calls per forward become 120).
 
+Attention of a grouped-query model (SmolLM2: 9 query heads over 3 K/V heads) runs as HF's "sdpa" does,
+except that K/V heads are never repeated: HF's sdpa attention copies every layer's whole K and V cache
+to the query head count whenever a mask is given (every forward of 2 or more new tokens, i.e. every
+verification), while torch's CPU SDPA takes the grouped heads with a mask directly (`enable_gqa`). Same
+kernel, bit-identical logits; measured on the 2-core AVX2 EPYC, SmolLM2-135M's verification forwards
+5.7 ms faster at 2 tokens, 7.4 ms at 5, 4.2 ms at 8 (of ~70-95).
+
 The original parameters stay in place (state_dict, weights hashes and training see the same model);
 the packed copy is an inference-time cache. `unpack` restores plain `nn.Linear` forwards.
 """
@@ -39,7 +46,9 @@ from typing import Callable
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 def packing_available() -> bool:
     """oneDNN linear with prepacked weights exists in this torch build (CPU builds with MKL-DNN)."""
@@ -192,7 +201,31 @@ def pack(model: nn.Module) -> int:
             count += 1
     if count and isinstance(model, PreTrainedModel):
         fuse_siblings(model)
+        if model.config._attn_implementation == "sdpa":
+            model.set_attn_implementation(GROUPED_SDPA)
     return count
+
+
+GROUPED_SDPA = "polyspec_grouped_sdpa"
+
+
+def grouped_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                           is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """HF's sdpa attention without `repeat_kv` when a mask is given on the CPU (see the module docstring);
+    every other case (no mask, one K/V head per query head, position bias, paged caches) is HF's own."""
+    special = any(kwargs.get(k) is not None for k in ("position_bias", "cache", "softcap")) or kwargs.get("output_attentions")
+    if (attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1 or query.device.type != "cpu"
+            or special):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    out = nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                                     scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
+AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
 
 
 class SiblingGroup:
@@ -300,8 +333,11 @@ def fuse_siblings(model: nn.Module) -> int:
 
 
 def unpack(model: nn.Module) -> int:
-    """Undo `pack`: plain nn.Linear forwards again (e.g. before training or moving to another device)."""
+    """Undo `pack`: plain nn.Linear forwards and HF's sdpa attention again (e.g. before training or moving
+    to another device)."""
     count = 0
+    if isinstance(model, PreTrainedModel) and model.config._attn_implementation == GROUPED_SDPA:
+        model.set_attn_implementation("sdpa")
     for parent, name, child in _children(model):
         if isinstance(child, PackedLinear):
             setattr(parent, name, child.to_linear())

@@ -172,8 +172,9 @@ def test_sibling_linears_run_fused_with_the_unfused_packed_logits():
     alone; a deep copy runs unfused on its own copy of the weights."""
     import copy
 
-    from decode.fast import PackedLinear, SiblingGroup
     from transformers import DynamicCache
+
+    from decode.fast import PackedLinear, SiblingGroup
 
     fused, alone = packed(tiny_model(seed=4, vocab=VOCAB)), packed(tiny_model(seed=4, vocab=VOCAB))
     for m in alone.modules():
@@ -196,6 +197,39 @@ def test_sibling_linears_run_fused_with_the_unfused_packed_logits():
         clone = copy.deepcopy(fused).model.layers[0].self_attn
         assert clone.k_proj.sibling is None and clone.k_proj.weight is not attention.k_proj.weight
         assert torch.allclose(clone.k_proj(x), torch.nn.functional.linear(x, attention.k_proj.weight), atol=1e-5)
+
+
+def test_packed_grouped_query_attention_skips_repeat_kv_with_the_same_logits(monkeypatch):
+    """decode.fast.pack swaps HF's sdpa attention for one that hands grouped K/V heads to SDPA with a mask
+    (no repeat_kv copy): a cached verification with a tree mask gives bit-identical logits; unpack restores sdpa."""
+    from transformers import DynamicCache
+    from transformers.integrations import sdpa_attention
+
+    from decode.fast import GROUPED_SDPA, unpack
+    from decode.tree import Tree
+
+    model = packed(tiny_model(seed=6, vocab=VOCAB))
+    assert model.config._attn_implementation == GROUPED_SDPA and model.config.num_key_value_heads < model.config.num_attention_heads
+    ids = torch.tensor([prompts(VOCAB, 1, seed=7)[0]])
+    tree = Tree()
+    for token, parent in ((5, -1), (9, 0), (7, 0), (11, 1)):
+        tree.add(token, parent)
+    mask, positions = tree.attention_mask(12, 12, torch.float32), tree.position_ids(12, 12)
+    runs, copies = [], []
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda x, n: copies.append(n) or torch.repeat_interleave(x, n, 1))
+    for implementation in (GROUPED_SDPA, "sdpa"):
+        model.set_attn_implementation(implementation)
+        copies.clear()
+        cache = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            first = model(ids[:, :12], past_key_values=cache).logits
+            verify = model(ids[:, 12:16], past_key_values=cache, attention_mask=mask, position_ids=positions).logits
+        runs.append((first, verify))
+        assert bool(copies) == (implementation == "sdpa")
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    model.set_attn_implementation(GROUPED_SDPA)
+    unpack(model)
+    assert model.config._attn_implementation == "sdpa"
 
 
 def test_restricted_vocabulary_comes_from_the_chains_head_and_never_on_the_target(models, monkeypatch):
