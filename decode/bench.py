@@ -38,27 +38,29 @@ def methods(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Method], dict
     from decode.head import HeadError
 
     b, eos, kw = cfg.decode.bench, tokenizer.eos_token_id, sampling_args(cfg)
-    assistant_cfg = OmegaConf.to_container(b.assistant, resolve=True)
-    try:
-        assistant = level_model(assistant_cfg, target, tokenizer, Artifacts.of(cfg), cfg.model.dtype)
-    except DecodeError as err:
-        print(f"hf_assisted: assistant unavailable ({err}); using stand-in {dict(b.assistant_stand_in)}", file=sys.stderr)
-        assistant_cfg = OmegaConf.to_container(b.assistant_stand_in, resolve=True)
-        assistant = level_model(assistant_cfg, target, tokenizer, Artifacts.of(cfg), cfg.model.dtype)
-    if cfg.decode.get("fast"):
-        pack(assistant)
     eager_target = load_model(cfg.model.name, cfg.model.dtype)[0]  # plain nn.Linear forwards, for comparison
     found: dict[str, Method] = {
         "ar": lambda p, n: autoregressive(target, p, n, eos_token_id=eos, **kw),
         "ar_eager": lambda p, n: autoregressive(eager_target, p, n, eos_token_id=eos, **kw),
-        "hf_assisted": lambda p, n: hf_assisted(target, assistant, p, n, eos_token_id=eos, **kw),
-        "hf_prompt_lookup": lambda p, n: hf_prompt_lookup(target, p, n, int(b.prompt_lookup_num_tokens), eos_token_id=eos, **kw),
     }
     notes = {"ar": "target alone" + (" (packed: decode.fast)" if cfg.decode.get("fast") else ""),
-             "ar_eager": "target alone, plain eager nn.Linear", "hf_assisted": f"assistant {assistant_cfg}",
-             "hf_prompt_lookup": f"{b.prompt_lookup_num_tokens} tokens"}
+             "ar_eager": "target alone, plain eager nn.Linear"}
+    if b.assistant is not None:
+        assistant_cfg = OmegaConf.to_container(b.assistant, resolve=True)
+        try:
+            assistant = level_model(assistant_cfg, target, tokenizer, Artifacts.of(cfg), cfg.model.dtype)
+        except DecodeError as err:
+            print(f"hf_assisted: assistant unavailable ({err}); using stand-in {dict(b.assistant_stand_in)}", file=sys.stderr)
+            assistant_cfg = OmegaConf.to_container(b.assistant_stand_in, resolve=True)
+            assistant = level_model(assistant_cfg, target, tokenizer, Artifacts.of(cfg), cfg.model.dtype)
+        if cfg.decode.get("fast"):
+            pack(assistant)
+        found["hf_assisted"] = lambda p, n: hf_assisted(target, assistant, p, n, eos_token_id=eos, **kw)
+        notes["hf_assisted"] = f"assistant {assistant_cfg}"
+    found["hf_prompt_lookup"] = lambda p, n: hf_prompt_lookup(target, p, n, int(b.prompt_lookup_num_tokens), eos_token_id=eos, **kw)
+    notes["hf_prompt_lookup"] = f"{b.prompt_lookup_num_tokens} tokens"
     slots = {"two_level": b.two_level, "three_level": b.three_level, **{name: name for name in b.get("extra") or []}}
-    for slot, name in slots.items():
+    for slot, name in ((slot, name) for slot, name in slots.items() if name is not None):
         try:
             chain = chain_from_config(cfg, name, target, tokenizer)
         except (DecodeError, HeadError) as err:

@@ -78,3 +78,23 @@ def test_bench_and_eval_print_the_same_per_level_numbers_for_the_same_generation
     assert measure.prediction_line(bench["polybasic"]["measured"]) in printed
     assert measure.prediction_line(report["summaries"]["polybasic"]) in md
     assert bench["polybasic"]["measured"]["predictions"] == report["summaries"]["polybasic"]["predictions"]
+
+
+def test_bench_skips_the_assistant_and_chain_slots_set_to_null(monkeypatch):
+    """decode.bench.assistant=null (or a chain slot = null) leaves that method out instead of failing."""
+    from types import SimpleNamespace
+
+    import data.models
+    from decode.bench import methods
+    from decode_fixtures import tiny_model
+
+    target = tiny_model()
+    monkeypatch.setattr(data.models, "load_model", lambda *args, **kwargs: (target, None))
+    cfg = OmegaConf.create({
+        "model": {"name": "tiny", "dtype": "float32"},
+        "decode": {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0, "fast": False,
+                   "bench": {"assistant": None, "two_level": None, "three_level": None, "extra": [],
+                             "prompt_lookup_num_tokens": 3}}})
+    found, notes = methods(cfg, target, SimpleNamespace(eos_token_id=None))
+    assert list(found) == list(notes) == ["ar", "ar_eager", "hf_prompt_lookup"]
+    assert len(found["ar"]([1, 2, 3], 4).tokens) == 4
