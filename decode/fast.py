@@ -50,6 +50,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+
 def packing_available() -> bool:
     """oneDNN linear with prepacked weights exists in this torch build (CPU builds with MKL-DNN)."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -60,6 +61,12 @@ def packable_dtypes() -> tuple[torch.dtype, ...]:
     AVX2-only EPYC refuses it at packing time), so there bf16 linears keep their plain forward."""
     bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     return (torch.float32, torch.bfloat16) if bf16 is not None and bf16() else (torch.float32,)
+
+
+def _packed_mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T + b through a oneDNN-packed W, for any leading shape of x."""
+    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 class PackedLinear(nn.Module):
@@ -78,10 +85,7 @@ class PackedLinear(nn.Module):
         if self.sibling is not None:
             out = self.sibling[0].output(self.sibling[1], x)
             return out if out is not None else nn.functional.linear(x, self.weight, self.bias)
-        flat = x.reshape(-1, self.in_features)
-        bias = None if self.bias is None else self.bias.detach()
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, bias, "none", [], "")
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return _packed_mm(x, self.packed, None if self.bias is None else self.bias.detach())
 
     def __deepcopy__(self, memo: dict) -> "PackedLinear":
         """Parameters are copied as usual; the packed weight (an opaque oneDNN tensor that cannot be
@@ -293,12 +297,7 @@ def _fused_run(members: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tenso
         bias = None if all(m.bias is None for m in members) else torch.cat(
             [m.bias.detach() if m.bias is not None else weight.new_zeros(m.out_features) for m in members])
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-
-        def dense(x: torch.Tensor) -> torch.Tensor:
-            out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
-            return out.reshape(*x.shape[:-1], out.shape[-1])
-
-        return dense
+        return lambda x: _packed_mm(x, packed, bias)
     if any(not torch.equal(m.gather_index, first.gather_index) or m.group_size != first.group_size for m in members):
         return None
     qweight = torch.cat([m.qweight for m in members])
