@@ -60,7 +60,9 @@ def methods(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Method], dict
     found["hf_prompt_lookup"] = lambda p, n: hf_prompt_lookup(target, p, n, int(b.prompt_lookup_num_tokens), eos_token_id=eos, **kw)
     notes["hf_prompt_lookup"] = f"{b.prompt_lookup_num_tokens} tokens"
     slots = {"two_level": b.two_level, "three_level": b.three_level, **{name: name for name in b.get("extra") or []}}
-    for slot, name in ((slot, name) for slot, name in slots.items() if name is not None):
+    for slot, name in slots.items():
+        if name is None:
+            continue
         try:
             chain = chain_from_config(cfg, name, target, tokenizer)
         except (DecodeError, HeadError) as err:
