@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from data.artifacts import Artifacts
 from data.cli import check_writable, run_main
-from decode.build import level_model, load_target
+from decode.build import gemm_choice, level_model, load_target
 from decode.chain import DecodeError, Generation
 from decode.generate import chain_from_config, sampling_args
 from decode.measure import level_line, prediction_line, summarize
@@ -34,7 +34,7 @@ def methods(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Method], dict
     """The decoders to compare, and a note per method on what it actually is."""
     from data.models import load_model
     from decode.baselines import autoregressive, hf_assisted, hf_prompt_lookup
-    from decode.fast import pack
+    from decode.fast import pack, packed_with
     from decode.head import HeadError
 
     b, eos, kw = cfg.decode.bench, tokenizer.eos_token_id, sampling_args(cfg)
@@ -43,7 +43,7 @@ def methods(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Method], dict
         "ar": lambda p, n: autoregressive(target, p, n, eos_token_id=eos, **kw),
         "ar_eager": lambda p, n: autoregressive(eager_target, p, n, eos_token_id=eos, **kw),
     }
-    notes = {"ar": "target alone" + (" (packed: decode.fast)" if cfg.decode.get("fast") else ""),
+    notes = {"ar": "target alone" + (f" (packed: decode.fast, {packed_with(target)})" if packed_with(target) else ""),
              "ar_eager": "target alone, plain eager nn.Linear"}
     if b.assistant is not None:
         assistant_cfg = OmegaConf.to_container(b.assistant, resolve=True)
@@ -54,7 +54,7 @@ def methods(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Method], dict
             assistant_cfg = OmegaConf.to_container(b.assistant_stand_in, resolve=True)
             assistant = level_model(assistant_cfg, target, tokenizer, Artifacts.of(cfg), cfg.model.dtype)
         if cfg.decode.get("fast"):
-            pack(assistant)
+            pack(assistant, gemm_choice(cfg))
         found["hf_assisted"] = lambda p, n: hf_assisted(target, assistant, p, n, eos_token_id=eos, **kw)
         notes["hf_assisted"] = f"assistant {assistant_cfg}"
     found["hf_prompt_lookup"] = lambda p, n: hf_prompt_lookup(target, p, n, int(b.prompt_lookup_num_tokens), eos_token_id=eos, **kw)

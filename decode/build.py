@@ -18,33 +18,45 @@ from data.artifacts import Artifacts
 from data.cli import flag
 from data.models import ModelSourceError, load_model, same_vocabulary
 from decode.chain import Chain, DecodeError, EagleLevel, Level, ModelLevel, NgramLevel, read_features
-from decode.fast import pack, quantize_lm_head
+from decode.fast import GEMMS, avx2_kernel, pack, quantize_lm_head
 from decode.head import EagleHead
 
 KINDS = ("model", "eagle", "ngram")
 
 
+def gemm_choice(cfg: Any) -> str:
+    """decode.gemm, checked: which packed product dense fp32 linears use (decode.fast.gemm_for)."""
+    gemm = cfg.decode.get("gemm", "auto")
+    if gemm not in GEMMS:
+        raise DecodeError(f"decode.gemm must be one of {', '.join(GEMMS)}, got {gemm!r}")
+    if gemm == "avx2" and avx2_kernel()[0] is None:
+        raise DecodeError(f"decode.gemm=avx2 cannot run here ({avx2_kernel()[1]}); use auto or onednn")
+    return gemm
+
+
 def load_target(cfg: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The chain's target as configured: `model.name` in `model.dtype`, its linears packed when
     `decode.fast` (decode.fast: the AR reference and every chain then share that same configuration)."""
+    gemm = gemm_choice(cfg)
     target, tokenizer = load_model(cfg.model.name, cfg.model.dtype)
     if cfg.decode.get("fast"):
-        pack(target)
+        pack(target, gemm)
     return target, tokenizer
 
 
 def configured_chain(cfg: Any, chain_cfg: list[dict], target_model: PreTrainedModel,
                      tokenizer: PreTrainedTokenizerBase) -> Chain:
-    """`build_chain` with what the config says: the run's artifacts, model.dtype, decode.fast and
-    decode.draft_defaults."""
+    """`build_chain` with what the config says: the run's artifacts, model.dtype, decode.fast, decode.gemm
+    and decode.draft_defaults."""
     return build_chain(chain_cfg, target_model, tokenizer, Artifacts.of(cfg), cfg.model.dtype,
                        flag(cfg.decode, "fast", default=False, error=DecodeError),
-                       OmegaConf.to_container(cfg.decode.draft_defaults, resolve=True))
+                       OmegaConf.to_container(cfg.decode.draft_defaults, resolve=True), gemm_choice(cfg))
 
 
 def build_chain(
     chain_cfg: list[dict], target_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     artifacts: Artifacts | None = None, dtype: str = "float32", fast: bool = False, draft_defaults: dict | None = None,
+    gemm: str = "auto",
 ) -> Chain:
     """Build a chain from level configs (a list from conf/decode/chain.yaml); level 1 is the target.
 
@@ -59,14 +71,14 @@ def build_chain(
     output; another head folder; or `untrained`), `features` (nearest: the level above first, then upwards;
     target: the target first, then downwards). ngram: max_ngram, min_ngram. `artifacts` resolves the
     folders (None: relative to the working directory). `dtype` is the default for model levels that set
-    none. `fast` packs the linears of every model level loaded here (decode.fast; pack the target itself
-    with `load_target`).
+    none. `fast` packs the linears of every model level loaded here on the `gemm` product (decode.fast; pack
+    the target itself with `load_target`).
     """
     if not chain_cfg:
         raise DecodeError("empty chain: list at least the target and one drafter")
     artifacts = artifacts or Artifacts(Path("."))
     configs = [_level_config(i, raw) for i, raw in enumerate(chain_cfg)]
-    loaded = [_load(cfg, target_model, tokenizer, artifacts, dtype, fast) for cfg in configs]
+    loaded = [_load(cfg, target_model, tokenizer, artifacts, dtype, fast and gemm) for cfg in configs]
     heads = [head for cfg, head in zip(configs, loaded) if cfg["kind"] == "eagle"]
     read = max((i for i, cfg in enumerate(configs) if cfg["kind"] == "eagle"), default=-1)  # levels above it keep features
     levels: list[Level] = []
@@ -101,19 +113,20 @@ def _draft(draft: dict | None, defaults: dict) -> dict:
     return {**defaults.get(draft["mode"], {}), **draft}
 
 
-def _load(cfg: dict, target: PreTrainedModel, tokenizer, artifacts: Artifacts, dtype: str, fast: bool) -> Any:
-    """What a level runs: its model (model levels), its head (eagle levels), nothing (ngram levels)."""
+def _load(cfg: dict, target: PreTrainedModel, tokenizer, artifacts: Artifacts, dtype: str, gemm: str | bool) -> Any:
+    """What a level runs: its model (model levels), its head (eagle levels), nothing (ngram levels); packed
+    on the `gemm` product unless that is False."""
     if cfg["kind"] == "model":
         model = level_model(cfg, target, tokenizer, artifacts, dtype)
-        if fast and model is not target:
-            pack(model)
+        if gemm and model is not target:
+            pack(model, gemm)
         if cfg.get("lm_head") is not None:
             _int8_lm_head(cfg, model, target)
         return model
     if cfg["kind"] == "eagle":
         head = _eagle_head(cfg, tokenizer, artifacts, target)
-        if fast:
-            pack(head)
+        if gemm:
+            pack(head, gemm)
         return head
     return None
 

@@ -69,24 +69,31 @@ def context_ids(cfg: DictConfig, tokenizer, length: int) -> list[int]:
 def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
     """The forwards to time, and a note per row on what it is."""
     from data.models import load_model
-    from decode.fast import pack, quantize_lm_head
+    from decode.build import gemm_choice
+    from decode.fast import pack, packed_with, quantize_lm_head
     from decode.head import EagleHead
 
-    c = cfg.decode.costs
+    c, gemm = cfg.decode.costs, gemm_choice(cfg)
     target, tokenizer = load_model(cfg.model.name, cfg.model.dtype)
     fast_target, _ = load_model(cfg.model.name, cfg.model.dtype)
-    pack(fast_target)
+    pack(fast_target, gemm)
     context = context_ids(cfg, tokenizer, int(c.context))
     steps = {"target eager": cached_forward(target, context), "target": cached_forward(fast_target, context)}
-    notes = {"target eager": f"{cfg.model.dtype}, plain nn.Linear", "target": f"{cfg.model.dtype}, packed (decode.fast)"}
+    notes = {"target eager": f"{cfg.model.dtype}, plain nn.Linear",
+             "target": f"{cfg.model.dtype}, packed (decode.fast, {packed_with(fast_target)})"}
+    if packed_with(fast_target) == "avx2":  # the other packed product, side by side
+        onednn_target, _ = load_model(cfg.model.name, cfg.model.dtype)
+        pack(onednn_target, "onednn")
+        steps["target onednn"] = cached_forward(onednn_target, context)
+        notes["target onednn"] = f"{cfg.model.dtype}, packed (decode.fast, onednn)"
     artifacts = Artifacts.of(cfg)
     w4_dir = artifacts.output("w4")
     if (w4_dir / "config.json").is_file():
         w4, _ = load_model(str(w4_dir), cfg.model.dtype)
-        pack(w4)
+        pack(w4, gemm)
         steps["w4"], notes["w4"] = cached_forward(w4, context), f"{w4_dir}, packed dense layers"
         w4_int8, _ = load_model(str(w4_dir), cfg.model.dtype)
-        pack(w4_int8)
+        pack(w4_int8, gemm)
         if quantize_lm_head(w4_int8):
             steps["w4 int8 head"], notes["w4 int8 head"] = cached_forward(w4_int8, context), "the W4 level with lm_head: int8"
     else:
@@ -104,7 +111,7 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
         heads[f"head V={size or 'full'}"] = EagleHead.for_target(fast_target, draft_vocab=vocab)
         notes[f"head V={size or 'full'}"] = "untrained head, packed, timing only"
     for name, head in heads.items():
-        pack(head)
+        pack(head, gemm)
         steps[name] = head_forward(head.eval(), context, features)
     vocab = heads["head"].draft_vocab if "head" in heads else None
     if "w4" in steps and vocab is not None:

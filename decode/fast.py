@@ -1,13 +1,20 @@
-"""Fast CPU forwards for any HF causal LM: every `nn.Linear` runs on a oneDNN weight packed once.
+"""Fast CPU forwards for any HF causal LM: every `nn.Linear` runs on a weight packed once.
 
 On this project's CPUs a forward of a small model is almost all small-M matrix products (1-16 new
 tokens against 0.5-50k-wide weights). PyTorch's default fp32 path (MKL sgemm) re-packs the weight on
 every call and, for a few rows, runs far below the machine's rate: measured on a 2-core AMD EPYC, a
 576->49,152 LM head takes 26 ms for 8 rows through `F.linear` and 7.4 ms through oneDNN with the
-weight packed ahead of time; a 576->1536 projection 0.28 ms vs 0.15 ms. Packing keeps the math
-(same weights and dtype, fp32 accumulation), and each output row does not depend on how many rows
-are computed with it; only the summation order differs from MKL's, so a packed model is a
-*configuration* of the target: the chain and its AR reference must both use it (`decode.fast`).
+weight packed ahead of time; a 576->1536 projection 0.28 ms vs 0.15 ms.
+
+Two packed products (`gemm`): `avx2`, this project's kernel (decode/gemm.cpp: 8-column weight panels, 4 x 3
+register tiles, three weight streams per thread), compiled on first use for the machine and cached under
+the project's cache dir; and `onednn`, torch's prepacked oneDNN linear. `auto` takes avx2 wherever it builds
+(an x86 CPU with AVX2 and FMA, a C++ compiler). Measured on the 2-core AVX2 EPYC, SmolLM2-135M's 211 linear
+shapes in a row, weights streamed from memory: 20 ms (avx2) vs 35 ms (oneDNN) at 1 row, 26 vs 55 ms at 8
+rows, 175 vs 210 ms at 64 (BENCHMARKS.md). Both keep the math (same weights and dtype, fp32 accumulation),
+and in both each output row does not depend on how many rows are computed with it (avx2: one FMA chain per
+output, by construction); only the summation order differs from MKL's, so a packed model is a
+*configuration* of the target: the chain and its AR reference must both use it (`decode.fast`, `decode.gemm`).
 
 GPTQ int4 linears (GPTQModel's TorchFusedLinear, the W4 level) keep their kernel but lose its Python
 wrapper: the forward becomes cast to bf16, act-order `index_select`, `_weight_int4pack_mm_for_cpu`,
@@ -18,7 +25,7 @@ copies on every call, 210 times per forward of a 30-layer model.
 A drafter's LM head can also run on int8 weights (`quantize_lm_head`, a chain level's `lm_head: int8`):
 one scale per output row, `_weight_int8pack_mm` on bf16 activations. On a small model the LM head is
 the largest single weight (SmolLM2-135M: 49,152 x 576, 113 MB in fp32), and a memory-bound forward
-pays for its bytes: measured on 2 cores, 2.4 ms instead of the packed fp32 head's 4.6 ms for 1 row,
+pays for its bytes: measured on 2 cores, 2.4 ms instead of the oneDNN-packed fp32 head's 4.6 ms for 1 row,
 3.8 vs 5.3 ms for 4 rows (7.6 vs 6.2 ms for 8: the kernel scales with rows). Never for the target: it would change
 the output; for a drafting level it changes only the proposals, which the level above verifies.
 
@@ -42,13 +49,22 @@ the packed copy is an inference-time cache. `unpack` restores plain `nn.Linear` 
 """
 from __future__ import annotations
 
-from typing import Callable
+import functools
+import hashlib
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from data.models import cache_dir
+
+GEMMS = ("auto", "avx2", "onednn")
 
 
 def packing_available() -> bool:
@@ -63,20 +79,86 @@ def packable_dtypes() -> tuple[torch.dtype, ...]:
     return (torch.float32, torch.bfloat16) if bf16 is not None and bf16() else (torch.float32,)
 
 
-def _packed_mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W.T + b through a oneDNN-packed W, for any leading shape of x."""
-    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
+@functools.cache
+def avx2_kernel() -> tuple[Any | None, str]:
+    """(the decode/gemm.cpp extension built for this machine, "") or (None, why it cannot run here). Built once:
+    it lives under the project's cache dir, keyed by the source, the flags and the torch version."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None, f"the CPU lacks AVX2+FMA ({torch.backends.cpu.get_cpu_capability()})"
+    from torch.utils import cpp_extension
+
+    source, flags = Path(__file__).with_name("gemm.cpp"), ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+    key = hashlib.sha256(source.read_bytes() + " ".join(flags + [torch.__version__]).encode()).hexdigest()[:12]
+    build = cache_dir() / "kernels" / f"gemm-{key}"
+    build.mkdir(parents=True, exist_ok=True)
+    lock = build / "lock"  # left behind by a build that was killed: torch would wait for it forever
+    if lock.exists() and time.time() - lock.stat().st_mtime > 300:
+        lock.unlink(missing_ok=True)
+    started = time.perf_counter()
+    try:
+        module = cpp_extension.load(f"polyspec_gemm_{key}", [str(source)], extra_cflags=flags,
+                                    extra_ldflags=["-fopenmp"], build_directory=str(build))
+    except Exception as err:  # no compiler, no ninja, no Python headers: oneDNN instead, said once
+        why = (str(err).strip().splitlines() or [type(err).__name__])[-1]
+        print(f"decode.fast: the AVX2 kernel did not build ({why[:200]}); packed linears use oneDNN", file=sys.stderr)
+        return None, why
+    if time.perf_counter() - started > 5:
+        print(f"decode.fast: built the AVX2 kernel in {time.perf_counter() - started:.0f} s (cached in {build})", file=sys.stderr)
+    return module, ""
+
+
+def gemm_for(dtype: torch.dtype, gemm: str = "auto") -> str | None:
+    """Which packed product a weight of `dtype` gets: "avx2", "onednn", or None (the linear stays plain)."""
+    if gemm not in GEMMS:
+        raise ValueError(f"gemm must be one of {', '.join(GEMMS)}, got {gemm!r}")
+    if dtype == torch.float32 and gemm != "onednn":
+        kernel, why = avx2_kernel()
+        if kernel is not None:
+            return "avx2"
+        if gemm == "avx2":
+            raise RuntimeError(f"gemm=avx2 cannot run here: {why}")
+    return "onednn" if packing_available() and dtype in packable_dtypes() else None
+
+
+class Panels(NamedTuple):
+    """A weight packed for the AVX2 kernel: [ceil(N/8), K, 8] panels, and N."""
+    data: torch.Tensor
+    rows: int
+
+
+def pack_weight(weight: torch.Tensor, gemm: str) -> Panels | torch.Tensor:
+    """W [N, K] in the layout of `gemm` ("avx2" or "onednn", see `gemm_for`)."""
+    if gemm == "avx2":
+        return Panels(avx2_kernel()[0].pack(weight.contiguous()), weight.shape[0])
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+
+def packed_with(model: nn.Module) -> str | None:
+    """The packed product a model's dense linears run on ("avx2" or "onednn"), None if none is packed."""
+    return next((m.gemm for m in model.modules() if isinstance(m, PackedLinear)), None)
+
+
+def _packed_mm(x: torch.Tensor, packed: Panels | torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T + b through a packed W, for any leading shape of x."""
+    flat = x.reshape(-1, x.shape[-1])
+    if isinstance(packed, Panels):
+        out = avx2_kernel()[0].linear(flat, packed.data, packed.rows, bias)
+    else:
+        out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 class PackedLinear(nn.Module):
-    """Inference-only stand-in for an nn.Linear: same parameters, forward through a packed oneDNN weight."""
+    """Inference-only stand-in for an nn.Linear: same parameters, forward through a packed weight."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, gemm: str = "auto"):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias  # shared, not copied: state_dict is unchanged
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        self.gemm = gemm_for(linear.weight.dtype, gemm)
+        if self.gemm is None:
+            raise ValueError(f"no packed product for {linear.weight.dtype} weights on this CPU")
+        self.packed = pack_weight(linear.weight.detach(), self.gemm)
         self.sibling: tuple[SiblingGroup, int] | None = None  # set by fuse_siblings
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,7 +170,7 @@ class PackedLinear(nn.Module):
         return _packed_mm(x, self.packed, None if self.bias is None else self.bias.detach())
 
     def __deepcopy__(self, memo: dict) -> "PackedLinear":
-        """Parameters are copied as usual; the packed weight (an opaque oneDNN tensor that cannot be
+        """Parameters are copied as usual; the packed weight (oneDNN's is an opaque tensor that cannot be
         copied) is shared with the copy, which is correct while weights stay frozen, as at inference.
         A fused sibling's copy gets its own packed weight and runs unfused."""
         import copy
@@ -100,7 +182,7 @@ class PackedLinear(nn.Module):
         clone.__dict__ = {**clone.__dict__}
         if clone.sibling is not None:  # a copy runs alone (its own weights may change): repack it
             clone.sibling = None
-            clone.packed = torch.ops.mkldnn._reorder_linear_weight(clone.weight.detach(), None)
+            clone.packed = pack_weight(clone.weight.detach(), clone.gemm)
         return clone
 
     def to_linear(self) -> nn.Linear:
@@ -191,17 +273,18 @@ def _pack_int4(module: nn.Module) -> None:
     module.forward = _int4_forward.__get__(module)
 
 
-def pack(model: nn.Module) -> int:
-    """Swap every CPU nn.Linear of a float32 (bfloat16 where the CPU supports it) model for a PackedLinear
-    and give every CPU GPTQ int4 linear the lean forward, in place; returns how many layers changed. A
-    no-op for dense layers where oneDNN is unavailable."""
-    count, dtypes = 0, packable_dtypes() if packing_available() else ()
+def pack(model: nn.Module, gemm: str = "auto") -> int:
+    """Swap every CPU nn.Linear of a float32 (bfloat16 where oneDNN packs it) model for a PackedLinear on the
+    `gemm` product (see `gemm_for`) and give every CPU GPTQ int4 linear the lean forward, in place; returns how
+    many layers changed. Dense layers no packed product can run stay plain."""
+    count = 0
     for parent, name, child in _children(model):
         if _is_cpu_int4(child):
             _pack_int4(child)
             count += 1
-        elif type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype in dtypes:
-            setattr(parent, name, PackedLinear(child))
+        elif (type(child) is nn.Linear and child.weight.device.type == "cpu"
+              and gemm_for(child.weight.dtype, gemm) is not None):
+            setattr(parent, name, PackedLinear(child, gemm))
             count += 1
     if count and isinstance(model, PreTrainedModel):
         fuse_siblings(model)
@@ -296,7 +379,7 @@ def _fused_run(members: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tenso
         weight = torch.cat([m.weight.detach() for m in members])
         bias = None if all(m.bias is None for m in members) else torch.cat(
             [m.bias.detach() if m.bias is not None else weight.new_zeros(m.out_features) for m in members])
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        packed = pack_weight(weight, first.gemm)
         return lambda x: _packed_mm(x, packed, bias)
     if any(not torch.equal(m.gather_index, first.gather_index) or m.group_size != first.group_size for m in members):
         return None

@@ -278,16 +278,16 @@ def spread(values: torch.Tensor, vocab: torch.Tensor, vocab_size: int, fill: flo
 
 
 def vocabulary_rows(lm_head: nn.Module, vocab: torch.Tensor) -> nn.Module:
-    """A frozen linear holding the LM head's rows for `vocab` (packed for oneDNN where available): logits over
+    """A frozen linear holding the LM head's rows for `vocab` (packed where a packed product runs): logits over
     those tokens only, for a drafter or a middle level whose proposals are restricted to a vocabulary."""
-    from decode.fast import PackedLinear, packing_available
+    from decode.fast import PackedLinear, gemm_for
 
     bias = getattr(lm_head, "bias", None)
     rows = nn.Linear(lm_head.weight.shape[1], len(vocab), bias=bias is not None, dtype=lm_head.weight.dtype)
     rows.weight = nn.Parameter(lm_head.weight.detach()[vocab].contiguous(), requires_grad=False)
     if bias is not None:
         rows.bias = nn.Parameter(bias.detach()[vocab].contiguous(), requires_grad=False)
-    return PackedLinear(rows) if packing_available() else rows
+    return PackedLinear(rows) if gemm_for(rows.weight.dtype) else rows
 
 
 def vocab_hash(tokenizer: PreTrainedTokenizerBase) -> str:

@@ -30,14 +30,14 @@ def noisy_copy(model: LlamaForCausalLM, noise: float, seed: int = 1) -> LlamaFor
     return clone
 
 
-def packed(model: LlamaForCausalLM) -> LlamaForCausalLM:
-    """A copy of the model whose linears run through decode.fast's packed oneDNN weights."""
+def packed(model: LlamaForCausalLM, gemm: str = "auto") -> LlamaForCausalLM:
+    """A copy of the model whose linears run through decode.fast's packed weights (`gemm`: auto, avx2, onednn)."""
     import copy
 
     from decode.fast import pack
 
     clone = copy.deepcopy(model)
-    assert pack(clone) > 0, "oneDNN packing is unavailable in this torch build"
+    assert pack(clone, gemm) > 0, f"no packed product ({gemm}) runs in this torch build"
     return clone
 
 

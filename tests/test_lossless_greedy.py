@@ -17,13 +17,14 @@ TREE = {"mode": "tree", "depth": 4, "top_k": 3, "total_tokens": 10}
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module", params=["eager", "packed"])
+@pytest.fixture(scope="module", params=["eager", "auto", "onednn"])
 def models(request):
-    """Every test runs on plain eager models and on decode.fast's packed ones (the default fast path)."""
+    """Every test runs on plain eager models and on decode.fast's packed ones: the default fast path (auto: the
+    AVX2 kernel where it builds) and oneDNN's packed product."""
     target = tiny_model(seed=0, vocab=VOCAB)
     # a close copy (agrees often) and a rough one (agrees sometimes): acceptance paths of every length
     trio = target, noisy_copy(target, 0.03, seed=1), noisy_copy(target, 0.1, seed=2)
-    return tuple(packed(m) for m in trio) if request.param == "packed" else trio
+    return trio if request.param == "eager" else tuple(packed(m, request.param) for m in trio)
 
 
 SHAPES = {
@@ -174,12 +175,12 @@ def test_sibling_linears_run_fused_with_the_unfused_packed_logits():
 
     from transformers import DynamicCache
 
-    from decode.fast import PackedLinear, SiblingGroup
+    from decode.fast import PackedLinear, SiblingGroup, pack_weight
 
     fused, alone = packed(tiny_model(seed=4, vocab=VOCAB)), packed(tiny_model(seed=4, vocab=VOCAB))
     for m in alone.modules():
         if isinstance(m, PackedLinear) and m.sibling is not None:
-            m.sibling, m.packed = None, torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)
+            m.sibling, m.packed = None, pack_weight(m.weight.detach(), m.gemm)
     groups = {id(m.sibling[0]): m.sibling[0] for m in fused.modules() if getattr(m, "sibling", None)}
     assert len(groups) == 2 * fused.config.num_hidden_layers and all(isinstance(g, SiblingGroup) for g in groups.values())
     attention = fused.model.layers[0].self_attn
