@@ -6,7 +6,7 @@ every call and, for a few rows, runs far below the machine's rate: measured on a
 576->49,152 LM head takes 26 ms for 8 rows through `F.linear` and 7.4 ms through oneDNN with the
 weight packed ahead of time; a 576->1536 projection 0.28 ms vs 0.15 ms.
 
-Two packed products (`gemm`): `avx2`, this project's kernel (decode/gemm.cpp: 8-column weight panels, 4 x 3
+Two packed products (`gemm`): `avx2`, this project's kernel (decode/kernels.cpp: 8-column weight panels, 4 x 3
 register tiles, three weight streams per thread), compiled on first use for the machine and cached under
 the project's cache dir; and `onednn`, torch's prepacked oneDNN linear. `auto` takes avx2 wherever it builds
 (an x86 CPU with AVX2 and FMA, a C++ compiler). Measured on the 2-core AVX2 EPYC, SmolLM2-135M's 211 linear
@@ -37,12 +37,14 @@ architecture gets it; the fusion is kept only if that forward's logits are bit-i
 ones. Measured on a 2-core AVX2 EPYC (256-token context): SmolLM2-135M's 1-token forward 48.5 -> 46.5 ms,
 8 tokens 70.0 -> 66.2 ms; 210 linear calls per forward become 120 (the W4 copy's int4 ones too).
 
-Attention of a grouped-query model (SmolLM2: 9 query heads over 3 K/V heads) runs as HF's "sdpa" does,
-except that K/V heads are never repeated: HF's sdpa attention copies every layer's whole K and V cache
-to the query head count whenever a mask is given (every forward of 2 or more new tokens, i.e. every
-verification), while torch's CPU SDPA takes the grouped heads with a mask directly (`enable_gqa`). Same
-kernel, bit-identical logits; measured on the 2-core AVX2 EPYC after the fusion above, SmolLM2-135M's
-2-token forward 51.8 -> 48.7 ms, 5 tokens 60.3 -> 57.0, 8 tokens 66.2 -> 62.3.
+Attention never repeats K/V heads: HF's sdpa attention copies every layer's whole K and V cache to the
+query head count whenever a mask is given (every forward of 2 or more new tokens, i.e. every
+verification). With the AVX2 kernels, fp32 attention runs on `attend` (decode/kernels.cpp), which reads
+grouped heads in place and computes each query row by one fixed sequence (softmax sums and the weighted
+sum in key order, skipping masked keys), so a packed model's k-token forward gives the bits of its k
+one-token forwards: verification logits equal plain decoding's exactly. Otherwise torch's CPU SDPA takes
+the grouped heads with a mask directly (`enable_gqa`; measured on the 2-core AVX2 EPYC after the fusion
+above, SmolLM2-135M's 2-token forward 51.8 -> 48.7 ms, 8 tokens 66.2 -> 62.3).
 
 The original parameters stay in place (state_dict, weights hashes and training see the same model);
 the packed copy is an inference-time cache. `unpack` restores plain `nn.Linear` forwards.
@@ -81,29 +83,29 @@ def packable_dtypes() -> tuple[torch.dtype, ...]:
 
 @functools.cache
 def avx2_kernel() -> tuple[Any | None, str]:
-    """(the decode/gemm.cpp extension built for this machine, "") or (None, why it cannot run here). Built once:
+    """(the decode/kernels.cpp extension built for this machine, "") or (None, why it cannot run here). Built once:
     it lives under the project's cache dir, keyed by the source, the flags and the torch version."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None, f"the CPU lacks AVX2+FMA ({torch.backends.cpu.get_cpu_capability()})"
     from torch.utils import cpp_extension
 
-    source, flags = Path(__file__).with_name("gemm.cpp"), ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+    source, flags = Path(__file__).with_name("kernels.cpp"), ["-O3", "-mavx2", "-mfma", "-fopenmp"]
     key = hashlib.sha256(source.read_bytes() + " ".join(flags + [torch.__version__]).encode()).hexdigest()[:12]
-    build = cache_dir() / "kernels" / f"gemm-{key}"
+    build = cache_dir() / "kernels" / key
     build.mkdir(parents=True, exist_ok=True)
     lock = build / "lock"  # left behind by a build that was killed: torch would wait for it forever
     if lock.exists() and time.time() - lock.stat().st_mtime > 300:
         lock.unlink(missing_ok=True)
     started = time.perf_counter()
     try:
-        module = cpp_extension.load(f"polyspec_gemm_{key}", [str(source)], extra_cflags=flags,
+        module = cpp_extension.load(f"polyspec_kernels_{key}", [str(source)], extra_cflags=flags,
                                     extra_ldflags=["-fopenmp"], build_directory=str(build))
     except Exception as err:  # no compiler, no ninja, no Python headers: oneDNN instead, said once
         why = (str(err).strip().splitlines() or [type(err).__name__])[-1]
-        print(f"decode.fast: the AVX2 kernel did not build ({why[:200]}); packed linears use oneDNN", file=sys.stderr)
+        print(f"decode.fast: the AVX2 kernels did not build ({why[:200]}); packed models use oneDNN and torch's attention", file=sys.stderr)
         return None, why
     if time.perf_counter() - started > 5:
-        print(f"decode.fast: built the AVX2 kernel in {time.perf_counter() - started:.0f} s (cached in {build})", file=sys.stderr)
+        print(f"decode.fast: built the AVX2 kernels in {time.perf_counter() - started:.0f} s (cached in {build})", file=sys.stderr)
     return module, ""
 
 
@@ -289,11 +291,12 @@ def pack(model: nn.Module, gemm: str = "auto") -> int:
     if count and isinstance(model, PreTrainedModel):
         fuse_siblings(model)
         if model.config._attn_implementation == "sdpa":
-            model.set_attn_implementation(GROUPED_SDPA)
+            model.set_attn_implementation(KERNEL_ATTENTION if packed_with(model) == "avx2" else GROUPED_SDPA)
     return count
 
 
 GROUPED_SDPA = "polyspec_grouped_sdpa"
+KERNEL_ATTENTION = "polyspec_attend"
 
 
 def grouped_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -301,9 +304,8 @@ def grouped_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
                            is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """HF's sdpa attention without `repeat_kv` when a mask is given on the CPU (see the module docstring);
     every other case (no mask, one K/V head per query head, position bias, paged caches) is HF's own."""
-    special = any(kwargs.get(k) is not None for k in ("position_bias", "cache", "softcap")) or kwargs.get("output_attentions")
     if (attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1 or query.device.type != "cpu"
-            or special):
+            or _special(kwargs)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     out = nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
@@ -311,8 +313,33 @@ def grouped_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
     return out.transpose(1, 2).contiguous(), None
 
 
+def kernel_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """fp32 attention on the AVX2 `attend` kernel (row-exact, grouped heads read in place, see the module
+    docstring); anything it does not cover (other dtypes, dropout, position bias, softcapping, attention
+    sinks) goes to `grouped_sdpa_attention`."""
+    kernels = avx2_kernel()[0]
+    if (kernels is None or query.device.type != "cpu" or dropout or _special(kwargs)
+            or not query.dtype == key.dtype == value.dtype == torch.float32 or query.shape[-1] % 8 or query.shape[-1] > 256
+            or attention_mask is not None and attention_mask.dtype not in (torch.bool, torch.float32)):
+        return grouped_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    causal = attention_mask is None and query.shape[2] > 1 and (is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return kernels.attend(query, key, value, attention_mask, scale, causal), None
+
+
+def _special(kwargs: dict) -> bool:
+    """Attention features only HF's own sdpa path implements."""
+    return (any(kwargs.get(k) is not None for k in ("position_bias", "cache", "softcap", "s_aux", "sinks"))
+            or bool(kwargs.get("output_attentions")))
+
+
 AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
 AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
+AttentionInterface.register(KERNEL_ATTENTION, kernel_attention)
+AttentionMaskInterface.register(KERNEL_ATTENTION, sdpa_mask)
 
 
 class SiblingGroup:
@@ -418,7 +445,7 @@ def unpack(model: nn.Module) -> int:
     """Undo `pack`: plain nn.Linear forwards and HF's sdpa attention again (e.g. before training or moving
     to another device)."""
     count = 0
-    if isinstance(model, PreTrainedModel) and model.config._attn_implementation == GROUPED_SDPA:
+    if isinstance(model, PreTrainedModel) and model.config._attn_implementation in (GROUPED_SDPA, KERNEL_ATTENTION):
         model.set_attn_implementation("sdpa")
     for parent, name, child in _children(model):
         if isinstance(child, PackedLinear):

@@ -1,0 +1,144 @@
+"""The AVX2 kernels of decode.fast (decode/kernels.cpp): the packed linears' product and attention give the
+right values, and each output row is independent of how many rows, threads or tiles compute it, so a packed
+target's verification of k tokens (a chain, or a tree) gives exactly the logits of k one-token forwards."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from decode.build import gemm_choice
+from decode.chain import DecodeError
+from decode.fast import GEMMS, KERNEL_ATTENTION, PackedLinear, avx2_kernel, gemm_for, pack_weight, _packed_mm
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    module, why = avx2_kernel()
+    if module is None:
+        pytest.skip(f"the AVX2 kernel cannot run here: {why}")
+    return module
+
+
+# K x N: SmolLM2's projection widths scaled down, a tile-sized one, and awkward ones (N not a multiple of 8
+# or of the 3-panel tile, odd K)
+SHAPES = [(64, 48), (96, 24), (33, 61), (576, 200), (16, 8)]
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_avx2_product_matches_float64_and_rows_do_not_depend_on_batch(kernel, k, n):
+    gen = torch.Generator().manual_seed(k * 1000 + n)
+    weight, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    panels = pack_weight(weight, "avx2")
+    x = torch.randn(13, k, generator=gen)
+    full = _packed_mm(x, panels, bias)
+    exact = (x.double() @ weight.double().T + bias.double()).float()
+    assert full.shape == (13, n) and torch.allclose(full, exact, rtol=1e-5, atol=1e-5 * k ** 0.5)
+    for m in range(1, 13):  # every tail of the 4-row tile, alone and in batches
+        assert torch.equal(_packed_mm(x[:m], panels, bias), full[:m])
+        assert torch.equal(_packed_mm(x[m - 1:m], panels, bias), full[m - 1:m])
+    assert torch.equal(_packed_mm(x.view(1, 13, k), panels, bias), full.view(1, 13, n))  # leading dims kept
+
+
+def test_avx2_product_is_bit_identical_across_thread_counts(kernel):
+    gen = torch.Generator().manual_seed(3)
+    weight, x = torch.randn(960, 576, generator=gen), torch.randn(8, 576, generator=gen)
+    panels, threads = pack_weight(weight, "avx2"), torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(_packed_mm(x, panels, None))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_packed_linear_takes_the_configured_product_and_copies(kernel):
+    linear = torch.nn.Linear(64, 40)
+    for gemm, kind in (("auto", "avx2"), ("avx2", "avx2"), ("onednn", "onednn")):
+        packed = PackedLinear(linear, gemm)
+        assert packed.gemm == kind
+        x = torch.randn(3, 64)
+        with torch.inference_mode():
+            assert torch.allclose(packed(x), linear(x), atol=1e-5)
+            clone = copy.deepcopy(packed)
+            assert torch.equal(clone(x), packed(x)) and clone.weight is not packed.weight
+    assert gemm_for(torch.float32, "onednn") == "onednn" and set(GEMMS) == {"auto", "avx2", "onednn"}
+    with pytest.raises(ValueError, match="gemm must be one of"):
+        gemm_for(torch.float32, "mkl")
+
+
+def test_decode_gemm_config_is_checked_in_one_line():
+    with pytest.raises(DecodeError, match=r"decode.gemm must be one of auto, avx2, onednn, got 'mkl'"):
+        gemm_choice(OmegaConf.create({"decode": {"gemm": "mkl"}}))
+    assert gemm_choice(OmegaConf.create({"decode": {}})) == "auto"
+
+
+def sdpa_reference(q, k, v, mask):
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
+    return out.transpose(1, 2).float()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 17])
+def test_attend_matches_sdpa_for_every_mask_and_rows_do_not_depend_on_batch(kernel, rows):
+    gen = torch.Generator().manual_seed(rows)
+    batch, heads, kv_heads, dim, keys = 2, 6, 2, 32, 45
+    q = torch.randn(batch, heads, rows, dim, generator=gen)
+    k, v = torch.randn(batch, kv_heads, keys, dim, generator=gen), torch.randn(batch, kv_heads, keys, dim, generator=gen)
+    allowed = torch.ones(rows, keys, dtype=torch.bool).tril(keys - rows)
+    allowed[-1, 3] = False  # a hole, as a tree mask makes
+    additive = torch.zeros(rows, keys).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    causal = torch.ones(rows, keys, dtype=torch.bool).tril(keys - rows)  # the cache's keys, then the new rows in order
+    for mask, seen, is_causal in ((allowed, allowed, False), (additive, allowed, False), (None, causal, rows > 1)):
+        reference = sdpa_reference(q, k, v, seen[None, None])
+        out = kernel.attend(q, k, v, None if mask is None else mask[None, None], dim ** -0.5, is_causal)
+        assert out.shape == (batch, rows, heads, dim) and torch.allclose(out, reference, atol=2e-6)
+    for t in range(rows):  # each row alone: the same bits
+        alone = kernel.attend(q[:, :, t:t + 1], k, v, additive[None, None, t:t + 1], dim ** -0.5, False)
+        assert torch.equal(alone, kernel.attend(q, k, v, additive[None, None], dim ** -0.5, False)[:, t:t + 1])
+    nothing = torch.zeros(1, 1, rows, keys, dtype=torch.bool)
+    assert torch.equal(kernel.attend(q, k, v, nothing, 1.0, False), torch.zeros(batch, rows, heads, dim))
+
+
+def test_packed_model_verifies_with_the_bits_of_one_token_forwards(kernel):
+    """The whole forward is row-exact on the AVX2 kernels: k new tokens (causal, and a tree with a sibling the
+    path skips) give the logits of feeding the path one token at a time, bit for bit."""
+    from transformers import DynamicCache
+
+    from decode.fast import unpack
+    from decode.tree import Tree
+    from decode_fixtures import packed, tiny_model
+
+    model = packed(tiny_model(seed=8), "avx2")
+    assert model.config._attn_implementation == KERNEL_ATTENTION
+    ids = torch.randint(0, 300, (1, 20), generator=torch.Generator().manual_seed(9))
+    context, new = ids[:, :12], ids[:, 12:20]
+
+    def cached(prefix):
+        cache = DynamicCache(config=model.config)
+        model(prefix, past_key_values=cache)
+        return cache
+
+    with torch.inference_mode():
+        together = model(new, past_key_values=cached(context)).logits
+        cache = cached(context)
+        one_by_one = torch.cat([model(new[:, i:i + 1], past_key_values=cache).logits for i in range(8)], 1)
+        assert torch.equal(together, one_by_one)
+        tree = Tree()
+        for token, parent in ((5, -1), (9, 0), (7, 0), (11, 2)):  # 5 -> {9, 7}, 7 -> 11: the path 5, 7, 11
+            tree.add(token, parent)
+        mask, positions = tree.attention_mask(12, 12, torch.float32), tree.position_ids(12, 12)
+        verified = model(torch.tensor([[5, 9, 7, 11]]), past_key_values=cached(context), attention_mask=mask,
+                         position_ids=positions).logits
+        cache = cached(context)
+        path = [model(torch.tensor([[t]]), past_key_values=cache).logits[:, 0] for t in (5, 7, 11)]
+        assert all(torch.equal(verified[:, i], p) for i, p in zip((0, 2, 3), path))
+        eager = tiny_model(seed=8)(torch.cat([context, new], 1)).logits[:, 12:]
+        assert torch.allclose(together, eager, atol=1e-4)
+    unpack(model)
+    assert model.config._attn_implementation == "sdpa"
