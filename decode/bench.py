@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from data.artifacts import Artifacts
 from data.cli import check_writable, run_main
-from decode.build import gemm_choice, level_model, load_target
+from decode.build import gemm_choice, level_model, load_target, onednn_target
 from decode.chain import DecodeError, Generation
 from decode.generate import chain_from_config, sampling_args
 from decode.measure import level_line, prediction_line, summarize
@@ -45,10 +45,9 @@ def methods(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Method], dict
     }
     notes = {"ar": "target alone" + (f" (packed: decode.fast, {packed_with(target)})" if packed_with(target) else ""),
              "ar_eager": "target alone, plain eager nn.Linear"}
-    if packed_with(target) == "avx2":  # the other packed product, side by side
-        onednn_target = load_model(cfg.model.name, cfg.model.dtype)[0]
-        pack(onednn_target, "onednn")
-        found["ar_onednn"] = lambda p, n: autoregressive(onednn_target, p, n, eos_token_id=eos, **kw)
+    onednn = onednn_target(cfg, target)  # the other packed product, side by side
+    if onednn is not None:
+        found["ar_onednn"] = lambda p, n: autoregressive(onednn, p, n, eos_token_id=eos, **kw)
         notes["ar_onednn"] = "target alone, packed with oneDNN (decode.gemm=onednn)"
     if b.assistant is not None:
         assistant_cfg = OmegaConf.to_container(b.assistant, resolve=True)

@@ -18,7 +18,7 @@ from data.artifacts import Artifacts
 from data.cli import flag
 from data.models import ModelSourceError, load_model, same_vocabulary
 from decode.chain import Chain, DecodeError, EagleLevel, Level, ModelLevel, NgramLevel, read_features
-from decode.fast import GEMMS, avx2_kernel, pack, quantize_lm_head
+from decode.fast import gemm_for, pack, packed_with, quantize_lm_head
 from decode.head import EagleHead
 
 KINDS = ("model", "eagle", "ngram")
@@ -27,11 +27,20 @@ KINDS = ("model", "eagle", "ngram")
 def gemm_choice(cfg: Any) -> str:
     """decode.gemm, checked: which packed product dense fp32 linears use (decode.fast.gemm_for)."""
     gemm = cfg.decode.get("gemm", "auto")
-    if gemm not in GEMMS:
-        raise DecodeError(f"decode.gemm must be one of {', '.join(GEMMS)}, got {gemm!r}")
-    if gemm == "avx2" and avx2_kernel()[0] is None:
-        raise DecodeError(f"decode.gemm=avx2 cannot run here ({avx2_kernel()[1]}); use auto or onednn")
+    try:
+        gemm_for(torch.float32, gemm)
+    except (ValueError, RuntimeError) as err:  # an unknown name, or avx2 where it cannot run
+        raise DecodeError(f"decode.{err}") from None
     return gemm
+
+
+def onednn_target(cfg: Any, target: PreTrainedModel) -> PreTrainedModel | None:
+    """The target packed with oneDNN, for a side-by-side row, when `target` itself runs on the AVX2 kernels."""
+    if packed_with(target) != "avx2":
+        return None
+    model = load_model(cfg.model.name, cfg.model.dtype)[0]
+    pack(model, "onednn")
+    return model
 
 
 def load_target(cfg: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -78,7 +87,7 @@ def build_chain(
         raise DecodeError("empty chain: list at least the target and one drafter")
     artifacts = artifacts or Artifacts(Path("."))
     configs = [_level_config(i, raw) for i, raw in enumerate(chain_cfg)]
-    loaded = [_load(cfg, target_model, tokenizer, artifacts, dtype, fast and gemm) for cfg in configs]
+    loaded = [_load(cfg, target_model, tokenizer, artifacts, dtype, gemm if fast else None) for cfg in configs]
     heads = [head for cfg, head in zip(configs, loaded) if cfg["kind"] == "eagle"]
     read = max((i for i, cfg in enumerate(configs) if cfg["kind"] == "eagle"), default=-1)  # levels above it keep features
     levels: list[Level] = []
@@ -113,9 +122,9 @@ def _draft(draft: dict | None, defaults: dict) -> dict:
     return {**defaults.get(draft["mode"], {}), **draft}
 
 
-def _load(cfg: dict, target: PreTrainedModel, tokenizer, artifacts: Artifacts, dtype: str, gemm: str | bool) -> Any:
+def _load(cfg: dict, target: PreTrainedModel, tokenizer, artifacts: Artifacts, dtype: str, gemm: str | None) -> Any:
     """What a level runs: its model (model levels), its head (eagle levels), nothing (ngram levels); packed
-    on the `gemm` product unless that is False."""
+    on the `gemm` product unless that is None."""
     if cfg["kind"] == "model":
         model = level_model(cfg, target, tokenizer, artifacts, dtype)
         if gemm and model is not target:

@@ -69,7 +69,7 @@ def context_ids(cfg: DictConfig, tokenizer, length: int) -> list[int]:
 def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
     """The forwards to time, and a note per row on what it is."""
     from data.models import load_model
-    from decode.build import gemm_choice
+    from decode.build import gemm_choice, onednn_target
     from decode.fast import pack, packed_with, quantize_lm_head
     from decode.head import EagleHead
 
@@ -81,10 +81,9 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
     steps = {"target eager": cached_forward(target, context), "target": cached_forward(fast_target, context)}
     notes = {"target eager": f"{cfg.model.dtype}, plain nn.Linear",
              "target": f"{cfg.model.dtype}, packed (decode.fast, {packed_with(fast_target)})"}
-    if packed_with(fast_target) == "avx2":  # the other packed product, side by side
-        onednn_target, _ = load_model(cfg.model.name, cfg.model.dtype)
-        pack(onednn_target, "onednn")
-        steps["target onednn"] = cached_forward(onednn_target, context)
+    onednn = onednn_target(cfg, fast_target)  # the other packed product, side by side
+    if onednn is not None:
+        steps["target onednn"] = cached_forward(onednn, context)
         notes["target onednn"] = f"{cfg.model.dtype}, packed (decode.fast, onednn)"
     artifacts = Artifacts.of(cfg)
     w4_dir = artifacts.output("w4")

@@ -118,7 +118,7 @@ def gemm_for(dtype: torch.dtype, gemm: str = "auto") -> str | None:
         if kernel is not None:
             return "avx2"
         if gemm == "avx2":
-            raise RuntimeError(f"gemm=avx2 cannot run here: {why}")
+            raise RuntimeError(f"gemm=avx2 cannot run here ({why}); use auto or onednn")
     return "onednn" if packing_available() and dtype in packable_dtypes() else None
 
 
