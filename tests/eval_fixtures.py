@@ -68,7 +68,7 @@ def eval_cfg(run_dir, chains: dict, force: bool = False, tolerance: float = 0.3,
         "run_name": "test", "run_dir": str(run_dir), "model": {"name": "tiny", "dtype": "float32"},
         "wandb": {"mode": "disabled", "dir": f"{run_dir}/wandb"},
         "eval": {
-            "prompts": None, "max_new_tokens": 12, "out_dir": f"{run_dir}/eval", "chains": chains,
+            "prompts": None, "max_new_tokens": 12, "out_dir": f"{run_dir}/eval", "chains": chains, "confidence": 0.95,
             "checks": {"near_tie_relative": {"float32": 1e-4}, "insertion_rule": rule, "agreement_tolerance": tolerance},
             "plan": {"enabled": True, "chains": None, "questions": 2, "max_new_tokens": 12, "mu": [1, 2, 4],
                      "lengths": [1, 2, 4], "min_gain": 0.0, "trees": [], "costs": None, "ks": [1, 4, 8], "repeats": 1, "context": 32},
