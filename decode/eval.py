@@ -192,7 +192,7 @@ def record_row(record: Record, reference: Record) -> dict[str, Any]:
     }
 
 
-def by_category(records: dict[str, list[Record]], reference: str = "ar") -> dict[str, dict[str, Any]]:
+def by_category(records: dict[str, list[Record]], confidence: float, reference: str = "ar") -> dict[str, dict[str, Any]]:
     table: dict[str, dict[str, Any]] = {}
     for category in dict.fromkeys(r.category for r in records[reference]):
         ref = [r for r in records[reference] if r.category == category]
@@ -202,6 +202,7 @@ def by_category(records: dict[str, list[Record]], reference: str = "ar") -> dict
             summary = summarize(mine)
             row[name] = {
                 "tokens_per_s": summary["tokens_per_s"], "speedup": speedup(mine, ref),
+                "time_speedup_interval": speedup_interval(mine, ref, confidence),
                 "T_s": [l["T_s"] for l in summary["levels"]], "L": [l["L_mean"] for l in summary["levels"][:-1]],
                 "L_var": [l["L_var"] for l in summary["levels"][:-1]],
             }
@@ -422,7 +423,7 @@ def evaluate(
     return {
         "summaries": summaries, "chains": chain_results, "baselines": baselines, "insertions": insertions, "plans": plans,
         "theorem_3_3": theorem_3_3(records, sampled or {}),
-        "categories": by_category(records, reference), "checks": [c.as_dict() for c in checks],
+        "categories": by_category(records, confidence, reference), "checks": [c.as_dict() for c in checks],
         "records": rows,
     }
 

@@ -143,11 +143,13 @@ def _theorem_3_3_section(report: dict[str, Any]) -> list[str]:
 
 
 def _categories_section(report: dict[str, Any]) -> list[str]:
-    """Each chain's speedup and acceptance lengths per question category."""
+    """Each chain's speedups and acceptance lengths per question category."""
     chains = list(report["chains"])
-    rows = [[category] + [f"{_f(row[n]['speedup'])}x, L {'/'.join(_f(x) for x in row[n]['L'])}" for n in chains]
+    rows = [[category] + [f"{_f(row[n]['speedup'])}x, time {_interval(row[n])}, L {'/'.join(_f(x) for x in row[n]['L'])}"
+                          for n in chains]
             for category, row in report["categories"].items()]
-    return ["", "## Per category", ""] + _table(["category", *chains], rows)
+    return ["", "## Per category", "", "Spec-Bench's speedup, then the time speedup with its interval over the category's turns.",
+            ""] + _table(["category", *chains], rows)
 
 
 def _insertions_section(report: dict[str, Any]) -> list[str]:

@@ -58,6 +58,9 @@ QUESTIONS = [
     Question(1, "writing", ("Write one line about the sea.", "Now about the mountains.")),
     Question(2, "math", ("What is 12 times 7?",)),
     Question(3, "math", ("Name a prime number above 40.",)),
+    Question(4, "qa", ("Which planet is the largest?", "And the smallest?")),
+    Question(5, "qa", ("How many legs has a spider?",)),
+    Question(6, "writing", ("Describe a quiet morning.",)),
 ]
 
 
