@@ -283,5 +283,5 @@ def test_eval_config_composes_and_names_the_insertion(choice, inserted):
         cfg = compose("config", overrides=[f"eval={choice}"]).eval
     names = {name: [lvl["name"] for lvl in levels] for name, levels in cfg.chains.items() if levels is not None}
     assert [(i["with"], i["level"]) for i in find_insertions(names)] == [("polybasic", inserted)]
-    assert cfg.publish.chain == "best" and cfg.publish.force is False
+    assert cfg.publish.chain == "best" and cfg.publish.force is False and cfg.confidence == 0.95
     assert cfg.plan.enabled and cfg.checks.agreement_prediction == "refined" and cfg.checks.agreement_tolerance == 0.1
