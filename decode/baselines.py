@@ -9,8 +9,10 @@ import torch
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
-from decode.chain import Generation, GenerationStats, LevelStats, decoding_settings
-from decode.sampling import probabilities, sample
+from decode.engine.levels import Generation, GenerationStats, LevelStats
+
+from decode.engine.chain import decoding_settings
+from decode.engine.sampling import probabilities, sample
 
 
 def _eos_set(eos_token_id: int | list[int] | None) -> set[int]:

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from data.artifacts import Artifacts
 from data.cli import check_writable, run_main
 from decode.build import gemm_choice, level_model, load_target, onednn_target
-from decode.chain import DecodeError, Generation
+from decode.engine.levels import DecodeError, Generation
 from decode.generate import chain_from_config, sampling_args
 from decode.measure import level_line, prediction_line, summarize
 
@@ -34,8 +34,9 @@ def methods(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Method], dict
     """The decoders to compare, and a note per method on what it actually is."""
     from data.models import load_model
     from decode.baselines import autoregressive, hf_assisted, hf_prompt_lookup
-    from decode.fast import pack, packed_with
-    from decode.head import HeadError
+    from decode.backends.cpu import pack
+    from decode.backends.cpu.dense import packed_with
+    from decode.engine.head import HeadError
 
     b, eos, kw = cfg.decode.bench, tokenizer.eos_token_id, sampling_args(cfg)
     eager_target = load_model(cfg.model.name, cfg.model.dtype)[0]  # plain nn.Linear forwards, for comparison

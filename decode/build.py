@@ -17,18 +17,22 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from data.artifacts import Artifacts
 from data.cli import flag
 from data.models import ModelSourceError, load_model, same_vocabulary
-from decode.chain import Chain, DecodeError, EagleLevel, Level, ModelLevel, NgramLevel, read_features
-from decode.fast import gemm_for, pack, packed_with, quantize_lm_head
-from decode.head import EagleHead
+from decode import backends
+from decode.backends.cpu import pack
+from decode.backends.cpu.dense import packed_with
+from decode.backends.cpu.int8 import quantize_lm_head
+from decode.engine.chain import Chain, read_features
+from decode.engine.head import EagleHead, vocabulary_rows
+from decode.engine.levels import DecodeError, EagleLevel, Level, ModelLevel, NgramLevel
 
 KINDS = ("model", "eagle", "ngram")
 
 
 def gemm_choice(cfg: Any) -> str:
-    """decode.gemm, checked: which packed product dense fp32 linears use (decode.fast.gemm_for)."""
+    """decode.gemm, checked: which packed product dense fp32 linears use (decode.backends.cpu.dense.gemm_for)."""
     gemm = cfg.decode.get("gemm", "auto")
     try:
-        gemm_for(torch.float32, gemm)
+        backends.gemm_choice(gemm, torch.device("cpu"))
     except (ValueError, RuntimeError) as err:  # an unknown name, or avx2 where it cannot run
         raise DecodeError(f"decode.{err}") from None
     return gemm
@@ -49,7 +53,7 @@ def load_target(cfg: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     gemm = gemm_choice(cfg)
     target, tokenizer = load_model(cfg.model.name, cfg.model.dtype)
     if cfg.decode.get("fast"):
-        pack(target, gemm)
+        backends.prepare(target, gemm)
     return target, tokenizer
 
 
@@ -95,7 +99,10 @@ def build_chain(
         name, draft = cfg.get("name") or f"L{i + 1}", _draft(cfg.get("draft"), draft_defaults or {})
         if cfg["kind"] == "model":
             vocab = None if cfg.get("vocab") is None else _level_vocab(cfg["vocab"], name, i, heads)
-            levels.append(ModelLevel(name, source, int(cfg.get("mu", 1)), draft, vocab=vocab, keep_hidden=i < read))
+            rows = None if vocab is None else backends.linear_wrapper(source, gemm if fast else None)(
+                vocabulary_rows(source.get_output_embeddings(), vocab))
+            levels.append(ModelLevel(name, source, int(cfg.get("mu", 1)), draft, vocab=vocab, keep_hidden=i < read,
+                                     runner=backends.runner(source), lm_head=rows))
         elif cfg["kind"] == "eagle":
             order = _feature_order(cfg.get("features"), name, source, [l for l in levels[::-1] if isinstance(l, ModelLevel)])
             features = read_features(order, target_model.config.hidden_size, target_model.dtype)
@@ -127,21 +134,21 @@ def _load(cfg: dict, target: PreTrainedModel, tokenizer, artifacts: Artifacts, d
     on the `gemm` product unless that is None."""
     if cfg["kind"] == "model":
         model = level_model(cfg, target, tokenizer, artifacts, dtype)
-        if gemm and model is not target:
-            pack(model, gemm)
+        if model is not target:
+            backends.prepare(model, gemm)
         if cfg.get("lm_head") is not None:
             _int8_lm_head(cfg, model, target)
         return model
     if cfg["kind"] == "eagle":
         head = _eagle_head(cfg, tokenizer, artifacts, target)
-        if gemm:
-            pack(head, gemm)
+        backends.prepare(head, gemm)
+        head.wrap_linear = backends.linear_wrapper(head, gemm)
         return head
     return None
 
 
 def _int8_lm_head(cfg: dict, model: PreTrainedModel, target: PreTrainedModel) -> None:
-    """`lm_head: int8`: a drafting level's LM head on int8 weights (decode.fast.quantize_lm_head)."""
+    """`lm_head: int8`: a drafting level's LM head on int8 weights (decode.backends.cpu.int8.quantize_lm_head)."""
     name = cfg.get("name", cfg.get("model"))
     if cfg["lm_head"] != "int8":
         raise DecodeError(f"level {name!r}: lm_head must be int8 (or left out), got {cfg['lm_head']!r}")

@@ -70,8 +70,10 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
     """The forwards to time, and a note per row on what it is."""
     from data.models import load_model
     from decode.build import gemm_choice, onednn_target
-    from decode.fast import pack, packed_with, quantize_lm_head
-    from decode.head import EagleHead
+    from decode.backends.cpu import pack
+    from decode.backends.cpu.dense import packed_with
+    from decode.backends.cpu.int8 import quantize_lm_head
+    from decode.engine.head import EagleHead
 
     c, gemm = cfg.decode.costs, gemm_choice(cfg)
     target, tokenizer = load_model(cfg.model.name, cfg.model.dtype)
@@ -114,7 +116,7 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
         steps[name] = head_forward(head.eval(), context, features)
     vocab = heads["head"].draft_vocab if "head" in heads else None
     if "w4" in steps and vocab is not None:
-        from decode.chain import ModelLevel
+        from decode.engine.levels import ModelLevel
 
         steps["w4 V=head"] = level_forward(ModelLevel("w4", w4, vocab=vocab), context)
         notes["w4 V=head"] = f"the W4 level restricted to the head's {len(vocab)}-token vocabulary (vocab: head)"

@@ -42,7 +42,7 @@ from data.artifacts import Artifacts
 from data.cli import EXIT_NOT_PUBLISHED, PolyspecError, run_main
 from data.tracking import atomic_dir
 from decode import measure
-from decode.theory import TheoryError, insertion_conditions, insertion_improves
+from decode.engine.theory import TheoryError, insertion_conditions, insertion_improves
 
 
 class EvalError(PolyspecError, RuntimeError):

@@ -19,7 +19,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from data.cli import flag, run_main
 from decode.build import configured_chain
-from decode.chain import Chain, DecodeError, Generation, decoding_settings
+from decode.engine.chain import Chain, decoding_settings
+from decode.engine.levels import DecodeError, Generation
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 

@@ -24,8 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from decode.chain import Chain, GenerationStats, ModelLevel
-from decode.theory import forward_cost, refined_time
+from decode.engine.chain import Chain
+
+from decode.engine.levels import GenerationStats, ModelLevel
+from decode.engine.theory import forward_cost, refined_time
 
 Dist = dict[int, float]  # value -> probability
 

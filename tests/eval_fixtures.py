@@ -8,7 +8,7 @@ import time
 from omegaconf import OmegaConf
 
 from data.prompts import Question
-from decode.chain import ModelLevel
+from decode.engine.levels import ModelLevel
 
 VOCAB = 300
 EOS = 299
@@ -42,6 +42,9 @@ class SlowModel:
     def __call__(self, *args, **kwargs):
         time.sleep(self._delay)
         return self._model(*args, **kwargs)
+
+    def get_decoder(self):  # what a model level's runner calls
+        return SlowModel(self._model.get_decoder(), self._delay)
 
 
 class AcceptEverything(ModelLevel):

@@ -15,7 +15,8 @@ from transformers import PreTrainedTokenizerFast
 
 from data.artifacts import Artifacts
 from decode.build import build_chain, configured_chain
-from decode.chain import DecodeError, EagleLevel, ModelLevel, NgramLevel, read_features
+from decode.engine.levels import DecodeError, EagleLevel, ModelLevel, NgramLevel
+from decode.engine.chain import read_features
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 VOCAB = 300
@@ -125,7 +126,7 @@ def test_configured_outputs_are_where_chains_and_the_eval_look(target, tmp_path)
     in the builder and in the eval's bundle (data/artifacts.py)."""
     from data.models import weights_hash
     from decode.eval import level_folder
-    from decode.head import EagleHead
+    from decode.engine.head import EagleHead
 
     model, tokenizer = target
     w4, head = tmp_path / "elsewhere" / "quantized", tmp_path / "heads" / "first"

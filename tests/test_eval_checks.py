@@ -21,7 +21,7 @@ from decode.eval import (
     summarize,
     time_speedup,
 )
-from decode.chain import GenerationStats, LevelStats
+from decode.engine.levels import GenerationStats, LevelStats
 
 
 def record(tokens, levels, turn=0, qid=1, wall=1.0, depth=0.0):

@@ -9,8 +9,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from data.artifacts import Artifacts
 from data.models import weights_hash
 from decode.build import build_chain
-from decode.chain import DecodeError
-from decode.head import EagleHead, HeadError
+from decode.engine.levels import DecodeError
+from decode.engine.head import EagleHead, HeadError
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import pytest
 from data.artifacts import Artifacts
 from data.models import ModelSourceError, is_hub_id, load_model, resolve_model_path
 from decode.build import level_model
-from decode.chain import DecodeError
+from decode.engine.levels import DecodeError
 from decode_fixtures import tiny_model
 
 

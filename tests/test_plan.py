@@ -66,7 +66,8 @@ def test_best_picks_mu_for_a_middle_level():
 
 
 def test_plan_chain_calibrates_a_real_chain_and_predicts_the_configured_values(one_thread):
-    from decode.chain import Chain, ModelLevel
+    from decode.engine.chain import Chain
+    from decode.engine.levels import ModelLevel
     from decode_fixtures import noisy_copy, prompts, tiny_model
 
     target = tiny_model(0)

@@ -17,7 +17,7 @@ from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, LlamaConfig,
 
 import train.eagle as eagle
 from data.models import load_tokenizer, weights_hash
-from decode.head import EagleHead, HeadError
+from decode.engine.head import EagleHead, HeadError
 
 REPO = Path(__file__).resolve().parents[1]
 # Stages this one does not read (of quantize it reads the W4 model's folder, quantize.output); dropping them

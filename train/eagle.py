@@ -43,7 +43,7 @@ from data.sharegpt import (chat_prompt_ids, load_conversations, split_conversati
                            warn_truncated)
 from data.tracking import Tracker
 from data.vocab import assistant_token_counts, coverage, top_tokens
-from decode.head import EagleHead, additive_mask
+from decode.engine.head import EagleHead, additive_mask
 from train import replies, store
 
 FEATURE_SOURCES = ("target", "w4")

@@ -27,7 +27,7 @@ import hashlib
 import inspect
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors import SafetensorError
@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from data.cli import PolyspecError
+from data.errors import PolyspecError
 from data.tracking import atomic_dir
 
 FORMAT_VERSION = 1
@@ -111,6 +111,7 @@ class EagleHead(nn.Module):
         else:
             self.draft_vocab = None
         self._derived: dict[str, nn.Module] = {}  # the draft vocabulary's LM-head rows, built on first use (not saved)
+        self.wrap_linear: Callable[[nn.Linear], nn.Module] = lambda linear: linear  # a backend's faster linear, set from outside
 
     @property
     def embed_tokens(self) -> nn.Module:
@@ -179,7 +180,7 @@ class EagleHead(nn.Module):
         """The LM head's draft-vocabulary rows (built on first use, rebuilt if the head changed dtype)."""
         rows = self._derived.get("lm_head")
         if rows is None or rows.weight.dtype != self.lm_head.weight.dtype:
-            self._derived["lm_head"] = rows = vocabulary_rows(self.lm_head, self.draft_vocab)
+            self._derived["lm_head"] = rows = self.wrap_linear(vocabulary_rows(self.lm_head, self.draft_vocab))
         return rows
 
     def token_ids(self, index: torch.Tensor) -> torch.Tensor:
@@ -277,17 +278,15 @@ def spread(values: torch.Tensor, vocab: torch.Tensor, vocab_size: int, fill: flo
     return values.new_full((*values.shape[:-1], vocab_size), fill).index_copy_(-1, vocab, values)
 
 
-def vocabulary_rows(lm_head: nn.Module, vocab: torch.Tensor) -> nn.Module:
-    """A frozen linear holding the LM head's rows for `vocab` (packed where a packed product runs): logits over
-    those tokens only, for a drafter or a middle level whose proposals are restricted to a vocabulary."""
-    from decode.fast import PackedLinear, gemm_for
-
+def vocabulary_rows(lm_head: nn.Module, vocab: torch.Tensor) -> nn.Linear:
+    """A frozen linear holding the LM head's rows for `vocab`: logits over those tokens only, for a drafter or a
+    middle level whose proposals are restricted to a vocabulary (a backend may then pack it)."""
     bias = getattr(lm_head, "bias", None)
     rows = nn.Linear(lm_head.weight.shape[1], len(vocab), bias=bias is not None, dtype=lm_head.weight.dtype)
     rows.weight = nn.Parameter(lm_head.weight.detach()[vocab].contiguous(), requires_grad=False)
     if bias is not None:
         rows.bias = nn.Parameter(bias.detach()[vocab].contiguous(), requires_grad=False)
-    return PackedLinear(rows) if gemm_for(rows.weight.dtype) else rows
+    return rows
 
 
 def vocab_hash(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -296,7 +295,7 @@ def vocab_hash(tokenizer: PreTrainedTokenizerBase) -> str:
     return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
-def causal_mask(T: int, past: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+def causal_mask(T: int, past: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """Additive [1,1,T,past+T] mask: query i sees every cached key and the new keys up to itself."""
     allowed = torch.ones(T, past + T, dtype=torch.bool, device=device).tril(diagonal=past)
     return additive_mask(allowed, dtype)[None, None]
