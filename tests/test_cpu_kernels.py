@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 from decode.build import gemm_choice
-from decode.engine.levels import DecodeError
+from decode.engine.errors import DecodeError
 from decode.backends.cpu.dense import GEMMS, PackedLinear, gemm_for, pack_weight, _packed_mm
 from decode.backends.cpu.attention import KERNEL_ATTENTION
 from decode.backends.cpu.kernels import avx2_kernel

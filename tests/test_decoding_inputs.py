@@ -13,7 +13,8 @@ import torch
 
 from decode.baselines import autoregressive
 from decode.engine.chain import Chain, decoding_settings
-from decode.engine.levels import DecodeError, ModelLevel, NgramLevel
+from decode.engine.errors import DecodeError
+from decode.engine.levels import ModelLevel, NgramLevel
 from decode.generate import check_context, max_new_tokens, prompt_text, sampling_args, shorthand
 from decode.engine.sampling import Sampling, SamplingError
 from decode_fixtures import tiny_model

@@ -88,7 +88,7 @@ def test_head_holds_only_its_own_weights_and_shares_the_targets():
 
 
 def test_causal_mask_offsets_by_the_cache():
-    m = causal_mask(2, 3, torch.float32)
+    m = causal_mask(2, 3, torch.float32, "cpu")
     assert m.shape == (1, 1, 2, 5)
     assert (m[0, 0, 0, :4] == 0).all() and m[0, 0, 0, 4] < -1e30 and (m[0, 0, 1] == 0).all()
 

@@ -119,13 +119,13 @@ def test_middle_level_with_restricted_vocabulary_greedy_equals_target_greedy(mod
 def test_middle_level_with_int8_lm_head_greedy_equals_target_greedy(models):
     """`lm_head: int8` on the middle level (decode.backends.cpu.quantize_lm_head): its proposals change a little, the
     output must not; the config refuses it on the target itself."""
-    from decode.engine.levels import DecodeError
+    from decode.engine.errors import DecodeError
     from decode.backends.cpu.int8 import Int8RowLinear
 
     target = models[0]
     config = [{"kind": "model"}, {"kind": "model", "model": "target", "layers": 3, "mu": 2, "lm_head": "int8"},
               {"kind": "model", "model": "target", "layers": 1, "draft": {"length": 3}}]
-    chain = build_chain(config, target, tokenizer=None, fast=False)
+    chain = build_chain(config, target, tokenizer=None)
     middle = chain.levels[1].model
     head = middle.get_output_embeddings()
     assert isinstance(head, Int8RowLinear) and not isinstance(target.get_output_embeddings(), Int8RowLinear)
@@ -242,7 +242,7 @@ def test_packed_grouped_query_attention_skips_repeat_kv_with_the_same_logits(mon
 
 def test_restricted_vocabulary_comes_from_the_chains_head_and_never_on_the_target(models, monkeypatch):
     from decode import build
-    from decode.engine.levels import DecodeError
+    from decode.engine.errors import DecodeError
     from decode.engine.head import EagleHead
 
     target = models[0]

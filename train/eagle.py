@@ -36,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
-from data.artifacts import Artifacts
+from data.layout import RunLayout
 from data.models import load_model, same_vocabulary, weights_hash
 from data.cli import Interrupted, PolyspecError, flag, run_main
 from data.sharegpt import (chat_prompt_ids, load_conversations, split_conversations, tokenize_conversation,
@@ -111,7 +111,7 @@ def load_verifiers(cfg: DictConfig) -> tuple[PreTrainedModel, Any, PreTrainedMod
     target, tokenizer = load_model(cfg.model.name, cfg.model.dtype)
     if cfg.train.feature_source == "target":
         return target, tokenizer, target
-    w4_path = Artifacts.of(cfg).output("w4")
+    w4_path = RunLayout.of(cfg).output("w4")
     if not (w4_path / "config.json").is_file():
         raise TrainError(f"{w4_path}: no W4 model there (run `python -m quantize.w4` first, or use train.feature_source=target)")
     w4, w4_tokenizer = load_model(str(w4_path), cfg.model.dtype)
@@ -170,7 +170,7 @@ def verifier_examples(cfg: DictConfig, conversations: list[Any], tokenizer: Any,
     pairs = [(conv.id, ids) for conv in conversations
              if (ids := first_turn_prompt(tokenizer, conv)) is not None and len(ids) < max_len - 2]
     answers = replies.regenerate(model, tokenizer, [ids for _, ids in pairs], r.max_new_tokens, r.batch,
-                                 Path(cfg.run_dir) / "eagle_features", feature_hash, rank, world)
+                                 RunLayout.of(cfg).feature_store, feature_hash, rank, world)
     examples = []
     for (conv_id, prompt), reply in zip(pairs, answers):
         reply = reply[: max_len - len(prompt)]
@@ -417,7 +417,7 @@ RUN_CONTROL_KEYS = ("resume", "skip_if_valid")  # how a run is driven, not what 
 
 def head_is_current(cfg: DictConfig, target_hash: str) -> bool:
     """True when train.output holds a finished head for this target and this training config."""
-    out_dir = Artifacts.of(cfg).output("eagle")
+    out_dir = RunLayout.of(cfg).output("eagle")
     try:
         saved = json.loads((out_dir / "config.json").read_text())
         json.loads((out_dir / "metrics.json").read_text())
@@ -485,7 +485,7 @@ def weights_only_loading(engine: Any) -> None:
 def resume_progress(engine: Any, cfg: DictConfig, world: int, total_steps: int, rank: int) -> Progress:
     """The progress of the last checkpoint (train.resume=true and one exists), else a fresh start. Only
     this stage's own checkpoint folders (stepNNNNNNN inside the checkpoint folder) are read, weights-only."""
-    ckpt_dir = Path(cfg.run_dir) / "eagle_checkpoints"
+    ckpt_dir = RunLayout.of(cfg).checkpoints
     if not cfg.train.resume or not (ckpt_dir / "latest").is_file():
         if cfg.train.resume and rank == 0:
             print(f"train.resume=true but no checkpoint in {ckpt_dir}; starting at step 0")
@@ -522,8 +522,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     target_hash = weights_hash(target)
     if t.skip_if_valid and head_is_current(cfg, target_hash):
         if rank == 0:
-            print(f"EAGLE head in {Artifacts.of(cfg).output('eagle')} is up to date (same target and training config); skipping")
-        return json.loads((Artifacts.of(cfg).output("eagle") / "metrics.json").read_text())
+            print(f"EAGLE head in {RunLayout.of(cfg).output('eagle')} is up to date (same target and training config); skipping")
+        return json.loads((RunLayout.of(cfg).output("eagle") / "metrics.json").read_text())
     feature_hash = target_hash if feature_model is target else weights_hash(feature_model)
     examples, prompts = load_examples(cfg, tokenizer, feature_model, feature_hash, rank, world)
     per_step = t.micro_batch * t.grad_accum * world
@@ -531,7 +531,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if total_steps < 1:
         raise TrainError(f"{len(examples)} training conversations cannot fill one step of {per_step} (micro_batch x grad_accum x ranks)")
     features = store.build_or_load(feature_model, [e.input_ids for e in examples],
-                                   Path(cfg.run_dir) / "eagle_features", feature_hash, t.store_dtype, t.store_batch, rank, world)
+                                   RunLayout.of(cfg).feature_store, feature_hash, t.store_dtype, t.store_batch, rank, world)
     head = new_head(cfg, target, draft_vocabulary(cfg, examples, tokenizer, target.config.vocab_size, rank))
     optimizer = torch.optim.AdamW(head.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -573,7 +573,7 @@ def run_steps(cfg: DictConfig, engine: Any, scheduler: Any, examples: list[Examp
               tracker: Tracker | None) -> None:
     """The optimizer steps from `progress.step` to `total_steps`: evaluation, checkpoints, Ctrl-C."""
     t = cfg.train
-    ckpt_dir, fingerprint = Path(cfg.run_dir) / "eagle_checkpoints", checkpoint_fingerprint(cfg, world)
+    ckpt_dir, fingerprint = RunLayout.of(cfg).checkpoints, checkpoint_fingerprint(cfg, world)
     stop = StopFlag()
     bar = tqdm(total=total_steps, initial=progress.step, desc="eagle", disable=rank != 0, dynamic_ncols=True)
     try:
@@ -682,7 +682,7 @@ def finish(cfg: DictConfig, head: EagleHead, eval_sequences: list[EvalSequence],
     training = {**OmegaConf.to_container(t, resolve=True), "seed": cfg.seed, "world_size": world,
                 "data": OmegaConf.to_container(cfg.data, resolve=True), "feature_model_hash": hashes["features"],
                 "total_steps": total_steps}
-    out_dir = Artifacts.of(cfg).output("eagle")
+    out_dir = RunLayout.of(cfg).output("eagle")
     head.save_pretrained(out_dir, target_hash=hashes["target"], tokenizer=tokenizer, feature_source=t.feature_source,
                          training=training, metrics=metrics,
                          files={"learning_curve.png": learning_curve_png(progress.curve, k)})

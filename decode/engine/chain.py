@@ -12,7 +12,8 @@ from typing import Any, Callable
 
 import torch
 
-from decode.engine.levels import (DRAFT_KEYS, DecodeError, Features, Generation, GenerationStats, Level, ModelLevel,
+from decode.engine.errors import DecodeError
+from decode.engine.levels import (Features, Generation, GenerationStats, Level, ModelLevel,
                                   Proposal)
 from decode.engine.sampling import Sampling, SamplingError
 
@@ -28,14 +29,12 @@ class Chain:
         for i, level in enumerate(levels[:-1]):
             if level.mu < 1:
                 raise DecodeError(f"level {level.name!r}: mu must be >= 1, got {level.mu}")
-            if levels[i + 1].draft_cfg["mode"] == "tree" and i + 1 != len(levels) - 1:
+            if levels[i + 1].draft_spec.mode == "tree" and i + 1 != len(levels) - 1:
                 raise DecodeError(f"level {levels[i + 1].name!r}: only the last level can draft a tree")
-        drafter, draft = levels[-1], levels[-1].draft_cfg
-        if draft["mode"] not in DRAFT_KEYS:
-            raise DecodeError(f"level {drafter.name!r}: draft mode must be chain or tree, got {draft['mode']!r}")
-        missing = [key for key in DRAFT_KEYS[draft["mode"]] if key not in draft]
+        drafter, draft = levels[-1], levels[-1].draft_spec
+        missing = draft.missing()
         if missing:
-            raise DecodeError(f"level {drafter.name!r}: a {draft['mode']} draft needs {', '.join(missing)} "
+            raise DecodeError(f"level {drafter.name!r}: a {draft.mode} draft needs {', '.join(missing)} "
                               "(decode.draft_defaults fills in what a configured chain leaves out)")
         self.levels = levels
         self.target = levels[0]

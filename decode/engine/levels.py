@@ -14,15 +14,12 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from data.errors import PolyspecError
 from decode.engine import tree as trees
+from decode.engine.errors import DecodeError
 from decode.engine.head import softcapped, spread, vocabulary_rows
 from decode.engine.runner import HFRunner, Runner
+from decode.engine.spec import Draft
 from decode.engine.sampling import Sampling, probabilities, sample, verify_greedy, verify_sampled
-
-
-class DecodeError(PolyspecError, RuntimeError):
-    """A chain that cannot be built or run; the message is one line, meant for the user."""
 
 
 def synchronized_clock(device: torch.device) -> float:
@@ -125,21 +122,16 @@ def crop_cache(cache: DynamicCache, length: int) -> None:
         cache.crop(-extra)
 
 
-# What a drafter's draft must set, by mode (decode.draft_defaults in conf/decode/chain.yaml has the values).
-DRAFT_KEYS = {"chain": ("length",), "tree": ("depth", "top_k", "total_tokens")}
-
-
 class Level:
     """One model of the chain. Subclasses implement `draft` (bottom level) and/or `verify`.
 
-    `draft` (the last level's; see DRAFT_KEYS): {mode: chain, length} or {mode: tree, depth, top_k,
+    `draft` (the last level's, a spec.Draft or its mapping): {mode: chain, length} or {mode: tree, depth, top_k,
     total_tokens}; mode is chain unless set."""
 
     kind = "level"
 
-    def __init__(self, name: str, mu: int = 1, draft: dict | None = None):
-        self.name, self.mu = name, mu
-        self.draft_cfg = {"mode": "chain", **(draft or {})}
+    def __init__(self, name: str, mu: int = 1, draft: Draft | dict | None = None):
+        self.name, self.mu, self.draft_spec = name, mu, Draft.of(draft)
         self.stats = LevelStats(name, self.kind)
 
     def reset(self) -> None:
@@ -171,7 +163,7 @@ class ModelLevel(Level):
 
     kind = "model"
 
-    def __init__(self, name: str, model: PreTrainedModel, mu: int = 1, draft: dict | None = None,
+    def __init__(self, name: str, model: PreTrainedModel, mu: int = 1, draft: Draft | dict | None = None,
                  vocab: torch.Tensor | None = None, keep_hidden: bool = False, *, runner: Runner | None = None,
                  lm_head: nn.Module | None = None):  # 8: the level contract's parts; the last two are a backend's
         """`runner` defaults to the model's HF decoder (HFRunner); `lm_head` to its output embedding, or with `vocab`
@@ -258,8 +250,8 @@ class ModelLevel(Level):
 
     def draft(self, ctx, budget, sampling, gen):
         start, fwd = time.perf_counter(), self.stats.draft_time_s + self.stats.verify_time_s
-        if self.draft_cfg["mode"] == "tree":
-            proposal = tree_proposal(trees.build(self._tree_step(ctx), self.draft_cfg, budget))
+        if self.draft_spec.mode == "tree":
+            proposal = tree_proposal(trees.build(self._tree_step(ctx), self.draft_spec, budget))
             # tree nodes sit at tree positions, not sequence positions: drop them from the cache
             self.runner.crop(len(ctx))
             self.tokens = list(ctx)
@@ -267,7 +259,7 @@ class ModelLevel(Level):
                 self.hidden = self.hidden[:, : len(ctx)]
         else:
             tokens, qs = [], []
-            for _ in range(min(int(self.draft_cfg["length"]), budget)):
+            for _ in range(min(self.draft_spec.length, budget)):
                 logits = self.forward(ctx + tokens, 1, "draft")[-1]
                 tokens.append(choose(logits, sampling, gen, qs))
             proposal = Proposal(tokens, torch.stack(qs) if qs else None)
@@ -296,13 +288,13 @@ class NgramLevel(Level):
 
     kind = "ngram"
 
-    def __init__(self, name: str, max_ngram: int = 3, min_ngram: int = 1, draft: dict | None = None):
+    def __init__(self, name: str, max_ngram: int = 3, min_ngram: int = 1, draft: Draft | dict | None = None):
         super().__init__(name, 1, draft)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def draft(self, ctx, budget, sampling, gen):
         start = time.perf_counter()
-        k = min(int(self.draft_cfg["length"]), budget)
+        k = min(self.draft_spec.length, budget)
         tokens: list[int] = []
         for n in range(min(self.max_ngram, len(ctx) - 1), self.min_ngram - 1, -1):
             pattern = ctx[-n:]
@@ -322,7 +314,7 @@ class EagleLevel(Level):
 
     kind = "eagle"
 
-    def __init__(self, name: str, head: torch.nn.Module, features: Features, draft: dict | None = None):
+    def __init__(self, name: str, head: torch.nn.Module, features: Features, draft: Draft | dict | None = None):
         super().__init__(name, 1, draft)
         self.head, self.features = head, features
         self.device = next(head.parameters()).device
@@ -361,11 +353,11 @@ class EagleLevel(Level):
             return Proposal([])
         real = len(ctx) - 1
         hidden, logits = self._prefill(ctx)
-        if self.draft_cfg["mode"] == "tree":
-            proposal = tree_proposal(trees.build(self._tree_step(ctx, hidden, logits), self.draft_cfg, budget))
+        if self.draft_spec.mode == "tree":
+            proposal = tree_proposal(trees.build(self._tree_step(ctx, hidden, logits), self.draft_spec, budget))
         else:
             tokens, qs = [], []
-            for i in range(min(int(self.draft_cfg["length"]), budget)):
+            for i in range(min(self.draft_spec.length, budget)):
                 if i:
                     h, lg = self._head([tokens[-1]], hidden, [real + i - 1])
                     hidden, logits = h[:, -1:], lg[0, -1]
