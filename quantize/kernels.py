@@ -8,7 +8,6 @@ Writes `${run_dir}/w4_kernels.json`.
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import hydra
 import torch

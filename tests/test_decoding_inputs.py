@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from decode.baselines import autoregressive
 from decode.engine.chain import Chain, decoding_settings

@@ -16,6 +16,8 @@ from safetensors.torch import load_file
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import train.eagle as eagle
+import train.evaluation as evaluation
+import train.examples as train_examples
 from data.models import load_tokenizer, weights_hash
 from decode.engine.head import EagleHead, HeadError
 
@@ -73,7 +75,7 @@ def test_batched_evaluation_drafts_exactly_like_sequential_decoding():
     with torch.no_grad():
         features = target(ids[None], output_hidden_states=True).hidden_states[-1][0]
     depth = 3
-    drafts = eagle.chain_drafts(head, ids, features, depth)
+    drafts = evaluation.chain_drafts(head, ids, features, depth)
     n = len(ids) - 1 - depth
     assert drafts.shape == (depth, n)
     with torch.no_grad():
@@ -95,9 +97,9 @@ def test_unrolled_training_batch_equals_each_sequence_alone():
     ids = torch.randint(0, 49152, (2, 12), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         features = target(ids, output_hidden_states=True).hidden_states[-1]
-        batched = eagle.unroll(head, ids, features, 3)
+        batched = evaluation.unroll(head, ids, features, 3)
         for row in range(2):
-            alone = eagle.unroll(head, ids[row:row + 1], features[row:row + 1], 3)
+            alone = evaluation.unroll(head, ids[row:row + 1], features[row:row + 1], 3)
             for b, a in zip(batched, alone):
                 torch.testing.assert_close(b[row], a[0], rtol=1e-5, atol=1e-5)
 
@@ -237,7 +239,7 @@ def test_verifier_replies_are_its_own_greedy_answers_generated_once(tiny_setup, 
                   "train.regenerate.batch=3")
     target = LlamaForCausalLM.from_pretrained(tiny_setup / "target").eval()
     tokenizer = load_tokenizer(str(tiny_setup / "target"))
-    examples, _ = eagle.load_examples(cfg, tokenizer, target, weights_hash(target))
+    examples, _ = train_examples.load_examples(cfg, tokenizer, target, weights_hash(target))
     assert len(examples) == 16 and len(list((tmp_path / "eagle_features").glob("replies-*.json"))) == 1
     for example in examples[:4]:
         prompt = example.input_ids[~example.loss_mask]
@@ -248,11 +250,11 @@ def test_verifier_replies_are_its_own_greedy_answers_generated_once(tiny_setup, 
     metrics = eagle.train(compose(tiny_setup, tmp_path, "train.replies=verifier", "train.regenerate.max_new_tokens=6",
                                   "train.regenerate.batch=3", "train.epochs=1"))
     assert torch.isfinite(torch.tensor(metrics["train/loss"]))
-    monkeypatch.setattr(eagle.replies, "greedy_replies", lambda *a: pytest.fail("cached replies were regenerated"))
-    again, _ = eagle.load_examples(cfg, tokenizer, target, weights_hash(target))
+    monkeypatch.setattr(train_examples.replies, "greedy_replies", lambda *a: pytest.fail("cached replies were regenerated"))
+    again, _ = train_examples.load_examples(cfg, tokenizer, target, weights_hash(target))
     assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(examples, again))
     with pytest.raises(pytest.fail.Exception, match="regenerated"):  # another model: another key, never the old file
-        eagle.load_examples(cfg, tokenizer, tiny_llama(7), "other-weights")
+        train_examples.load_examples(cfg, tokenizer, tiny_llama(7), "other-weights")
 
 
 def test_feature_store_is_sized_first_reused_and_rebuilt_when_its_key_changes(tiny_setup, tmp_path, capsys):
@@ -265,7 +267,7 @@ def test_feature_store_is_sized_first_reused_and_rebuilt_when_its_key_changes(ti
     meta = json.loads((store_dir / "meta.json").read_text())
     assert meta["key"] == store_dir.name and meta["conversations"] == 16
     target = LlamaForCausalLM.from_pretrained(tiny_setup / "target")
-    examples, _ = eagle.load_examples(compose(tiny_setup, tmp_path), load_tokenizer(str(tiny_setup / "target")), target, "")
+    examples, _ = train_examples.load_examples(compose(tiny_setup, tmp_path), load_tokenizer(str(tiny_setup / "target")), target, "")
     stored = eagle.store.build_or_load(target, [e.input_ids for e in examples],
                                        tmp_path / "eagle_features", weights_hash(target), "bfloat16", 4)
     with torch.no_grad():
@@ -289,12 +291,12 @@ def test_loss_on_all_tokens_reuses_the_store_and_counts_every_real_position(tiny
     everything = eagle.train(compose(tiny_setup, tmp_path, "train.loss_tokens=all"))
     assert "feature store: reusing" in capsys.readouterr().out
     assert everything["train/loss"] != replies["train/loss"]
-    examples, _ = eagle.load_examples(compose(tiny_setup, tmp_path), load_tokenizer(str(tiny_setup / "target")),
+    examples, _ = train_examples.load_examples(compose(tiny_setup, tmp_path), load_tokenizer(str(tiny_setup / "target")),
                                       tiny_llama(0), "")
     batch = examples[:2]
     features = [torch.zeros(len(e.input_ids), 32) for e in batch]
-    _, _, assistant = eagle.pad(batch, features)
-    _, _, every = eagle.pad(batch, features, all_tokens=True)
+    _, _, assistant = train_examples.pad(batch, features)
+    _, _, every = train_examples.pad(batch, features, all_tokens=True)
     lengths = [len(e.input_ids) for e in batch]
     assert every.sum() == sum(lengths) and assistant.sum() == sum(int(e.loss_mask.sum()) for e in batch) < sum(lengths)
     assert all(not every[b, n:].any() for b, n in enumerate(lengths))

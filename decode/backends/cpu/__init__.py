@@ -3,7 +3,6 @@ siblings fused (`fusion`), attention without repeat_kv (`attention`); the parame
 weights hashes and training see the same model), the packed copies are an inference-time cache."""
 from __future__ import annotations
 
-import torch
 from torch import nn
 from transformers import PreTrainedModel
 
