@@ -43,7 +43,7 @@ from train import store
 from train.checkpoints import Progress, StopFlag, checkpoint_fingerprint, resume_progress, save_checkpoint
 from train.errors import TrainError, TrainingInterrupted
 from train.evaluation import EvalSequence, evaluate, evaluate_on_rank0, prepare_eval, unroll
-from train.examples import Example, draft_vocabulary, load_examples, pad, step_micro_batches
+from train.examples import draft_vocabulary, load_examples, pad, step_micro_batches
 from train.plot import learning_curve_png
 
 FEATURE_SOURCES = ("target", "w4")
@@ -199,26 +199,6 @@ def curve_point(progress: Progress, evaluation: dict[str, float]) -> dict[str, f
             **{k: v for k, v in evaluation.items() if k.startswith("top1_depth")}}
 
 
-def optimizer_step(cfg: DictConfig, engine: Any, examples: list[Example], features: list[torch.Tensor],
-                   step: int, rank: int, world: int) -> dict[str, float]:
-    """One optimizer step over this rank's micro batches; the sums of their statistics over all ranks."""
-    engine.train()
-    sums = {"loss": 0.0, "feature_loss": 0.0, "ce": 0.0, "correct": 0, "predicted": 0, "tokens": 0}
-    for chunk, indices in step_micro_batches(step, len(examples), cfg.train, cfg.seed, rank, world):
-        ids, feats, loss_mask = pad([examples[i] for i in indices], [features[i] for i in indices],
-                                    all_tokens=cfg.train.loss_tokens == "all")
-        loss, stats = micro_batch_loss(engine, feats, ids, loss_mask, cfg.train,
-                                       noise_seed=cfg.seed * 1_000_003 + step * 1_009 + chunk)
-        engine.backward(loss)
-        engine.step()
-        stats["tokens"] = sum(len(examples[i].input_ids) for i in indices)
-        for k in sums:
-            sums[k] += stats[k]
-    totals = torch.tensor([sums[k] for k in sums], dtype=torch.float64)
-    dist.all_reduce(totals)
-    return dict(zip(sums, totals.tolist()))
-
-
 class EagleRecipe:
     """One training run of the head, its state on self: `setup` loads the verifiers, data, feature store, head and
     DeepSpeed engine (or finds the head already current), `train` runs the optimizer steps from where the run stands
@@ -306,7 +286,7 @@ class EagleRecipe:
     def _step(self) -> None:
         """One optimizer step, and its metrics on `progress`."""
         started = time.perf_counter()
-        sums = optimizer_step(self.cfg, self.engine, self.examples, self.features, self.progress.step, self.rank, self.world)
+        sums = self._optimizer_step()
         elapsed = time.perf_counter() - started
         p, micro_batches = self.progress, self.t.grad_accum * self.world
         p.step, p.train_seconds, p.tokens_seen = p.step + 1, p.train_seconds + elapsed, p.tokens_seen + int(sums["tokens"])
@@ -315,6 +295,25 @@ class EagleRecipe:
                   "train/lr": self.scheduler.get_last_lr()[0], "train/tokens_per_s": sums["tokens"] / elapsed}
         if self.tracker is not None:
             self.tracker.log(p.last, step=p.step)
+
+    def _optimizer_step(self) -> dict[str, float]:
+        """One optimizer step over this rank's micro batches; the sums of their statistics over all ranks."""
+        cfg, engine, examples = self.cfg, self.engine, self.examples
+        engine.train()
+        sums = {"loss": 0.0, "feature_loss": 0.0, "ce": 0.0, "correct": 0, "predicted": 0, "tokens": 0}
+        for chunk, indices in step_micro_batches(self.progress.step, len(examples), cfg.train, cfg.seed, self.rank, self.world):
+            ids, feats, loss_mask = pad([examples[i] for i in indices], [self.features[i] for i in indices],
+                                        all_tokens=cfg.train.loss_tokens == "all")
+            loss, stats = micro_batch_loss(engine, feats, ids, loss_mask, cfg.train,
+                                           noise_seed=cfg.seed * 1_000_003 + self.progress.step * 1_009 + chunk)
+            engine.backward(loss)
+            engine.step()
+            stats["tokens"] = sum(len(examples[i].input_ids) for i in indices)
+            for k in sums:
+                sums[k] += stats[k]
+        totals = torch.tensor([sums[k] for k in sums], dtype=torch.float64)
+        dist.all_reduce(totals)
+        return dict(zip(sums, totals.tolist()))
 
     def _log_evaluation(self) -> None:
         point = curve_point(self.progress, self.evaluate())

@@ -59,7 +59,7 @@ def first_turn_prompt(tokenizer: Any, conv: Any) -> list[int] | None:
 
 
 def verifier_examples(cfg: DictConfig, conversations: list[Any], tokenizer: Any, model: PreTrainedModel, feature_hash: str,
-                      max_len: int, rank: int, world: int) -> list[Example]:
+                      max_len: int, rank: int, world: int) -> list[Example]:  # rank/world: each rank generates its share
     """Each conversation's first user turn and the feature model's greedy reply to it (train/replies.py)."""
     r = cfg.train.regenerate
     pairs = [(conv.id, ids) for conv in conversations

@@ -43,7 +43,7 @@ class Chain:
         self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
         top_p: float = 1.0, seed: int | None = None, eos_token_id: int | list[int] | None = None,
         on_tokens: Callable[[list[int]], None] | None = None,
-    ) -> Generation:
+    ) -> Generation:  # one decoding call: its sampling settings spelled out
         """Decode up to max_new_tokens after prompt_ids; distributed exactly as the target's own decoding.
 
         `on_tokens` receives each block of tokens the target commits (streaming; may overshoot the limits

@@ -204,7 +204,7 @@ class EagleHead(nn.Module):
 
     def save_pretrained(self, path: str | Path, target_hash: str, tokenizer: PreTrainedTokenizerBase | None = None,
                         feature_source: str = "target", training: dict | None = None, metrics: dict | None = None,
-                        files: dict[str, bytes] | None = None) -> Path:
+                        files: dict[str, bytes] | None = None) -> Path:  # the folder's parts; all but path and hash optional
         """Write the folder vLLM loads as an EAGLE head (config.json, model.safetensors: the head's weights under
         vLLM's names), the draft vocabulary beside it (draft_vocab.json, if any), metrics.json and any extra
         `files` (name -> bytes, e.g. a learning-curve PNG); atomic (temp dir + rename)."""

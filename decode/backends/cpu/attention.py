@@ -22,7 +22,7 @@ KERNEL_ATTENTION = "polyspec_attend"
 
 def grouped_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                           is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                           is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:  # transformers' AttentionInterface signature
     """HF's sdpa attention without `repeat_kv` when a mask is given on the CPU (see the module docstring);
     every other case (no mask, one K/V head per query head, position bias, paged caches) is HF's own."""
     if (attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1 or query.device.type != "cpu"
@@ -36,7 +36,7 @@ def grouped_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
 
 def kernel_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                     is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                     is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:  # transformers' AttentionInterface signature
     """fp32 attention on the AVX2 `attend` kernel (row-exact, grouped heads read in place, see the module
     docstring); anything it does not cover (other dtypes, dropout, position bias, softcapping, attention
     sinks) goes to `grouped_sdpa_attention`."""
