@@ -21,10 +21,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from data.artifacts import Artifacts
 from data.cli import check_writable, run_main
-from decode.build import gemm_choice, level_model, load_target, onednn_target
-from decode.chain import DecodeError, Generation
+from decode.build import configured_builder, eos_of, level_model, load_target, reference_decoders
+from decode.engine.errors import DecodeError
+from decode.engine.levels import Generation
 from decode.generate import chain_from_config, sampling_args
 from decode.measure import level_line, prediction_line, summarize
 from decode.speedup import Interval, IntervalError, checked_confidence, time_speedup
@@ -34,33 +34,28 @@ Method = Callable[[list[int], int], Generation]
 
 def methods(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Method], dict[str, str]]:
     """The decoders to compare, and a note per method on what it actually is."""
-    from data.models import load_model
-    from decode.baselines import autoregressive, hf_assisted, hf_prompt_lookup
-    from decode.fast import pack, packed_with
-    from decode.head import HeadError
+    from decode import backends
+    from decode.backends.cpu.dense import packed_with
+    from decode.baselines import hf_assisted, hf_prompt_lookup
+    from decode.engine.head import HeadError
+    from decode.engine.spec import LevelSpec, parse
 
-    b, eos, kw = cfg.decode.bench, tokenizer.eos_token_id, sampling_args(cfg)
-    eager_target = load_model(cfg.model.name, cfg.model.dtype)[0]  # plain nn.Linear forwards, for comparison
-    found: dict[str, Method] = {
-        "ar": lambda p, n: autoregressive(target, p, n, eos_token_id=eos, **kw),
-        "ar_eager": lambda p, n: autoregressive(eager_target, p, n, eos_token_id=eos, **kw),
-    }
-    notes = {"ar": "target alone" + (f" (packed: decode.fast, {packed_with(target)})" if packed_with(target) else ""),
-             "ar_eager": "target alone, plain eager nn.Linear"}
-    onednn = onednn_target(cfg, target)  # the other packed product, side by side
-    if onednn is not None:
-        found["ar_onednn"] = lambda p, n: autoregressive(onednn, p, n, eos_token_id=eos, **kw)
-        notes["ar_onednn"] = "target alone, packed with oneDNN (decode.gemm=onednn)"
+    b, eos, kw = cfg.decode.bench, eos_of(target, tokenizer), sampling_args(cfg)
+    found: dict[str, Method] = reference_decoders(cfg, target, eos, kw, onednn=True)
+    notes = {"ar": "target alone" + (f" (packed: {packed_with(target)})" if packed_with(target) else ""),
+             "ar_eager": "target alone, plain eager nn.Linear", "ar_onednn": "target alone, packed with oneDNN (decode.gemm=onednn)"}
+    builder = configured_builder(cfg, target, tokenizer)
     if b.assistant is not None:
         assistant_cfg = OmegaConf.to_container(b.assistant, resolve=True)
         try:
-            assistant = level_model(assistant_cfg, target, tokenizer, Artifacts.of(cfg), cfg.model.dtype)
+            assistant = level_model(parse(LevelSpec, assistant_cfg, "decode.bench.assistant"), target, tokenizer,
+                                    builder.artifacts, cfg.model.dtype)
         except DecodeError as err:
             print(f"hf_assisted: assistant unavailable ({err}); using stand-in {dict(b.assistant_stand_in)}", file=sys.stderr)
             assistant_cfg = OmegaConf.to_container(b.assistant_stand_in, resolve=True)
-            assistant = level_model(assistant_cfg, target, tokenizer, Artifacts.of(cfg), cfg.model.dtype)
-        if cfg.decode.get("fast"):
-            pack(assistant, gemm_choice(cfg))
+            assistant = level_model(parse(LevelSpec, assistant_cfg, "decode.bench.assistant_stand_in"), target, tokenizer,
+                                    builder.artifacts, cfg.model.dtype)
+        backends.prepare(assistant, builder.gemm)
         found["hf_assisted"] = lambda p, n: hf_assisted(target, assistant, p, n, eos_token_id=eos, **kw)
         notes["hf_assisted"] = f"assistant {assistant_cfg}"
     found["hf_prompt_lookup"] = lambda p, n: hf_prompt_lookup(target, p, n, int(b.prompt_lookup_num_tokens), eos_token_id=eos, **kw)
@@ -70,13 +65,13 @@ def methods(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Method], dict
         if name is None:
             continue
         try:
-            chain = chain_from_config(cfg, name, target, tokenizer)
+            chain = chain_from_config(cfg, name, builder)
         except (DecodeError, HeadError) as err:
             stand_in = b.stand_ins.get(name)
             if not stand_in:
                 raise
             print(f"{slot}: chain {name!r} unavailable ({err}); using stand-in {stand_in!r}", file=sys.stderr)
-            name, chain = stand_in, chain_from_config(cfg, stand_in, target, tokenizer)
+            name, chain = stand_in, chain_from_config(cfg, stand_in, builder)
         found[slot] = lambda p, n, chain=chain: chain.generate(p, n, eos_token_id=eos, **kw)
         notes[slot] = f"{name}: " + " <- ".join(f"{l.name}({l.kind})" for l in chain.levels)
         found[slot].chain = chain  # type: ignore[attr-defined]

@@ -16,9 +16,9 @@ import torch
 from omegaconf import DictConfig
 from transformers import DynamicCache
 
-from data.artifacts import Artifacts
+from data.layout import RunLayout
 from data.cli import run_main
-from data.timing import Step, cached_forward, median_ms
+from data.timing import Step, cached_forward, level_forward, median_ms
 
 
 def head_forward(head, context: list[int], features: torch.Tensor) -> Step:
@@ -39,20 +39,6 @@ def head_forward(head, context: list[int], features: torch.Tensor) -> Step:
     return step
 
 
-def level_forward(level, context: list[int]) -> Step:
-    """A step: one verification-shaped forward of k new tokens through a chain level (e.g. a level with a
-    restricted vocabulary) after a cached context."""
-    with torch.inference_mode():
-        level.forward(context, 1, "verify")
-
-    def step(k: int) -> object:
-        level.tokens = level.tokens[: len(context)]  # the last step's tokens are not a prefix to keep
-        with torch.inference_mode():
-            return level.forward(context + context[-k:], k, "verify")
-
-    return step
-
-
 def context_ids(cfg: DictConfig, tokenizer, length: int) -> list[int]:
     """`length` tokens of real chat text: held-out ShareGPT conversations, templated, concatenated."""
     from data.sharegpt import load_conversations, split_conversations, tokenize_conversation
@@ -69,14 +55,17 @@ def context_ids(cfg: DictConfig, tokenizer, length: int) -> list[int]:
 def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
     """The forwards to time, and a note per row on what it is."""
     from data.models import load_model
+    from decode import backends
+    from decode.backends.cpu.dense import packed_with
+    from decode.backends.cpu.int8 import Int8RowLinear
     from decode.build import gemm_choice, onednn_target
-    from decode.fast import pack, packed_with, quantize_lm_head
-    from decode.head import EagleHead
+    from decode.engine.head import EagleHead, vocabulary_rows
+    from decode.engine.levels import ModelLevel
 
     c, gemm = cfg.decode.costs, gemm_choice(cfg)
     target, tokenizer = load_model(cfg.model.name, cfg.model.dtype)
     fast_target, _ = load_model(cfg.model.name, cfg.model.dtype)
-    pack(fast_target, gemm)
+    backends.prepare(fast_target, gemm)
     context = context_ids(cfg, tokenizer, int(c.context))
     steps = {"target eager": cached_forward(target, context), "target": cached_forward(fast_target, context)}
     notes = {"target eager": f"{cfg.model.dtype}, plain nn.Linear",
@@ -85,16 +74,16 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
     if onednn is not None:
         steps["target onednn"] = cached_forward(onednn, context)
         notes["target onednn"] = f"{cfg.model.dtype}, packed (decode.fast, onednn)"
-    artifacts = Artifacts.of(cfg)
+    artifacts = RunLayout.of(cfg)
     w4_dir = artifacts.output("w4")
     if (w4_dir / "config.json").is_file():
         w4, _ = load_model(str(w4_dir), cfg.model.dtype)
-        pack(w4, gemm)
-        steps["w4"], notes["w4"] = cached_forward(w4, context), f"{w4_dir}, packed dense layers"
-        w4_int8, _ = load_model(str(w4_dir), cfg.model.dtype)
-        pack(w4_int8, gemm)
-        if quantize_lm_head(w4_int8):
-            steps["w4 int8 head"], notes["w4 int8 head"] = cached_forward(w4_int8, context), "the W4 level with lm_head: int8"
+        backends.prepare(w4, gemm)
+        steps["w4"] = level_forward(ModelLevel("w4", w4, runner=backends.runner(w4)), context)
+        notes["w4"] = f"{w4_dir}, packed dense layers"
+        int8_head = Int8RowLinear(w4.get_output_embeddings())
+        steps["w4 int8 head"] = level_forward(ModelLevel("w4", w4, runner=backends.runner(w4), lm_head=int8_head), context)
+        notes["w4 int8 head"] = "the W4 level with lm_head: int8"
     else:
         print(f"costs: no W4 model in {w4_dir}; skipping it", file=sys.stderr)
     with torch.inference_mode():
@@ -110,13 +99,13 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
         heads[f"head V={size or 'full'}"] = EagleHead.for_target(fast_target, draft_vocab=vocab)
         notes[f"head V={size or 'full'}"] = "untrained head, packed, timing only"
     for name, head in heads.items():
-        pack(head, gemm)
+        backends.prepare(head, gemm)
+        head.wrap_linear = backends.linear_wrapper(head, gemm)
         steps[name] = head_forward(head.eval(), context, features)
     vocab = heads["head"].draft_vocab if "head" in heads else None
     if "w4" in steps and vocab is not None:
-        from decode.chain import ModelLevel
-
-        steps["w4 V=head"] = level_forward(ModelLevel("w4", w4, vocab=vocab), context)
+        rows = backends.linear_wrapper(w4, gemm)(vocabulary_rows(w4.get_output_embeddings(), vocab))
+        steps["w4 V=head"] = level_forward(ModelLevel("w4", w4, vocab=vocab, runner=backends.runner(w4), lm_head=rows), context)
         notes["w4 V=head"] = f"the W4 level restricted to the head's {len(vocab)}-token vocabulary (vocab: head)"
     return steps, notes
 

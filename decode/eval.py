@@ -40,12 +40,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from data.artifacts import Artifacts
+from data.layout import RunLayout
 from data.cli import EXIT_NOT_PUBLISHED, PolyspecError, run_main
 from data.tracking import atomic_dir
 from decode import measure
 from decode import speedup as paired
-from decode.theory import TheoryError, insertion_conditions, insertion_improves
+from decode.engine.theory import TheoryError, insertion_conditions, insertion_improves
 
 
 class EvalError(PolyspecError, RuntimeError):
@@ -472,7 +472,7 @@ def failed_lines(checks: list[dict[str, Any]]) -> list[str]:
     return [f"check failed: {c['name']}: {reason}" for c in checks if not c["passed"] for reason in c["reasons"]]
 
 
-def level_folder(level_cfg: Any, artifacts: Artifacts) -> Path | None:
+def level_folder(level_cfg: Any, artifacts: RunLayout) -> Path | None:
     """The folder a level loads from (head, W4 model), resolved as decode.build does; None for the target,
     `untrained` and models that are no folder (bundled:, hub ids)."""
     kind = level_cfg.get("kind", "model")
@@ -489,7 +489,7 @@ def chain_manifest(
 ) -> tuple[dict[str, Any], dict[str, Path]]:
     """chain.json for the published chain (its levels as decoded, planned values included), and the level
     folders to copy into the bundle."""
-    levels, folders, artifacts = [], {}, Artifacts.of(cfg)
+    levels, folders, artifacts = [], {}, RunLayout.of(cfg)
     for i, level_cfg in enumerate(level_cfgs):
         entry, label = {"config": level_cfg}, level_cfg.get("name") or f"L{i + 1}"
         folder = level_folder(level_cfg, artifacts)
@@ -594,46 +594,29 @@ def set_aside(publish_dir: str | Path) -> Path | None:
     return stale
 
 
-def eos_of(target, tokenizer) -> Any:
-    return target.generation_config.eos_token_id if target.generation_config.eos_token_id is not None else tokenizer.eos_token_id
-
-
-def chain_decoder(chain, eos: Any, values: dict[str, Any] | None = None) -> Decoder:
-    """Decode with `chain`, first setting its mu and draft to `values` (a planned chain shares the configured
-    one's levels and loaded models)."""
+def chain_decoder(chain, eos: Any) -> Decoder:
     def decode(prompt_ids: list[int], max_new_tokens: int, **sampling):
-        if values is not None:
-            from decode.plan import apply
-
-            apply(chain, values)
         return chain.generate(prompt_ids, max_new_tokens, eos_token_id=eos, **sampling)
 
     return decode
 
 
-def build_decoders(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Decoder], dict[str, Any]]:
-    """The AR reference and every configured chain, as decoders; and the built chains."""
-    from decode.baselines import autoregressive
-    from decode.build import configured_chain
+def build_decoders(cfg: DictConfig, builder, eos: Any) -> tuple[dict[str, Decoder], dict[str, Any]]:
+    """The AR reference and every configured chain, as decoders; and the chains' specs."""
+    from decode.build import configured_spec, reference_decoders
 
-    eos = eos_of(target, tokenizer)
-    decoders: dict[str, Decoder] = {"ar": lambda p, n: autoregressive(target, p, n, eos_token_id=eos)}
-    if cfg.decode.get("fast"):  # the reference is the packed target; show what plain eager decoding costs too
-        from data.models import load_model
-
-        eager = load_model(cfg.model.name, cfg.model.dtype)[0]
-        decoders["ar_eager"] = lambda p, n: autoregressive(eager, p, n, eos_token_id=eos)
-    built = {}
+    decoders: dict[str, Decoder] = reference_decoders(cfg, builder.target, eos)
+    specs = {}
     for name, levels in cfg.eval.chains.items():
         if name == "ar":
             raise EvalError("eval.chains: 'ar' is reserved for the autoregressive reference")
         if levels is None:
             continue  # a chain switched off from the command line (eval.chains.polybasic=null)
-        built[name] = configured_chain(cfg, OmegaConf.to_container(levels, resolve=True), target, tokenizer)
-        decoders[name] = chain_decoder(built[name], eos)
-    if not built:
+        specs[name] = configured_spec(cfg, levels)
+        decoders[name] = chain_decoder(builder.build(specs[name]), eos)
+    if not specs:
         raise EvalError("eval.chains is empty: nothing to evaluate")
-    return decoders, built
+    return decoders, specs
 
 
 def calibration_prompts(ecfg: Any, questions: list, tokenizer) -> list[list[int]]:
@@ -652,34 +635,24 @@ def calibration_prompts(ecfg: Any, questions: list, tokenizer) -> list[list[int]
     return [chat_prompt_ids(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in picked]
 
 
-def planned_levels(levels_cfg: Any, values: dict[str, Any]) -> list[dict[str, Any]]:
-    """The chain's level configs with the planned mu of every middle level and the planned draft."""
-    levels = OmegaConf.to_container(levels_cfg, resolve=True)
-    for level, mu in zip(levels[1:-1], values["mu"].values()):
-        level["mu"] = mu
-    levels[-1]["draft"] = dict(values["draft"])
-    return levels
-
-
-def plan_chains(cfg: DictConfig, built: dict[str, Any], decoders: dict[str, Decoder], questions: list, tokenizer,
-                eos: Any) -> dict[str, dict[str, Any]]:
+def plan_chains(cfg: DictConfig, builder, specs: dict[str, Any], decoders: dict[str, Decoder], questions: list,
+                tokenizer, eos: Any) -> dict[str, dict[str, Any]]:
     """Plan the chains of eval.plan.chains (null: all) on held-out prompts. A plan that changes the knobs adds
-    the decoder `<chain>_planned`, decoded next to the configured chain."""
+    the decoder `<chain>_planned` (a chain built from the planned spec), decoded next to the configured chain."""
     from decode.plan import plan_chain
 
     pcfg, plans = cfg.eval.plan, {}
     prompts = calibration_prompts(cfg.eval, questions, tokenizer)
-    for name in pcfg.chains or list(built):
-        if name not in built:
-            raise EvalError(f"eval.plan.chains: {name!r} is not one of eval.chains ({', '.join(built)})")
+    for name in pcfg.chains or list(specs):
+        if name not in specs:
+            raise EvalError(f"eval.plan.chains: {name!r} is not one of eval.chains ({', '.join(specs)})")
         print(f"plan: calibrating {name} on {len(prompts)} held-out prompts", file=sys.stderr)
-        plan = plan_chain(built[name], prompts, pcfg, eos)
-        values = plan["planned"]["knobs"]
-        planned = name if values == plan["configured"]["knobs"] else f"{name}_planned"
-        decoders[name] = chain_decoder(built[name], eos, plan["configured"]["knobs"])
+        plan = plan_chain(specs[name], builder.build, prompts, pcfg, eos)
+        planned_spec = specs[name].with_knobs(plan["planned"]["knobs"])
+        planned = name if planned_spec == specs[name] else f"{name}_planned"
         if planned != name:
-            decoders[planned] = chain_decoder(built[name], eos, values)
-        plans[name] = plan | {"chain": planned, "levels": planned_levels(cfg.eval.chains[name], values)}
+            decoders[planned] = chain_decoder(builder.build(planned_spec), eos)
+        plans[name] = plan | {"chain": planned, "levels": planned_spec.as_config()}
     return plans
 
 
@@ -694,7 +667,7 @@ def checked_confidence(value: Any) -> float:
 def run(cfg: DictConfig) -> int:
     from data.models import weights_hash
     from data.prompts import load_questions
-    from decode.build import load_target
+    from decode.build import configured_builder, eos_of, load_target
     from data.tracking import Tracker
     from data.cli import check_writable, flag
 
@@ -717,16 +690,17 @@ def run(cfg: DictConfig) -> int:
     if cfg.decode.get("threads"):
         torch.set_num_threads(int(cfg.decode.threads))
     target, tokenizer = load_target(cfg)
-    decoders, built = build_decoders(cfg, target, tokenizer)
+    builder, eos = configured_builder(cfg, target, tokenizer), eos_of(target, tokenizer)
+    decoders, specs = build_decoders(cfg, builder, eos)
     tracker = Tracker(cfg, "eval")
     for art in ecfg.publish.lineage:  # this run consumed the head and the W4 model those stages logged
         tracker.use_artifact(art.name, art.type)
-    plans = plan_chains(cfg, built, decoders, questions, tokenizer, eos_of(target, tokenizer)) if ecfg.plan.enabled else {}
+    plans = plan_chains(cfg, builder, specs, decoders, questions, tokenizer, eos) if ecfg.plan.enabled else {}
     records = decode_questions(decoders, questions, tokenizer, ecfg.max_new_tokens, ecfg.warmup_tokens)
     t33 = ecfg.theorem_3_3
-    sampled = decode_sampled({n: decoders[n] for n in built}, questions[: int(t33.questions)], tokenizer,
+    sampled = decode_sampled({n: decoders[n] for n in specs}, questions[: int(t33.questions)], tokenizer,
                              ecfg.max_new_tokens, float(t33.temperature), int(t33.seed)) if t33.questions else {}
-    chains = {name: [level.name for level in chain.levels] for name, chain in built.items()}
+    chains = {name: [level.name for level in spec.levels] for name, spec in specs.items()}
     chains |= {plan["chain"]: chains[name] for name, plan in plans.items()}
     return conclude(cfg, records, chains, lambda ids: top2_margin(target, ids), weights_hash(target), tracker,
                     questions=len(questions), plans=plans, sampled=sampled)
@@ -738,6 +712,7 @@ def conclude(
     plans: dict[str, dict[str, Any]] | None = None, sampled: dict[str, list[Record]] | None = None,
 ) -> int:
     """From decoded records to the gate: evaluate, write the report, publish or refuse; the exit code."""
+    from decode.build import configured_spec
     from decode.report import write_report
 
     ecfg = cfg.eval
@@ -775,7 +750,7 @@ def conclude(
     if decision["publish"]:
         name = decision["chain"]
         levels = next((p["levels"] for p in report["plans"].values() if p["chain"] == name), None)
-        manifest, folders = chain_manifest(cfg, name, levels or OmegaConf.to_container(ecfg.chains[name], resolve=True),
+        manifest, folders = chain_manifest(cfg, name, levels or configured_spec(cfg, ecfg.chains[name]).as_config(),
                                            target_hash, report, decision)
         bundle = publish_bundle(ecfg.publish.dir, manifest, out, folders)
         tracker.log_artifact(bundle, name=f"chain-{cfg.run_name}", type="chain", metadata=manifest)

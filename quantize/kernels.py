@@ -8,14 +8,13 @@ Writes `${run_dir}/w4_kernels.json`.
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import hydra
 import torch
 from omegaconf import DictConfig
 from transformers import AutoModelForCausalLM, GPTQConfig, PreTrainedModel
 
-from data.artifacts import Artifacts
+from data.layout import RunLayout
 from data.cli import run_main
 from data.models import load_model, load_tokenizer, resolve_model_path
 from data.sharegpt import load_conversations, split_conversations, tokenize_conversation
@@ -45,7 +44,7 @@ def kernel_kind(model: PreTrainedModel) -> str:
 
 
 def run(cfg: DictConfig) -> dict[str, dict[str, float | str]]:
-    w4_path = Artifacts.of(cfg).output("w4")
+    w4_path = RunLayout.of(cfg).output("w4")
     if not (w4_path / "config.json").exists():
         raise QuantizeError(f"{w4_path}: no W4 checkpoint; run python -m quantize.w4 first")
     src = resolve_model_path(cfg.model.name)
@@ -88,7 +87,7 @@ def run(cfg: DictConfig) -> dict[str, dict[str, float | str]]:
         ratios = "".join(f"{per[k] / base[k]:{8 if i == 0 else 7}.2f}x" for i, k in enumerate(ks))
         print(f"{name:40s}" + "".join(f"{per[k]:9.1f}" for k in ks) + f"{ratios}  {kinds[name]}")
     result = {name: {**{f"ms_{k}tok": per[k] for k in ks}, "kernel": kinds[name]} for name, per in ms.items()}
-    write_json_atomic(Path(cfg.run_dir) / "w4_kernels.json", result)
+    write_json_atomic(RunLayout.of(cfg).kernels_report, result)
     return result
 
 

@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from data.artifacts import Artifacts
+from data.layout import RunLayout
 from data.cli import PolyspecError, check_writable, flag, run_main
 from data.models import load_model, load_tokenizer, resolve_model_path, weights_hash
 from data.sharegpt import (
@@ -333,7 +333,7 @@ def run(cfg: DictConfig) -> Path:
     skip_if_valid = flag(qcfg, "skip_if_valid", error=QuantizeError)
     for key in ("sym", "desc_act", "act_group_aware", "true_sequential"):
         flag(qcfg, key, error=QuantizeError)
-    out = Artifacts.of(cfg).output("w4")
+    out = RunLayout.of(cfg).output("w4")
     check_output(out, overwrite or skip_if_valid)
     check_writable(out, "quantize.output", error=QuantizeError)  # fail now, not after minutes of GPTQ
     src = source_model_path(cfg.model.name)

@@ -6,7 +6,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from decode import measure
-from decode.chain import Generation, GenerationStats, LevelStats
+from decode.engine.levels import Generation, GenerationStats, LevelStats
 
 
 def _two_level(new_tokens: int, wall: float, ttft: float) -> Generation:

@@ -21,7 +21,7 @@ from decode.eval import (
     summarize,
     time_speedup,
 )
-from decode.chain import GenerationStats, LevelStats
+from decode.engine.levels import GenerationStats, LevelStats
 from decode.speedup import Interval
 
 

@@ -11,7 +11,8 @@ import torch
 from data.cli import EXIT_NOT_PUBLISHED
 from data.tracking import Tracker
 from decode.baselines import autoregressive
-from decode.chain import Chain, ModelLevel
+from decode.engine.chain import Chain
+from decode.engine.levels import ModelLevel
 from decode.eval import chain_decoder, conclude, decode_questions, decode_sampled, plan_chains, top2_margin
 from eval_fixtures import EOS, QUESTIONS, AcceptEverything, ByteTokenizer, SlowModel, eval_cfg
 from decode_fixtures import noisy_copy, tiny_model

@@ -276,12 +276,12 @@ def test_bundled_model_quantizes_and_the_w4_level_is_close(tmp_path):
 
 
 def test_packed_int4_forward_matches_gptqmodels_own(quantized):
-    """decode.fast.pack gives the int4 linears a lean forward, siblings fused into one product: same kernel,
+    """decode.backends.cpu.pack gives the int4 linears a lean forward, siblings fused into one product: same kernel,
     same logits, and unpack undoes it."""
     from transformers import DynamicCache
 
     from data.models import load_model
-    from decode.fast import pack, unpack
+    from decode.backends.cpu import pack, unpack
 
     model, _ = load_model(str(quantized))
     ids = torch.tensor([list(range(10, 40))])

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from data.cli import EXIT_NOT_PUBLISHED
 from data.prompts import load_questions
 from data.tracking import Tracker
-from decode.chain import GenerationStats, LevelStats
+from decode.engine.levels import GenerationStats, LevelStats
 from decode.eval import EvalError, Record, checked_confidence, conclude, gate, time_speedup as pooled_time_speedup
 from decode.speedup import IntervalError, ratio, t_quantile, time_speedup
 from eval_fixtures import eval_cfg
