@@ -6,9 +6,9 @@ chains (decode.bench.two_level / three_level / extra; a chain or assistant whose
 missing is replaced by its configured stand-in, and the table says so). All methods run in one
 process, interleaved per prompt (the order rotates from prompt to prompt), and the table reports
 medians, so machine noise hits every method alike, and each method's pooled time speedup over AR with its
-paired interval over prompts (decode.speedup, level decode.bench.confidence). Each chain's per-level numbers and its measured
-decoding time next to both predictions (Theorem 3.1 and the refined one) come from decode.measure,
-the same code decode.eval reports them with.
+paired interval over prompts (decode.speedup, level decode.bench.confidence). Each chain's per-level
+numbers and its measured decoding time next to both predictions (Theorem 3.1 and the refined one) come
+from decode.measure, the same code decode.eval reports them with.
 """
 from __future__ import annotations
 
