@@ -42,6 +42,7 @@ def methods(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Method], dict
     found: dict[str, Method] = reference_decoders(cfg, target, eos, kw, onednn=True)
     notes = {"ar": "target alone" + (f" (packed: {packed_with(target)})" if packed_with(target) else ""),
              "ar_eager": "target alone, plain eager nn.Linear", "ar_onednn": "target alone, packed with oneDNN (decode.gemm=onednn)"}
+    notes = {name: note for name, note in notes.items() if name in found}
     builder = configured_builder(cfg, target, tokenizer)
     if b.assistant is not None:
         assistant_cfg = OmegaConf.to_container(b.assistant, resolve=True)

@@ -141,7 +141,7 @@ def test_middle_level_with_int8_lm_head_greedy_equals_target_greedy(models):
     assert chain.levels[1].stats.accepted > 0
     with pytest.raises(DecodeError, match="would change the target's own logits"):
         build_chain([{"kind": "model"}, {"kind": "model", "model": "target", "lm_head": "int8"}, config[2]], target, tokenizer=None)
-    with pytest.raises(DecodeError, match="lm_head must be int8"):
+    with pytest.raises(DecodeError, match="lm_head must be one of int8, got .int4."):
         build_chain([config[0], {**config[1], "lm_head": "int4"}, config[2]], target, tokenizer=None)
 
 
