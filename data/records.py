@@ -94,7 +94,7 @@ class Buffer:
     def more(self, at_least: int = 1) -> bool:
         """Append at least `at_least` characters (whole chunks); False at the end of the stream."""
         parts, added = [], 0
-        while added < at_least and not self.eof:
+        while added < max(at_least, 1) and not self.eof:
             chunk = next(self._chunks, None)
             if chunk is None:
                 self.eof = True

@@ -175,6 +175,9 @@ def load_conversations(source: str = "bundled", max_conversations: int | None = 
         unreadable = reader.unreadable
     if unreadable:
         skipped["unreadable JSON"] += unreadable
+    if not conversations:  # the error alone, counts included: one line on stderr
+        counted = f" ({', '.join(f'{n} {why}' for why, n in skipped.most_common())})" if skipped else ""
+        raise DataError(f"{source}: no valid ShareGPT conversation found{counted}")
     if skipped:
         reasons = ", ".join(f"{n} {why}" for why, n in skipped.most_common())
         warnings.warn(f"{source}: kept {len(conversations)} of {total + unreadable} records; "
@@ -182,9 +185,6 @@ def load_conversations(source: str = "bundled", max_conversations: int | None = 
     if repeats:
         warnings.warn(f"{source}: {repeats} of the {len(conversations)} conversations kept repeat an earlier one "
                       "turn for turn (kept as the source has them)", stacklevel=2)
-    if not conversations:
-        counted = f" ({', '.join(f'{n} {why}' for why, n in skipped.most_common())})" if skipped else ""
-        raise DataError(f"{source}: no valid ShareGPT conversation found{counted}")
     return conversations[:max_conversations] if max_conversations else conversations
 
 
@@ -251,12 +251,21 @@ def split_conversations(convs: list[Conversation], held_out_fraction: float) -> 
     return train, held_out
 
 
-def load_tokenized(data_cfg: Any, tokenizer: PreTrainedTokenizerBase) -> tuple[list[TokenizedConversation], list[TokenizedConversation]]:
-    """Train and held-out splits, tokenized; conversations with no assistant token left are dropped.
+def load_split(data_cfg: Any) -> tuple[list[Conversation], list[Conversation]]:
+    """Train and held-out conversations of `data_cfg.source`: stages call it before loading any model, so an
+    unusable source is refused in seconds, not after minutes of loading."""
+    return split_conversations(load_conversations(data_cfg.source), data_cfg.held_out_fraction)
+
+
+def load_tokenized(data_cfg: Any, tokenizer: PreTrainedTokenizerBase,
+                   split: tuple[list[Conversation], list[Conversation]] | None = None,
+                   ) -> tuple[list[TokenizedConversation], list[TokenizedConversation]]:
+    """Train and held-out splits (`split`, from load_split, or loaded now), tokenized; conversations with no
+    assistant token left are dropped.
 
     `data_cfg.max_conversations` caps the train split (held-out is never capped by it).
     """
-    train, held_out = split_conversations(load_conversations(data_cfg.source), data_cfg.held_out_fraction)
+    train, held_out = split or load_split(data_cfg)
     train = train[: data_cfg.max_conversations] if data_cfg.get("max_conversations") else train
 
     train_tok = [tokenize_conversation(tokenizer, c, data_cfg.max_len) for c in train]

@@ -39,7 +39,7 @@ from transformers import DynamicCache, PreTrainedModel
 from data.artifacts import Artifacts
 from data.models import load_model, same_vocabulary, weights_hash
 from data.cli import Interrupted, PolyspecError, flag, run_main
-from data.sharegpt import (chat_prompt_ids, load_conversations, split_conversations, tokenize_conversation,
+from data.sharegpt import (chat_prompt_ids, load_split, tokenize_conversation,
                            warn_truncated)
 from data.tracking import Tracker
 from data.vocab import assistant_token_counts, coverage, top_tokens
@@ -130,10 +130,10 @@ class Example:
 
 
 def load_examples(cfg: DictConfig, tokenizer: Any, feature_model: PreTrainedModel, feature_hash: str,
-                  rank: int = 0, world: int = 1) -> tuple[list[Example], list[list[int]]]:
+                  rank: int = 0, world: int = 1, split: tuple[list, list] | None = None) -> tuple[list[Example], list[list[int]]]:
     """Training conversations (tokenized, masked, capped; their replies the dataset's or, with
     `train.replies=verifier`, the feature model's own) and held-out chat prompts for evaluation."""
-    train, held_out = split_conversations(load_conversations(cfg.data.source), cfg.data.held_out_fraction)
+    train, held_out = split or load_split(cfg.data)
     caps = [c for c in (cfg.data.get("max_conversations"), cfg.train.max_conversations) if c]
     train = train[: min(caps)] if caps else train
     max_len = min(cfg.data.max_len, cfg.train.max_len)
@@ -518,6 +518,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     rank, world = init_distributed()
     t = cfg.train
     torch.manual_seed(cfg.seed)
+    split = load_split(cfg.data)  # the data before any model: a bad source is refused in seconds
     target, tokenizer, feature_model = load_verifiers(cfg)
     target_hash = weights_hash(target)
     if t.skip_if_valid and head_is_current(cfg, target_hash):
@@ -525,7 +526,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             print(f"EAGLE head in {Artifacts.of(cfg).output('eagle')} is up to date (same target and training config); skipping")
         return json.loads((Artifacts.of(cfg).output("eagle") / "metrics.json").read_text())
     feature_hash = target_hash if feature_model is target else weights_hash(feature_model)
-    examples, prompts = load_examples(cfg, tokenizer, feature_model, feature_hash, rank, world)
+    examples, prompts = load_examples(cfg, tokenizer, feature_model, feature_hash, rank, world, split)
     per_step = t.micro_batch * t.grad_accum * world
     total_steps = t.max_steps or (t.epochs * len(examples)) // per_step
     if total_steps < 1:
