@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from transformers import DynamicCache
 
 from data.artifacts import Artifacts
-from data.cli import run_main
+from data.cli import check_writable, run_main
 from data.timing import Step, cached_forward, median_ms
 
 
@@ -53,11 +53,10 @@ def level_forward(level, context: list[int]) -> Step:
     return step
 
 
-def context_ids(cfg: DictConfig, tokenizer, length: int) -> list[int]:
+def context_ids(held_out: list, tokenizer, length: int) -> list[int]:
     """`length` tokens of real chat text: held-out ShareGPT conversations, templated, concatenated."""
-    from data.sharegpt import load_conversations, split_conversations, tokenize_conversation
+    from data.sharegpt import tokenize_conversation
 
-    _, held_out = split_conversations(load_conversations(cfg.data.source), cfg.data.held_out_fraction)
     ids: list[int] = []
     for conv in held_out:
         ids += tokenize_conversation(tokenizer, conv, length).input_ids
@@ -69,15 +68,17 @@ def context_ids(cfg: DictConfig, tokenizer, length: int) -> list[int]:
 def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
     """The forwards to time, and a note per row on what it is."""
     from data.models import load_model
+    from data.sharegpt import load_split
     from decode.build import gemm_choice, onednn_target
     from decode.fast import pack, packed_with, quantize_lm_head
     from decode.head import EagleHead
 
+    _, held_out = load_split(cfg.data)  # the data before any model or kernel build: refused in seconds
     c, gemm = cfg.decode.costs, gemm_choice(cfg)
     target, tokenizer = load_model(cfg.model.name, cfg.model.dtype)
     fast_target, _ = load_model(cfg.model.name, cfg.model.dtype)
     pack(fast_target, gemm)
-    context = context_ids(cfg, tokenizer, int(c.context))
+    context = context_ids(held_out, tokenizer, int(c.context))
     steps = {"target eager": cached_forward(target, context), "target": cached_forward(fast_target, context)}
     notes = {"target eager": f"{cfg.model.dtype}, plain nn.Linear",
              "target": f"{cfg.model.dtype}, packed (decode.fast, {packed_with(fast_target)})"}
@@ -125,6 +126,7 @@ def run(cfg: DictConfig) -> dict:
     from data.tracking import write_json_atomic
 
     c = cfg.decode.costs
+    check_writable(c.out, "decode.costs.out", kind="file")  # refuse before minutes of timing, not after
     if cfg.decode.get("threads"):
         torch.set_num_threads(int(cfg.decode.threads))
     steps, notes = steps_for(cfg)

