@@ -117,9 +117,9 @@ def run(cfg: DictConfig) -> dict:
     check_writable(b.out, "decode.bench.out", kind="file")  # refuse before minutes of decoding, not after
     if cfg.decode.get("threads"):
         torch.set_num_threads(int(cfg.decode.threads))
+    questions = load_questions(b.prompts, per_category=b.per_category)  # before any model: a bad file fails fast
     target, tokenizer = load_target(cfg)
     decoders, notes = methods(cfg, target, tokenizer)
-    questions = load_questions(b.prompts, per_category=b.per_category)
     prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]
     for decode in decoders.values():  # untimed warm-up: lazy initialisation, allocator
         decode(prompts[0], int(b.warmup_tokens))

@@ -37,6 +37,7 @@ from transformers import PreTrainedModel
 from data.cli import flag, run_main
 from data.layout import RunLayout
 from data.models import load_model, same_vocabulary, weights_hash
+from data.sharegpt import load_split
 from data.tracking import Tracker
 from decode.engine.head import FORMAT_VERSION, EagleHead
 from train import store
@@ -217,12 +218,14 @@ class EagleRecipe:
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         self.rank, self.world = init_distributed()
         torch.manual_seed(self.cfg.seed)
+        split = load_split(self.cfg.data)  # the data before any model: a bad source is refused in seconds
         self.target, self.tokenizer, feature_model = load_verifiers(self.cfg)
         self.hashes = {"target": weights_hash(self.target)}
         if self.t.skip_if_valid and head_is_current(self.cfg, self.hashes["target"]):
             return False
         self.hashes["features"] = self.hashes["target"] if feature_model is self.target else weights_hash(feature_model)
-        self.examples, prompts = load_examples(self.cfg, self.tokenizer, feature_model, self.hashes["features"], self.rank, self.world)
+        self.examples, prompts = load_examples(self.cfg, self.tokenizer, feature_model, self.hashes["features"], self.rank,
+                                               self.world, split)
         self.total_steps = self._total_steps()
         self.features = store.build_or_load(feature_model, [e.input_ids for e in self.examples], self.layout.feature_store,
                                             self.hashes["features"], self.t.store_dtype, self.t.store_batch, self.rank, self.world)
