@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import hashlib
 import os
-import re
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
