@@ -5,7 +5,8 @@ assistant), transformers prompt lookup, the two-level chain, the three-level cha
 chains (decode.bench.two_level / three_level / extra; a chain or assistant whose artifacts are
 missing is replaced by its configured stand-in, and the table says so). All methods run in one
 process, interleaved per prompt (the order rotates from prompt to prompt), and the table reports
-medians, so machine noise hits every method alike. Each chain's per-level numbers and its measured
+medians, so machine noise hits every method alike, and each method's pooled time speedup over AR with its
+paired interval over prompts (decode.speedup, level decode.bench.confidence). Each chain's per-level numbers and its measured
 decoding time next to both predictions (Theorem 3.1 and the refined one) come from decode.measure,
 the same code decode.eval reports them with.
 """
@@ -26,6 +27,7 @@ from decode.engine.errors import DecodeError
 from decode.engine.levels import Generation
 from decode.generate import chain_from_config, sampling_args
 from decode.measure import level_line, prediction_line, summarize
+from decode.speedup import Interval, IntervalError, checked_confidence, time_speedup
 
 Method = Callable[[list[int], int], Generation]
 
@@ -77,8 +79,9 @@ def methods(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Method], dict
     return found, notes
 
 
-def summarise(runs: dict[str, list[Generation]], ar_tokens: list[list[int]]) -> dict[str, dict]:
+def summarise(runs: dict[str, list[Generation]], ar_tokens: list[list[int]], confidence: float) -> dict[str, dict]:
     ar_tps = [g.stats.tokens_per_s for g in runs["ar"]]
+    ar_timed = [(g.stats.wall_time_s, g.stats.new_tokens) for g in runs["ar"]]
     summary = {}
     for name, gens in runs.items():
         tps = [g.stats.tokens_per_s for g in gens]
@@ -90,6 +93,8 @@ def summarise(runs: dict[str, list[Generation]], ar_tokens: list[list[int]]) -> 
             "median_ttft_s": statistics.median(g.stats.time_to_first_token_s for g in gens),
             "identical_to_ar": sum(g.tokens == ref for g, ref in zip(gens, ar_tokens)),
             "runs": len(gens),
+            "time_speedup_interval": time_speedup(ar_timed, [(g.stats.wall_time_s, g.stats.new_tokens) for g in gens],
+                                                  confidence).as_dict(),
         }
         if len(gens[0].stats.levels) > 1:
             entry["measured"] = summarize([g.stats for g in gens])  # per level and both predictions
@@ -98,14 +103,22 @@ def summarise(runs: dict[str, list[Generation]], ar_tokens: list[list[int]]) -> 
 
 
 def table(summary: dict[str, dict], notes: dict[str, str]) -> str:
-    rows = [f"{'method':<17} {'tok/s':>7} {'x AR':>6} {'x AR(sb)':>8} {'TTFT s':>7} {'same':>6}  details"]
+    rows = [f"{'method':<17} {'tok/s':>7} {'x AR':>6} {'x AR(sb)':>8} {'time x AR [interval]':>20} {'TTFT s':>7} {'same':>6}  details"]
     for name, s in summary.items():
         detail = notes.get(name, "")
         if "measured" in s:
             detail += f" | {level_line(s['measured'])} | {prediction_line(s['measured'])}"
         rows.append(f"{name:<17} {s['median_tokens_per_s']:>7.2f} {s['median_ratio_vs_ar']:>6.2f} "
-                    f"{s['speedup_spec_bench']:>8.2f} {s['median_ttft_s']:>7.2f} {s['identical_to_ar']:>3}/{s['runs']:<2}  {detail}")
+                    f"{s['speedup_spec_bench']:>8.2f} {_interval(name, s):>20} {s['median_ttft_s']:>7.2f} {s['identical_to_ar']:>3}/{s['runs']:<2}  {detail}")
     return "\n".join(rows)
+
+
+def _interval(name: str, s: dict) -> str:
+    """'1.01x [0.96, 1.06]' and a mark when shown faster (+) or slower (-) than AR; '-' for AR itself."""
+    if name == "ar":
+        return "-"
+    x = Interval.from_dict(s["time_speedup_interval"])
+    return x.text() + (" +" if x.above_one else " -" if x.below_one else "  ")
 
 
 def run(cfg: DictConfig) -> dict:
@@ -115,6 +128,10 @@ def run(cfg: DictConfig) -> dict:
 
     b = cfg.decode.bench
     check_writable(b.out, "decode.bench.out", kind="file")  # refuse before minutes of decoding, not after
+    try:
+        confidence = checked_confidence(b.get("confidence"))
+    except IntervalError as err:
+        raise DecodeError(f"decode.bench.{err}") from None
     if cfg.decode.get("threads"):
         torch.set_num_threads(int(cfg.decode.threads))
     questions = load_questions(b.prompts, per_category=b.per_category)  # before any model: a bad file fails fast
@@ -133,9 +150,10 @@ def run(cfg: DictConfig) -> dict:
         for name in order:
             runs[name].append(decoders[name](prompts[i], n))
         ar_tokens.append(runs["ar"][-1].tokens)
-    summary = summarise(runs, ar_tokens)
+    summary = summarise(runs, ar_tokens, confidence)
     print(f"\n{len(work)} prompts x {len(names)} methods, {n} new tokens, temperature {cfg.decode.temperature}, "
-          f"{torch.get_num_threads()} threads; medians (x AR = median per-prompt ratio; sb = Spec-Bench mean ratio)")
+          f"{torch.get_num_threads()} threads; medians (x AR = median per-prompt ratio; sb = Spec-Bench mean ratio; time x AR = "
+          f"pooled seconds per token of AR over the method's, {confidence:.0%} paired interval over prompts, + shown faster, - shown slower)")
     print(table(summary, notes))
     result = {"config": OmegaConf.to_container(b, resolve=True), "threads": torch.get_num_threads(),
               "notes": notes, "summary": summary}

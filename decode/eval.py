@@ -12,8 +12,10 @@ after a warm-up. Three named checks and the speed decide which chain is publishe
              and an insertion the theory admits is measured faster. Theorem 3.1's own error is reported.
 Before decoding, decode.plan calibrates each chain on held-out prompts and picks mu and the draft
 length or tree size; a plan that changes them is decoded too, as `<chain>_planned`. A chain is
-admissible when no check failed for it and it measured faster than AR; the fastest admissible one is
-published (eval.publish.chain=<chain>: that chain only, and only if every check passed).
+admissible when no check failed for it and it is shown faster than AR: the lower bound of its speedup's
+interval (decode.speedup, paired over turns, level eval.confidence) is above 1. The admissible chain with
+the highest lower bound is published (eval.publish.chain=<chain>: that chain only, and only if every check
+passed). The agreement check likewise fails only on what the intervals show.
 T_i is the engine's mean forward time; L_i and its variance pool every verification of the run, and
 Theorem 3.3 compares that variance with a sampled decode (temperature 1) per level.
 Exit codes (data/cli.py, README): 0 published, 2 bad input (a one-line error), 3 no chain admissible and nothing
@@ -42,6 +44,7 @@ from data.layout import RunLayout
 from data.cli import EXIT_NOT_PUBLISHED, PolyspecError, run_main
 from data.tracking import atomic_dir
 from decode import measure
+from decode import speedup as paired
 from decode.engine.theory import TheoryError, insertion_conditions, insertion_improves
 
 
@@ -141,6 +144,27 @@ def time_speedup(summary: dict[str, Any], reference: dict[str, Any]) -> float:
     return (reference["wall_time_s"] / reference["new_tokens"]) / (summary["wall_time_s"] / summary["new_tokens"])
 
 
+def speedup_interval(records: list[Record], reference: list[Record], confidence: float) -> dict[str, Any]:
+    """The pooled time speedup over the same turns of the reference, with its paired interval (decode.speedup)."""
+    def timed(recs: list[Record]) -> list[tuple[float, int]]:
+        return [(r.stats.wall_time_s, r.stats.new_tokens) for r in recs]
+
+    return paired.time_speedup(timed(reference), timed(records), confidence).as_dict()
+
+
+def error_intervals(result: dict[str, Any], rows: list[dict[str, Any]], confidence: float) -> None:
+    """Each prediction's error gets an interval: the turns' spread of predicted over measured decoding time
+    (a paired ratio, decode.speedup), around the pooled prediction's error."""
+    for name, p in result["predictions"].items():
+        turns = [(r["predicted_time_s"][name], r["decode_time_s"]) for r in rows
+                 if r["predicted_time_s"].get(name) is not None and r["decode_time_s"] > 0]
+        if p.get("error") is None or not turns:
+            continue
+        spread = paired.ratio(*zip(*turns), confidence=confidence)
+        if spread.low is not None:
+            p["error_interval"] = [(1 + p["error"]) * b / spread.estimate - 1 for b in (spread.low, spread.high)]
+
+
 def chain_result(summary: dict[str, Any], ar: dict[str, Any]) -> dict[str, Any]:
     """Both predictions of a chain's decoding time, each also as a speedup over AR (AR's measured seconds
     per forward, one forward per token, over the predicted seconds per token)."""
@@ -168,7 +192,7 @@ def record_row(record: Record, reference: Record) -> dict[str, Any]:
     }
 
 
-def by_category(records: dict[str, list[Record]], reference: str = "ar") -> dict[str, dict[str, Any]]:
+def by_category(records: dict[str, list[Record]], confidence: float, reference: str = "ar") -> dict[str, dict[str, Any]]:
     table: dict[str, dict[str, Any]] = {}
     for category in dict.fromkeys(r.category for r in records[reference]):
         ref = [r for r in records[reference] if r.category == category]
@@ -178,6 +202,7 @@ def by_category(records: dict[str, list[Record]], reference: str = "ar") -> dict
             summary = summarize(mine)
             row[name] = {
                 "tokens_per_s": summary["tokens_per_s"], "speedup": speedup(mine, ref),
+                "time_speedup_interval": speedup_interval(mine, ref, confidence),
                 "T_s": [l["T_s"] for l in summary["levels"]], "L": [l["L_mean"] for l in summary["levels"][:-1]],
                 "L_var": [l["L_var"] for l in summary["levels"][:-1]],
             }
@@ -308,7 +333,8 @@ def check_agreement(
     chain_results: dict[str, dict[str, Any]], insertions: list[dict[str, Any]], tolerance: float, prediction: str = "refined",
 ) -> Check:
     """A prediction of each chain's decoding time (refined by default) against the measured one, and an
-    insertion the theory admits measured faster."""
+    insertion the theory admits measured faster. Each fails only where the measurement shows it: the error's
+    interval lies wholly outside the tolerance, or the insertion's paired speedup interval lies below 1."""
     if prediction not in PREDICTIONS:
         raise EvalError(f"eval.checks.agreement_prediction must be one of {', '.join(PREDICTIONS)}, got {prediction!r}")
     check, label = Check("agreement", details={"prediction": prediction, "tolerance": tolerance}), PREDICTIONS[prediction]
@@ -316,14 +342,18 @@ def check_agreement(
         p = res["predictions"][prediction]
         if p.get("error") is None:
             check.fail(name, f"{name}: {label} cannot be evaluated ({p.get('error_reason', 'no decoding time measured')})")
-        elif abs(p["error"]) > tolerance:
+            continue
+        bounds = p.get("error_interval")
+        low, high = bounds or (p["error"], p["error"])  # no interval (one turn): the point itself
+        if low > tolerance or high < -tolerance:
+            spread = f" [{low:+.0%}, {high:+.0%}]" if bounds else ""
             check.fail(name, f"{name}: {label} predicts {p['time_s']:.2f}s of decoding, measured {res['decode_time_s']:.2f}s "
-                             f"({p['error']:+.0%}, tolerance {tolerance:.0%})")
+                             f"({p['error']:+.0%}{spread}, tolerance {tolerance:.0%})")
     for ins in insertions:
-        with_, without = chain_results[ins["with"]], chain_results[ins["without"]]
-        if ins["improves"] and with_["time_speedup"] <= without["time_speedup"]:
+        gain = paired.Interval.from_dict(ins["measured_gain"])
+        if ins["improves"] and gain.below_one:
             check.fail(ins["with"], f"{ins['with']}: the theory says inserting {ins['level']} is faster, but it measured "
-                                    f"{with_['time_speedup']:.2f}x vs {without['time_speedup']:.2f}x for {ins['without']}")
+                                    f"slower than {ins['without']}: {gain.verdict()}")
     return check
 
 
@@ -357,16 +387,20 @@ def evaluate(
 
     `plans` maps a configured chain to its plan (decode.plan.plan_chain, plus "chain": the planned chain's
     name); insertions pair configured chains with configured ones and planned with planned."""
-    plans = plans or {}
+    plans, confidence = plans or {}, checks_cfg.confidence
     summaries = {name: summarize(recs) for name, recs in records.items()}
+    rows = {name: [record_row(r, ref) for r, ref in zip(recs, records[reference])] for name, recs in records.items()}
     chain_results = {}
     for name in chains:
         res = chain_result(summaries[name], summaries[reference])
         res["measured_speedup"] = speedup(records[name], records[reference])
         res["time_speedup"] = time_speedup(summaries[name], summaries[reference])
+        res["time_speedup_interval"] = speedup_interval(records[name], records[reference], confidence)
+        error_intervals(res, rows[name], confidence)
         chain_results[name] = res
     baselines = {name: {"measured_speedup": speedup(records[name], records[reference]),  # e.g. ar_eager
-                        "time_speedup": time_speedup(summaries[name], summaries[reference])}
+                        "time_speedup": time_speedup(summaries[name], summaries[reference]),
+                        "time_speedup_interval": speedup_interval(records[name], records[reference], confidence)}
                  for name in records if name != reference and name not in chains}
     planned = {plan["chain"] for base, plan in plans.items() if plan["chain"] != base}
     groups = [[n for n in chains if n not in planned], [plan["chain"] for plan in plans.values()]]
@@ -375,6 +409,7 @@ def evaluate(
     for ins in insertions:
         ins["speedups"] = {side: {"predicted": chain_results[ins[side]]["predictions"]["paper"].get("speedup"),
                                   "measured": chain_results[ins[side]]["time_speedup"]} for side in ("without", "with")}
+        ins["measured_gain"] = speedup_interval(records[ins["with"]], records[ins["without"]], confidence)  # with over without
     per_token = {name: s["decode_time_s"] / max(s["decode_tokens"], 1) for name, s in summaries.items()}
     for base, plan in plans.items():  # the planner's predictions against what the chains measured
         for side, name in (("configured", base), ("planned", plan["chain"])):
@@ -388,8 +423,8 @@ def evaluate(
     return {
         "summaries": summaries, "chains": chain_results, "baselines": baselines, "insertions": insertions, "plans": plans,
         "theorem_3_3": theorem_3_3(records, sampled or {}),
-        "categories": by_category(records, reference), "checks": [c.as_dict() for c in checks],
-        "records": {name: [record_row(r, ref) for r, ref in zip(recs, records[reference])] for name, recs in records.items()},
+        "categories": by_category(records, confidence, reference), "checks": [c.as_dict() for c in checks],
+        "records": rows,
     }
 
 
@@ -472,56 +507,69 @@ def chain_manifest(
     manifest = {
         "chain": name, "run_name": cfg.run_name, "levels": levels, "plan": plan,
         "measured": {
-            "speedup_over_ar": result["time_speedup"], "spec_bench_speedup": result["measured_speedup"],
+            "speedup_over_ar": result["time_speedup"], "speedup_over_ar_interval": result["time_speedup_interval"],
+            "spec_bench_speedup": result["measured_speedup"],
             "decode_time_s": result["decode_time_s"],
             "predicted_decode_time_s": {k: p.get("time_s") for k, p in result["predictions"].items()},
             "T_s": [l["T_s"] for l in summary["levels"]], "L": [l["L_mean"] for l in summary["levels"][:-1]],
             "draft_depth": summary["draft_depth"],
         },
-        "checks": {c["name"]: name not in c["by_chain"] for c in report["checks"]} | {"faster_than_ar": result["time_speedup"] > 1},
+        "checks": {c["name"]: name not in c["by_chain"] for c in report["checks"]} | {"faster_than_ar": paired.Interval.from_dict(result["time_speedup_interval"]).above_one},
         "forced": decision["forced"], "rejected": decision["rejected"], "failed_checks": decision["failures"],
         "versions": library_versions(), "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     return manifest, folders
 
 
-def gate(checks: list[dict[str, Any]], speedups: dict[str, float], choice: str = "best", force: bool = False) -> dict[str, Any]:
-    """Which chain to publish, if any. `speedups`: each chain's measured time speedup over AR.
+def gate(checks: list[dict[str, Any]], speedups: dict[str, paired.Interval], choice: str = "best", force: bool = False) -> dict[str, Any]:
+    """Which chain to publish, if any. `speedups`: each chain's time speedup over AR with its interval.
 
     A chain is admissible when no check failed for it (lossless, insertion of its levels, agreement) and
-    it measured faster than AR. choice=best publishes the fastest admissible chain; choice=<chain> is the
-    strict gate: that chain, only if it is faster than AR and every check of every chain passed.
-    force=true overrides failed checks, never the speed: a chain slower than AR is never published."""
+    it is shown faster than AR: its interval's lower bound is above 1. choice=best publishes the admissible
+    chain with the highest lower bound; choice=<chain> is the strict gate: that chain, only if it is shown
+    faster than AR and every check of every chain passed. force=true overrides failed checks, never the
+    speed: a chain not shown faster than AR is never published."""
     failures, strict_ok = failed_lines(checks), not failed_lines(checks)
     rejected = {n: [f"{c['name']}: {r}" for c in checks for r in c["by_chain"].get(n, [])] for n in speedups}
     for n, x in speedups.items():
-        if x <= 1:
-            rejected[n].append(f"faster than AR: measured {x:.2f}x AR")
-            failures.append(f"check failed: faster than AR: {n} measured {x:.2f}x AR (a chain slower than AR is never published)")
-    fast = [n for n, x in speedups.items() if x > 1]
+        if not x.above_one:
+            rejected[n].append(f"faster than AR: {x.verdict()}")
+            failures.append(f"check failed: faster than AR: {n} measured {x.verdict()} at {x.confidence:.0%} confidence "
+                            "(a chain not shown faster than AR is never published)")
+    fast = [n for n, x in speedups.items() if x.above_one]
     if choice == "best":
         admissible = [n for n in fast if not rejected[n]]
         pool = admissible or (fast if force else [])
     else:
         admissible = [choice] if choice in fast and strict_ok else []
         pool = [choice] if choice in fast and (strict_ok or force) else []
-    chain = max(pool, key=speedups.__getitem__, default=None)
+    chain = max(pool, key=lambda n: speedups[n].low, default=None)
     forced = chain is not None and chain not in admissible
     if chain is None:
-        decision = "not published"
-        explanation = ("no chain is admissible." if choice == "best" else
-                       f"eval.publish.chain={choice} (strict): " + ("it measured slower than AR." if choice not in fast
-                                                                    else "a check failed; the strict gate needs every check to pass."))
+        decision, explanation = "not published", _refusal(speedups, fast, choice)
     elif forced:
         decision = "published (forced)"
-        explanation = f"{chain} ({speedups[chain]:.2f}x AR): publish.force=true overrode: " + " | ".join(rejected[chain] or failures)
+        explanation = f"{chain} ({speedups[chain].text()} AR): publish.force=true overrode: " + " | ".join(rejected[chain] or failures)
     else:
         decision = "published"
-        explanation = (f"{chain}, the fastest admissible chain: {speedups[chain]:.2f}x AR measured." if choice == "best"
-                       else f"{chain}: every check passed and it measured {speedups[chain]:.2f}x AR.")
+        explanation = (f"{chain}, the fastest admissible chain by its interval's lower bound: {speedups[chain].verdict()} "
+                       f"than AR at {speedups[chain].confidence:.0%} confidence." if choice == "best"
+                       else f"{chain}: every check passed and it measured {speedups[chain].verdict()} than AR.")
     return {"publish": chain is not None, "chain": chain, "choice": choice, "forced": forced, "admissible": admissible,
             "rejected": {n: r for n, r in rejected.items() if r}, "failures": failures, "decision": decision,
             "explanation": explanation}
+
+
+def _refusal(speedups: dict[str, paired.Interval], fast: list[str], choice: str) -> str:
+    """Why nothing is published; first of all when no chain is shown faster than AR, with every interval."""
+    if not fast:
+        levels = ", ".join(sorted({f"{x.confidence:.0%}" for x in speedups.values()}))
+        return "no chain is shown faster than AR: " + "; ".join(f"{n} {x.verdict()}" for n, x in speedups.items()) + f" ({levels} intervals)."
+    if choice == "best":
+        return "no chain is admissible."
+    return f"eval.publish.chain={choice} (strict): " + (f"it is not shown faster than AR ({speedups[choice].verdict()})."
+                                                        if choice not in fast else
+                                                        "a check failed; the strict gate needs every check to pass.")
 
 
 def clean_stale(outputs: list[str | Path]) -> list[Path]:
@@ -608,6 +656,14 @@ def plan_chains(cfg: DictConfig, builder, specs: dict[str, Any], decoders: dict[
     return plans
 
 
+def checked_confidence(value: Any) -> float:
+    """eval.confidence, or the one-line EvalError."""
+    try:
+        return paired.checked_confidence(value)
+    except paired.IntervalError as err:
+        raise EvalError(f"eval.{err}") from None
+
+
 def run(cfg: DictConfig) -> int:
     from data.models import weights_hash
     from data.prompts import load_questions
@@ -624,6 +680,7 @@ def run(cfg: DictConfig) -> int:
     if per_category is not None and (isinstance(per_category, bool) or not isinstance(per_category, int) or per_category < 1):
         raise EvalError(f"eval.per_category must be null or an integer >= 1, got {per_category!r}")
     flag(ecfg.publish, "force", error=EvalError)  # a string such as 'false' would be truthy
+    checked_confidence(ecfg.get("confidence"))
     flag(cfg.decode, "fast", default=False, error=EvalError)
     check_writable(ecfg.out_dir, "eval.out_dir", error=EvalError)  # fail now, not after the decoding
     check_writable(ecfg.publish.dir, "eval.publish.dir", error=EvalError)
@@ -662,10 +719,11 @@ def conclude(
     near_tie = ecfg.checks.near_tie_relative.get(cfg.model.dtype)
     if near_tie is None:
         raise EvalError(f"eval.checks.near_tie_relative has no tolerance for dtype {cfg.model.dtype!r}")
-    checks_cfg = OmegaConf.create({**OmegaConf.to_container(ecfg.checks), "near_tie_relative": near_tie})
+    confidence = checked_confidence(ecfg.get("confidence"))
+    checks_cfg = OmegaConf.create({**OmegaConf.to_container(ecfg.checks), "near_tie_relative": near_tie, "confidence": confidence})
     removed = clean_stale([ecfg.out_dir, ecfg.publish.dir])
     report = evaluate(records, chains, margin_fn, checks_cfg, plans=plans, sampled=sampled)
-    speedups = {n: r["time_speedup"] for n, r in report["chains"].items()}
+    speedups = {n: paired.Interval.from_dict(r["time_speedup_interval"]) for n, r in report["chains"].items()}
     decision = gate(report["checks"], speedups, str(ecfg.publish.chain), bool(ecfg.publish.force))
     report |= {"run_name": cfg.run_name, "gate": decision, "config": OmegaConf.to_container(ecfg, resolve=True),
                "questions": questions, "max_new_tokens": ecfg.max_new_tokens}
@@ -673,6 +731,7 @@ def conclude(
     tracker.summary({
         **{f"{n}/speedup": r["measured_speedup"] for n, r in report["chains"].items()},
         **{f"{n}/time_speedup": r["time_speedup"] for n, r in report["chains"].items()},
+        **{f"{n}/time_speedup_low": r["time_speedup_interval"]["low"] for n, r in report["chains"].items()},
         **{f"{n}/{k}/predicted_speedup": p.get("speedup") for n, r in report["chains"].items() for k, p in r["predictions"].items()},
         **{f"{n}/{k}/prediction_error": p.get("error") for n, r in report["chains"].items() for k, p in r["predictions"].items()},
         **{f"{n}/L_{i + 1}": l["L_mean"] for n in chains for i, l in enumerate(report["summaries"][n]["levels"][:-1])},

@@ -73,12 +73,15 @@ def test_rejected_w4_level_still_publishes_target_head(models, tmp_path, capsys)
     assert code == 0 and report["gate"]["chain"] == "dualistic", report["gate"]
     manifest = json.loads((tmp_path / "publish" / "chain.json").read_text())
     assert manifest["chain"] == "dualistic" and manifest["measured"]["speedup_over_ar"] > 1.0
+    interval = manifest["measured"]["speedup_over_ar_interval"]
+    assert interval["low"] > 1 and interval["text"].endswith(": shown faster") and interval["turns"] == 8
     assert [lvl["config"]["name"] for lvl in manifest["levels"]] == ["target", "draft"]
     assert manifest["levels"][0]["content_hash"] == "hash" and manifest["forced"] is False
     assert manifest["checks"] == {"lossless": True, "insertion": True, "agreement": True, "faster_than_ar": True}
     assert any(r.startswith("insertion: w4 between") for r in manifest["rejected"]["polybasic"])
     md = (tmp_path / "eval" / "report.md").read_text()
-    assert md.splitlines()[2].startswith("**Published: dualistic.** dualistic, the fastest admissible chain")
+    assert md.splitlines()[2].startswith(f"**Published: dualistic.** dualistic, the fastest admissible chain by its interval's "
+                                         f"lower bound: {interval['text']} than AR")
     assert "- rejected polybasic: insertion: w4 between target and draft" in md
     assert "| w4 in polybasic (vs dualistic) |" in md and "## Theorem 3.3" in md
     for name in ("report.md", "speedup_by_category.png", "acceptance_polybasic.png", "predicted_vs_measured.png", "metrics.json"):
@@ -104,11 +107,13 @@ def test_no_chain_slower_than_ar_is_published_and_a_refusal_sets_the_old_bundle_
     out = capsys.readouterr().out
     assert code == EXIT_NOT_PUBLISHED and all(c["passed"] for c in checks.values())  # every check passed, force too: still refused
     assert report["chains"]["dualistic"]["time_speedup"] < 1 and report["gate"]["decision"] == "not published"
-    assert report["gate"]["rejected"]["dualistic"][-1].startswith("faster than AR: measured 0.")
+    interval = report["chains"]["dualistic"]["time_speedup_interval"]
+    assert interval["high"] < 1 and report["gate"]["rejected"]["dualistic"][-1] == f"faster than AR: {interval['text']}"
     assert not (tmp_path / "publish").exists() and not (tmp_path / ".publish.tmp-left-over").exists()
     assert json.loads((tmp_path / "publish.stale" / "chain.json").read_text())["chain"] == "dualistic"
     assert f"moved the previously published bundle aside to {tmp_path / 'publish.stale'}" in out
-    assert "not published: no chain is admissible." in out and "removed a stale temp folder" in out
+    assert f"not published: no chain is shown faster than AR: dualistic {interval['text']} (95% intervals)." in out
+    assert "removed a stale temp folder" in out
 
 
 def test_lossy_chain_fails_the_lossless_check(models, tmp_path, capsys):
