@@ -44,7 +44,8 @@ def kernel_kind(model: PreTrainedModel) -> str:
 
 
 def run(cfg: DictConfig) -> dict[str, dict[str, float | str]]:
-    w4_path = RunLayout.of(cfg).output("w4")
+    layout = RunLayout.of(cfg)
+    w4_path = layout.output("w4")
     if not (w4_path / "config.json").exists():
         raise QuantizeError(f"{w4_path}: no W4 checkpoint; run python -m quantize.w4 first")
     _, held_out = load_split(cfg.data)  # the data before any model: a bad source is refused in seconds
@@ -87,7 +88,7 @@ def run(cfg: DictConfig) -> dict[str, dict[str, float | str]]:
         ratios = "".join(f"{per[k] / base[k]:{8 if i == 0 else 7}.2f}x" for i, k in enumerate(ks))
         print(f"{name:40s}" + "".join(f"{per[k]:9.1f}" for k in ks) + f"{ratios}  {kinds[name]}")
     result = {name: {**{f"ms_{k}tok": per[k] for k in ks}, "kernel": kinds[name]} for name, per in ms.items()}
-    write_json_atomic(RunLayout.of(cfg).kernels_report, result)
+    write_json_atomic(layout.kernels_report, result)
     return result
 
 
