@@ -44,6 +44,7 @@ def methods(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Method], dict
     found: dict[str, Method] = reference_decoders(cfg, target, eos, kw, onednn=True)
     notes = {"ar": "target alone" + (f" (packed: {packed_with(target)})" if packed_with(target) else ""),
              "ar_eager": "target alone, plain eager nn.Linear", "ar_onednn": "target alone, packed with oneDNN (decode.gemm=onednn)"}
+    notes = {name: note for name, note in notes.items() if name in found}
     builder = configured_builder(cfg, target, tokenizer)
     if b.assistant is not None:
         assistant_cfg = OmegaConf.to_container(b.assistant, resolve=True)
@@ -133,9 +134,9 @@ def run(cfg: DictConfig) -> dict:
         raise DecodeError(f"decode.bench.{err}") from None
     if cfg.decode.get("threads"):
         torch.set_num_threads(int(cfg.decode.threads))
+    questions = load_questions(b.prompts, per_category=b.per_category)  # before any model: a bad file fails fast
     target, tokenizer = load_target(cfg)
     decoders, notes = methods(cfg, target, tokenizer)
-    questions = load_questions(b.prompts, per_category=b.per_category)
     prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]
     for decode in decoders.values():  # untimed warm-up: lazy initialisation, allocator
         decode(prompts[0], int(b.warmup_tokens))

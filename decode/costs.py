@@ -16,8 +16,8 @@ import torch
 from omegaconf import DictConfig
 from transformers import DynamicCache
 
+from data.cli import check_writable, run_main
 from data.layout import RunLayout
-from data.cli import run_main
 from data.timing import Step, cached_forward, level_forward, median_ms
 
 
@@ -39,11 +39,10 @@ def head_forward(head, context: list[int], features: torch.Tensor) -> Step:
     return step
 
 
-def context_ids(cfg: DictConfig, tokenizer, length: int) -> list[int]:
+def context_ids(held_out: list, tokenizer, length: int) -> list[int]:
     """`length` tokens of real chat text: held-out ShareGPT conversations, templated, concatenated."""
-    from data.sharegpt import load_conversations, split_conversations, tokenize_conversation
+    from data.sharegpt import tokenize_conversation
 
-    _, held_out = split_conversations(load_conversations(cfg.data.source), cfg.data.held_out_fraction)
     ids: list[int] = []
     for conv in held_out:
         ids += tokenize_conversation(tokenizer, conv, length).input_ids
@@ -55,6 +54,7 @@ def context_ids(cfg: DictConfig, tokenizer, length: int) -> list[int]:
 def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
     """The forwards to time, and a note per row on what it is."""
     from data.models import load_model
+    from data.sharegpt import load_split
     from decode import backends
     from decode.backends.cpu.dense import packed_with
     from decode.backends.cpu.int8 import Int8RowLinear
@@ -62,11 +62,12 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
     from decode.engine.head import EagleHead, vocabulary_rows
     from decode.engine.levels import ModelLevel
 
+    _, held_out = load_split(cfg.data)  # the data before any model or kernel build: refused in seconds
     c, gemm = cfg.decode.costs, gemm_choice(cfg)
     target, tokenizer = load_model(cfg.model.name, cfg.model.dtype)
     fast_target, _ = load_model(cfg.model.name, cfg.model.dtype)
     backends.prepare(fast_target, gemm)
-    context = context_ids(cfg, tokenizer, int(c.context))
+    context = context_ids(held_out, tokenizer, int(c.context))
     steps = {"target eager": cached_forward(target, context), "target": cached_forward(fast_target, context)}
     notes = {"target eager": f"{cfg.model.dtype}, plain nn.Linear",
              "target": f"{cfg.model.dtype}, packed (decode.fast, {packed_with(fast_target)})"}
@@ -114,6 +115,7 @@ def run(cfg: DictConfig) -> dict:
     from data.tracking import write_json_atomic
 
     c = cfg.decode.costs
+    check_writable(c.out, "decode.costs.out", kind="file")  # refuse before minutes of timing, not after
     if cfg.decode.get("threads"):
         torch.set_num_threads(int(cfg.decode.threads))
     steps, notes = steps_for(cfg)

@@ -55,7 +55,9 @@ def test_three_levels_refined_counts_what_the_middle_level_hands_up():
 
 def test_bench_and_eval_print_the_same_per_level_numbers_for_the_same_generations(tmp_path):
     from decode.bench import summarise, table
-    from decode.eval import Record, evaluate, gate
+    from decode.evaluation.checks import evaluate
+    from decode.evaluation.runner import Decoded, Record
+    from decode.evaluation.publish import gate
     from decode.report import markdown
     from decode.speedup import Interval
 
@@ -68,7 +70,8 @@ def test_bench_and_eval_print_the_same_per_level_numbers_for_the_same_generation
     records = {name: [Record(i, "qa", 0, [1, 2], g.tokens, g.stats) for i, g in enumerate(gens)]
                for name, gens in (("ar", ar), ("polybasic", chain))}
     checks_cfg = OmegaConf.create({"near_tie_relative": 1e-4, "insertion_rule": "both", "agreement_tolerance": 0.1, "confidence": 0.95})
-    report = evaluate(records, {"polybasic": ["target", "w4", "head"]}, lambda ids: (1.0, [0, 0]), checks_cfg)
+    levels = [{"name": name} for name in ("target", "w4", "head")]
+    report = evaluate(Decoded(records, {"polybasic": levels}, 2), lambda ids: (1.0, [0, 0]), checks_cfg)
     speedups = {n: Interval.from_dict(r["time_speedup_interval"]) for n, r in report["chains"].items()}
     report |= {"run_name": "t", "gate": gate(report["checks"], speedups), "config": {"theorem_3_3": {"temperature": 1.0}, "confidence": 0.95}}
     md = markdown(report)
@@ -95,10 +98,10 @@ def test_bench_skips_the_assistant_and_chain_slots_set_to_null(monkeypatch):
     target = tiny_model()
     monkeypatch.setattr(data.models, "load_model", lambda *args, **kwargs: (target, None))
     cfg = OmegaConf.create({
-        "model": {"name": "tiny", "dtype": "float32"},
+        "run_dir": "runs/unused", "model": {"name": "tiny", "dtype": "float32"},
         "decode": {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0, "fast": False,
                    "bench": {"assistant": None, "two_level": None, "three_level": None, "extra": [],
                              "prompt_lookup_num_tokens": 3}}})
     found, notes = methods(cfg, target, SimpleNamespace(eos_token_id=None))
-    assert list(found) == list(notes) == ["ar", "ar_eager", "hf_prompt_lookup"]
+    assert list(found) == list(notes) == ["ar", "hf_prompt_lookup"]  # decode.fast off: no separate eager row
     assert len(found["ar"]([1, 2, 3], 4).tokens) == 4

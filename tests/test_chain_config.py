@@ -126,7 +126,7 @@ def test_configured_outputs_are_where_chains_and_the_eval_look(target, tmp_path)
     """quantize.output and train.output moved out of the run dir: `model: w4` and `path: eagle` follow them,
     in the builder and in the eval's bundle (data/layout.py)."""
     from data.models import weights_hash
-    from decode.eval import level_folder
+    from decode.evaluation.publish import level_folder
     from decode.engine.head import EagleHead
 
     model, tokenizer = target

@@ -6,21 +6,10 @@ import shutil
 
 import pytest
 
-from decode.eval import (
-    Record,
-    check_agreement,
-    check_insertion,
-    check_lossless,
-    clean_stale,
-    evaluate_insertion,
-    find_insertions,
-    folder_hash,
-    gate,
-    publish_bundle,
-    set_aside,
-    summarize,
-    time_speedup,
-)
+from decode.evaluation.runner import Record
+from decode.evaluation.checks import check_agreement, check_insertion, check_lossless, evaluate_insertion, find_insertions
+from decode.evaluation.publish import clean_stale, folder_hash, gate, publish_bundle, set_aside
+from decode.evaluation.aggregate import summarize, time_speedup
 from decode.engine.levels import GenerationStats, LevelStats
 from decode.speedup import Interval
 

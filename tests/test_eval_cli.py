@@ -36,7 +36,8 @@ def compose(tmp_path, *overrides: str):
 ])
 def test_bad_input_is_refused_before_any_work(tmp_path, override, message):
     from data.sharegpt import DataError
-    from decode.eval import EvalError, run
+    from decode.evaluation import EvalError
+    from decode.eval import run
 
     with pytest.raises((EvalError, DataError), match=re.escape(message)) as err:
         run(compose(tmp_path, override))

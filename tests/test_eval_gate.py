@@ -13,7 +13,10 @@ from data.tracking import Tracker
 from decode.baselines import autoregressive
 from decode.engine.chain import Chain
 from decode.engine.levels import ModelLevel
-from decode.eval import chain_decoder, conclude, decode_questions, decode_sampled, plan_chains, top2_margin
+from decode.engine.spec import ChainSpec
+from decode.evaluation.runner import Decoded, chain_decoder, decode_questions, decode_sampled, plan_chains
+from decode.eval import conclude
+from decode.evaluation.checks import top2_margin
 from eval_fixtures import EOS, QUESTIONS, AcceptEverything, ByteTokenizer, SlowModel, eval_cfg
 from decode_fixtures import noisy_copy, tiny_model
 
@@ -46,18 +49,31 @@ def slow_polybasic(models):
     return Chain([ModelLevel("target", target), ModelLevel("w4", SlowModel(w4, 0.03), mu=4), ModelLevel("draft", drafter, draft=DRAFT)])
 
 
+class LevelBuilder:
+    """Builds chains from specs on the test's in-memory levels' models (a ChainBuilder loads them instead)."""
+
+    tokenizer = ByteTokenizer()
+
+    def __init__(self, chains: dict[str, Chain]):
+        self.levels = {level.name: level for chain in chains.values() for level in chain.levels}
+
+    def build(self, spec: ChainSpec) -> Chain:
+        return Chain([type(self.levels[l.name])(l.name, self.levels[l.name].model, l.mu, l.draft) for l in spec.levels])
+
+
 def run_eval(models, tmp_path, chains: dict[str, Chain], plan: bool = False, **cfg_kwargs):
     target = models[0]
-    names = {name: [level.name for level in chain.levels] for name, chain in chains.items()}
-    cfg = eval_cfg(tmp_path, {name: [LEVELS[n] for n in levels] for name, levels in names.items()}, **cfg_kwargs)
+    levels = {name: [LEVELS[level.name] for level in chain.levels] for name, chain in chains.items()}
+    cfg = eval_cfg(tmp_path, levels, **cfg_kwargs)
     decoders = {"ar": lambda p, n, **kw: autoregressive(target, p, n, eos_token_id=EOS, **kw)}
     decoders |= {name: chain_decoder(chain, EOS) for name, chain in chains.items()}
-    plans = plan_chains(cfg, chains, decoders, QUESTIONS[:1], ByteTokenizer(), EOS) if plan else {}
+    specs = {name: ChainSpec.parse(chain) for name, chain in levels.items()}
+    plans = plan_chains(cfg, LevelBuilder(chains), specs, decoders, QUESTIONS[:1], EOS) if plan else {}
     records = decode_questions(decoders, QUESTIONS, ByteTokenizer(), max_new_tokens=12, warmup_tokens=4)
     sampled = decode_sampled({n: decoders[n] for n in chains}, QUESTIONS[:2], ByteTokenizer(), 12, 1.0, 0)
-    names |= {p["chain"]: names[base] for base, p in plans.items()}
-    code = conclude(cfg, records, names, lambda ids: top2_margin(target, ids), "hash", Tracker(cfg, "eval"),
-                    len(QUESTIONS), plans=plans, sampled=sampled)
+    levels |= {p["chain"]: p["levels"] for p in plans.values()}
+    decoded = Decoded(records, levels, len(QUESTIONS), plans, sampled)
+    code = conclude(cfg, decoded, lambda ids: top2_margin(target, ids), "hash", Tracker(cfg, "eval"))
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     return code, report, {c["name"]: c for c in report["checks"]}
 

@@ -117,7 +117,7 @@ def test_draft_vocabulary_chain_samples_like_the_target(models):
 
 @pytest.mark.parametrize("chain", ["three levels", "draft vocabulary", "restricted middle"])
 def test_broken_acceptance_rule_is_caught(models, monkeypatch, chain):
-    monkeypatch.setattr(decode.sampling, "residual", lambda p, q, token: p)  # the classic bug
+    monkeypatch.setattr(decode.engine.sampling, "residual", lambda p, q, token: p)  # the classic bug
     built = {"three levels": three_level, "restricted middle": restricted_middle}.get(
         chain, lambda m: draft_vocab_chain(m, {"mode": "chain", "length": 2}))(models)
     p = chi_square_pvalue(chain_counts(built), exact_joint(models[0]))

@@ -14,7 +14,11 @@ from data.cli import EXIT_NOT_PUBLISHED
 from data.prompts import load_questions
 from data.tracking import Tracker
 from decode.engine.levels import GenerationStats, LevelStats
-from decode.eval import EvalError, Record, checked_confidence, conclude, gate, time_speedup as pooled_time_speedup
+from decode.evaluation import EvalError
+from decode.evaluation.runner import Decoded, Record
+from decode.eval import checked_confidence, conclude
+from decode.evaluation.publish import gate
+from decode.evaluation.aggregate import time_speedup as pooled_time_speedup
 from decode.speedup import IntervalError, ratio, t_quantile, time_speedup
 from eval_fixtures import eval_cfg
 
@@ -137,12 +141,12 @@ def records(timed: list, drafted: bool) -> list[Record]:
 
 
 def conclude_synthetic(tmp_path, speed: float, capsys) -> tuple[int, dict, str]:
-    cfg = eval_cfg(tmp_path, {"dualistic": [{"kind": "model", "name": "target", "model": "target"},
-                                            {"kind": "model", "name": "draft", "model": "draft"}]})
+    levels = [{"kind": "model", "name": "target", "model": "target"}, {"kind": "model", "name": "draft", "model": "draft"}]
+    cfg = eval_cfg(tmp_path, {"dualistic": levels})
     ar, chain = paired_turns(speed, 0.05, default_turns(), seed=0)
     recs = {"ar": records(ar, False), "dualistic": records(chain, True)}
-    code = conclude(cfg, recs, {"dualistic": ["target", "draft"]}, lambda ids: pytest.fail("no divergence"), "hash",
-                    Tracker(cfg, "eval"), questions=len(ar))
+    code = conclude(cfg, Decoded(recs, {"dualistic": levels}, len(ar)), lambda ids: pytest.fail("no divergence"), "hash",
+                    Tracker(cfg, "eval"))
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     return code, report, capsys.readouterr().out
 

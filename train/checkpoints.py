@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from data.layout import RunLayout
 from train.errors import TrainError
 
 CHECKPOINT_TAG = re.compile(r"step\d{7}")
@@ -90,10 +89,9 @@ def weights_only_loading(engine: Any) -> None:
     engine.checkpoint_engine.load = load
 
 
-def resume_progress(engine: Any, cfg: DictConfig, world: int, total_steps: int, rank: int) -> Progress:
+def resume_progress(engine: Any, cfg: DictConfig, ckpt_dir: Path, world: int, total_steps: int, rank: int) -> Progress:
     """The progress of the last checkpoint (train.resume=true and one exists), else a fresh start. Only
     this stage's own checkpoint folders (stepNNNNNNN inside the checkpoint folder) are read, weights-only."""
-    ckpt_dir = RunLayout.of(cfg).checkpoints
     if not cfg.train.resume or not (ckpt_dir / "latest").is_file():
         if cfg.train.resume and rank == 0:
             print(f"train.resume=true but no checkpoint in {ckpt_dir}; starting at step 0")

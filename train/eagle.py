@@ -37,6 +37,7 @@ from transformers import PreTrainedModel
 from data.cli import flag, run_main
 from data.layout import RunLayout
 from data.models import load_model, same_vocabulary, weights_hash
+from data.sharegpt import load_split
 from data.tracking import Tracker
 from decode.engine.head import FORMAT_VERSION, EagleHead
 from train import store
@@ -97,12 +98,12 @@ def init_distributed() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def load_verifiers(cfg: DictConfig) -> tuple[PreTrainedModel, Any, PreTrainedModel]:
+def load_verifiers(cfg: DictConfig, layout: RunLayout) -> tuple[PreTrainedModel, Any, PreTrainedModel]:
     """(target, its tokenizer, the feature model): the target itself or the W4 model in quantize.output."""
     target, tokenizer = load_model(cfg.model.name, cfg.model.dtype)
     if cfg.train.feature_source == "target":
         return target, tokenizer, target
-    w4_path = RunLayout.of(cfg).output("w4")
+    w4_path = layout.output("w4")
     if not (w4_path / "config.json").is_file():
         raise TrainError(f"{w4_path}: no W4 model there (run `python -m quantize.w4` first, or use train.feature_source=target)")
     w4, w4_tokenizer = load_model(str(w4_path), cfg.model.dtype)
@@ -162,9 +163,9 @@ def deepspeed_config(t: DictConfig) -> dict[str, Any]:
     }
 
 
-def head_is_current(cfg: DictConfig, target_hash: str) -> bool:
+def head_is_current(cfg: DictConfig, layout: RunLayout, target_hash: str) -> bool:
     """True when train.output holds a finished head for this target and this training config."""
-    out_dir = RunLayout.of(cfg).output("eagle")
+    out_dir = layout.output("eagle")
     try:
         saved = json.loads((out_dir / "config.json").read_text()).get("polyspec", {})
         json.loads((out_dir / "metrics.json").read_text())
@@ -217,19 +218,21 @@ class EagleRecipe:
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         self.rank, self.world = init_distributed()
         torch.manual_seed(self.cfg.seed)
-        self.target, self.tokenizer, feature_model = load_verifiers(self.cfg)
+        split = load_split(self.cfg.data)  # the data before any model: a bad source is refused in seconds
+        self.target, self.tokenizer, feature_model = load_verifiers(self.cfg, self.layout)
         self.hashes = {"target": weights_hash(self.target)}
-        if self.t.skip_if_valid and head_is_current(self.cfg, self.hashes["target"]):
+        if self.t.skip_if_valid and head_is_current(self.cfg, self.layout, self.hashes["target"]):
             return False
         self.hashes["features"] = self.hashes["target"] if feature_model is self.target else weights_hash(feature_model)
-        self.examples, prompts = load_examples(self.cfg, self.tokenizer, feature_model, self.hashes["features"], self.rank, self.world)
+        self.examples, prompts = load_examples(self.cfg, self.tokenizer, feature_model, self.hashes["features"], self.rank,
+                                               self.world, split)
         self.total_steps = self._total_steps()
         self.features = store.build_or_load(feature_model, [e.input_ids for e in self.examples], self.layout.feature_store,
                                             self.hashes["features"], self.t.store_dtype, self.t.store_batch, self.rank, self.world)
         self.head = new_head(self.cfg, self.target, draft_vocabulary(self.cfg, self.examples, self.tokenizer,
                                                                      self.target.config.vocab_size, self.rank))
         self.engine, self.scheduler = self._engine(deepspeed)
-        self.progress = resume_progress(self.engine, self.cfg, self.world, self.total_steps, self.rank)
+        self.progress = resume_progress(self.engine, self.cfg, self.layout.checkpoints, self.world, self.total_steps, self.rank)
         if self.rank == 0:
             self.tracker = Tracker(self.cfg, "train.eagle")
             print(f"train.eagle: {len(self.examples)} conversations, {self.total_steps} steps of {self._per_step()} (micro "

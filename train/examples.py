@@ -10,8 +10,7 @@ from omegaconf import DictConfig
 from transformers import PreTrainedModel
 
 from data.layout import RunLayout
-from data.sharegpt import (chat_prompt_ids, load_conversations, split_conversations, tokenize_conversation,
-                           warn_truncated)
+from data.sharegpt import chat_prompt_ids, load_split, tokenize_conversation, warn_truncated
 from data.vocab import assistant_token_counts, coverage, top_tokens
 from train import replies
 from train.errors import TrainError
@@ -25,10 +24,11 @@ class Example:
 
 
 def load_examples(cfg: DictConfig, tokenizer: Any, feature_model: PreTrainedModel, feature_hash: str,
-                  rank: int = 0, world: int = 1) -> tuple[list[Example], list[list[int]]]:
+                  rank: int = 0, world: int = 1, split: tuple[list, list] | None = None,
+                  ) -> tuple[list[Example], list[list[int]]]:  # rank/world: each rank's share; split: read before any model
     """Training conversations (tokenized, masked, capped; their replies the dataset's or, with
     `train.replies=verifier`, the feature model's own) and held-out chat prompts for evaluation."""
-    train, held_out = split_conversations(load_conversations(cfg.data.source), cfg.data.held_out_fraction)
+    train, held_out = split or load_split(cfg.data)
     caps = [c for c in (cfg.data.get("max_conversations"), cfg.train.max_conversations) if c]
     train = train[: min(caps)] if caps else train
     max_len = min(cfg.data.max_len, cfg.train.max_len)
