@@ -101,14 +101,16 @@ def chain_manifest(
             "T_s": [l["T_s"] for l in summary["levels"]], "L": [l["L_mean"] for l in summary["levels"][:-1]],
             "draft_depth": summary["draft_depth"],
         },
-        "checks": {c["name"]: name not in c["by_chain"] for c in report["checks"]} | {"faster_than_ar": paired.Interval.from_dict(result["time_speedup_interval"]).above_one},
+        "checks": {c["name"]: name not in c["by_chain"] for c in report["checks"]}
+                  | {"faster_than_ar": paired.Interval.from_dict(result["time_speedup_interval"]).above_one},
         "forced": decision["forced"], "rejected": decision["rejected"], "failed_checks": decision["failures"],
         "versions": library_versions(), "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     return manifest, folders
 
 
-def gate(checks: list[dict[str, Any]], speedups: dict[str, paired.Interval], choice: str = "best", force: bool = False) -> dict[str, Any]:
+def gate(checks: list[dict[str, Any]], speedups: dict[str, paired.Interval], choice: str = "best",
+         force: bool = False) -> dict[str, Any]:
     """Which chain to publish, if any. `speedups`: each chain's time speedup over AR with its interval.
 
     A chain is admissible when no check failed for it (lossless, insertion of its levels, agreement) and
@@ -151,7 +153,8 @@ def _refusal(speedups: dict[str, paired.Interval], fast: list[str], choice: str)
     """Why nothing is published; first of all when no chain is shown faster than AR, with every interval."""
     if not fast:
         levels = ", ".join(sorted({f"{x.confidence:.0%}" for x in speedups.values()}))
-        return "no chain is shown faster than AR: " + "; ".join(f"{n} {x.verdict()}" for n, x in speedups.items()) + f" ({levels} intervals)."
+        shown = "; ".join(f"{n} {x.verdict()}" for n, x in speedups.items())
+        return f"no chain is shown faster than AR: {shown} ({levels} intervals)."
     if choice == "best":
         return "no chain is admissible."
     return f"eval.publish.chain={choice} (strict): " + (f"it is not shown faster than AR ({speedups[choice].verdict()})."
