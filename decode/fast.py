@@ -83,14 +83,23 @@ def packable_dtypes() -> tuple[torch.dtype, ...]:
 
 @functools.cache
 def avx2_kernel() -> tuple[Any | None, str]:
-    """(the decode/kernels.cpp extension built for this machine, "") or (None, why it cannot run here). Built once:
-    it lives under the project's cache dir, keyed by the source, the flags and the torch version."""
+    """(the decode/kernels.cpp extension built for this machine, "") or (None, why it cannot run here)."""
+    return build_kernels(Path(__file__).with_name("kernels.cpp"), "the AVX2 kernels", "packed models use oneDNN and torch's attention")
+
+
+def build_kernels(source: Path, what: str, fallback: str, flags: tuple[str, ...] = (),
+                  includes: tuple[Path, ...] = ()) -> tuple[Any | None, str]:
+    """(a C++ extension built from `source` for this machine, "") or (None, why it cannot run here), said once on
+    stderr as `what` did not build; `fallback` says what runs instead. `includes`: the files it #includes (their
+    folders are searched). Built once: it lives under the project's cache dir, keyed by the sources, the flags and
+    the torch version."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None, f"the CPU lacks AVX2+FMA ({torch.backends.cpu.get_cpu_capability()})"
     from torch.utils import cpp_extension
 
-    source, flags = Path(__file__).with_name("kernels.cpp"), ["-O3", "-mavx2", "-mfma", "-fopenmp"]
-    key = hashlib.sha256(source.read_bytes() + " ".join(flags + [torch.__version__]).encode()).hexdigest()[:12]
+    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp", *flags, *sorted({f"-I{p.parent}" for p in includes})]
+    texts = b"".join(p.read_bytes() for p in (source, *includes))
+    key = hashlib.sha256(texts + " ".join(flags + [torch.__version__]).encode()).hexdigest()[:12]
     build = cache_dir() / "kernels" / key
     build.mkdir(parents=True, exist_ok=True)
     lock = build / "lock"  # left behind by a build that was killed: torch would wait for it forever
@@ -98,14 +107,14 @@ def avx2_kernel() -> tuple[Any | None, str]:
         lock.unlink(missing_ok=True)
     started = time.perf_counter()
     try:
-        module = cpp_extension.load(f"polyspec_kernels_{key}", [str(source)], extra_cflags=flags,
+        module = cpp_extension.load(f"polyspec_{source.stem}_{key}", [str(source)], extra_cflags=flags,
                                     extra_ldflags=["-fopenmp"], build_directory=str(build))
-    except Exception as err:  # no compiler, no ninja, no Python headers: oneDNN instead, said once
+    except Exception as err:  # no compiler, no ninja, no Python headers: the fallback, said once
         why = (str(err).strip().splitlines() or [type(err).__name__])[-1]
-        print(f"decode.fast: the AVX2 kernels did not build ({why[:200]}); packed models use oneDNN and torch's attention", file=sys.stderr)
+        print(f"decode.fast: {what} did not build ({why[:200]}); {fallback}", file=sys.stderr)
         return None, why
     if time.perf_counter() - started > 5:
-        print(f"decode.fast: built the AVX2 kernels in {time.perf_counter() - started:.0f} s (cached in {build})", file=sys.stderr)
+        print(f"decode.fast: built {what} in {time.perf_counter() - started:.0f} s (cached in {build})", file=sys.stderr)
     return module, ""
 
 
