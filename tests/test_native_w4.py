@@ -129,7 +129,7 @@ def test_the_int4_product_is_the_fp32_product_of_the_dequantized_weight_bit_for_
     k = codes.shape[1]
     bounds = torch.tensor([*range(0, k, module.group_size), k])
     x = torch.randn(5, k)
-    ours = kernels.int4_mm(x, words, panel_scales, bounds, perm, codes.shape[0], None)
+    ours = kernels.quant_mm(x, words, panel_scales, bounds, perm, codes.shape[0], None)
     weight = (codes.float() - 8) * scales[:, torch.arange(k) // module.group_size]
     fp32 = avx2_kernel()[0]
     assert torch.equal(ours, fp32.linear(x[:, perm].contiguous(), fp32.pack(weight), weight.shape[0], None))
@@ -156,3 +156,15 @@ def test_unsupported_models_are_refused_with_a_reason(w4, tiny_llama):
         w4.config = original
     with pytest.raises(ValueError, match="cannot run this model"):
         NativeLlamaRunner(tiny_llama)
+
+
+def test_the_native_int8_head_is_the_fp32_product_of_its_int8_rows(w4):
+    from decode.backends.cpu.llama import NativeInt8Head
+    from decode.fast import Int8RowLinear, avx2_kernel
+
+    int8 = Int8RowLinear(w4.get_output_embeddings())
+    head, x = NativeInt8Head(int8), torch.randn(3, int8.in_features)
+    weight = int8.qweight.float() * int8.scales.float()[:, None]
+    fp32 = avx2_kernel()[0]
+    assert torch.equal(head(x), fp32.linear(x, fp32.pack(weight), weight.shape[0], None))
+    assert torch.allclose(head(x), int8(x), atol=0.05, rtol=0.02)  # aten's kernel rounds activations to bf16

@@ -217,3 +217,21 @@ class NativeLlamaRunner:
         hidden = self.native.forward(ids.reshape(-1), positions.reshape(-1).long().contiguous(), mask, self.length)
         self.length += t
         return hidden[None]
+
+
+class NativeInt8Head(torch.nn.Module):
+    """An int8 LM head (decode.fast.Int8RowLinear's weights: int8 rows, one bf16 scale each) on the native
+    kernel with fp32 activations: one FMA chain per logit over the exactly dequantized row, where aten's int8
+    kernel takes bf16 activations. Inference only; the original weight stays attached."""
+
+    def __init__(self, head: torch.nn.Module):
+        super().__init__()
+        self.out_features, self.in_features = head.qweight.shape
+        self.weight, self.bias = head.weight, None
+        self.words, self.scales = native_kernels()[0].pack_int8(head.qweight, head.scales.float())
+        self.bounds = torch.tensor([0, self.in_features])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float()
+        out = native_kernels()[0].quant_mm(flat, self.words, self.scales, self.bounds, None, self.out_features, None)
+        return out.reshape(*x.shape[:-1], self.out_features)

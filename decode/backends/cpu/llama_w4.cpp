@@ -25,7 +25,10 @@ using Code = uint64_t;
 constexpr int64_t kLanes = 8;
 using Code = uint32_t;
 #endif
-constexpr int kTileRows = 8;  // rows per tile: 8 accumulators + weight, input, shift, mask, scale, 8 x scale
+constexpr int kTileRows = 4;  // rows per tile
+// panels per tile: AVX-512 has 32 registers (4 x 4 accumulators, 4 weights, 8 scales, input, shift, mask),
+// AVX2 16 (4 x 2 accumulators, 2 weights, input, shift, mask; scales spill to the stack, read once a group)
+constexpr int kTilePanels = kLanes == 16 ? 4 : 2;
 
 // codes [N, K] (0..15, inputs in their kernel order), scales [N, G] -> (words [P, K], scales [P, G, kLanes]),
 // P = ceil(N / kLanes), padded outputs with code 8 and scale 0.
@@ -56,85 +59,131 @@ static inline Vec vzero() { return _mm512_setzero_ps(); }
 static inline Vec vset(float v) { return _mm512_set1_ps(v); }
 static inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 static inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline Vec vfmsub(Vec a, Vec b, Vec c) { return _mm512_fmsub_ps(a, b, c); }
 static inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 static inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-// (q - 8) * s for the kLanes outputs of one input: one FMA on the unpacked codes, exact in fp32.
-static inline Vec dequant(Code word, Vec s, Vec s8) {
-  const __m512i shift = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
-  const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi64(static_cast<long long>(word)), shift), _mm512_set1_epi32(15));
-  return _mm512_fmsub_ps(_mm512_cvtepi32_ps(q), s, s8);
-}
 #else
 using Vec = __m256;
 static inline Vec vzero() { return _mm256_setzero_ps(); }
 static inline Vec vset(float v) { return _mm256_set1_ps(v); }
 static inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 static inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline Vec vfmsub(Vec a, Vec b, Vec c) { return _mm256_fmsub_ps(a, b, c); }
 static inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 static inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-static inline Vec dequant(Code word, Vec s, Vec s8) {
-  const __m256i shift = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-  const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shift), _mm256_set1_epi32(15));
-  return _mm256_fmsub_ps(_mm256_cvtepi32_ps(q), s, s8);
-}
 #endif
 
-// One int4 weight in the kernel's layout: inputs in `perm` order (none: as they come), groups of inputs
-// [bounds[g], bounds[g + 1]) sharing a scale, n outputs.
+// Weight formats: the codes of one panel's kLanes outputs at one input, as floats; the weight is
+// (code - kZero) * scale, computed by one FMA, exactly.
+struct Nibbles {  // GPTQ int4 (symmetric: zero point 8), one word per input
+  using Word = Code;
+  static constexpr float kZero = 8.f;
+  static inline Vec codes(const Word* w) {
+#if defined(__AVX512F__)
+    const __m512i shift = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
+    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi64(static_cast<long long>(*w)), shift), _mm512_set1_epi32(15)));
+#else
+    const __m256i shift = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(*w)), shift), _mm256_set1_epi32(15)));
+#endif
+  }
+};
+
+struct Bytes {  // int8 rows (an LM head: one scale per output), kLanes bytes per input
+  struct Word { int8_t q[kLanes]; };
+  static constexpr float kZero = 0.f;
+  static inline Vec codes(const Word* w) {
+#if defined(__AVX512F__)
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+#else
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+#endif
+  }
+};
+
+// One quantized weight in the kernel's layout (int4: words [P, K] int32/int64; int8: [P, K, kLanes] int8): inputs
+// in `perm` order (none: as they come), groups of inputs [bounds[g], bounds[g + 1]) sharing a scale, n outputs.
 struct Int4 {
   torch::Tensor words, scales, bounds, perm, bias;  // perm, bias: undefined when none
   int64_t n;
 };
 
-// MR rows of x (stride ldx) against one panel; y gets `width` <= kLanes columns (stride ldy).
-template <int MR>
-static void int4_tile(const float* x, int64_t ldx, const Code* w, const float* s, const int64_t* bounds, int64_t groups,
-                      float* y, int64_t ldy, int64_t width) {
-  Vec acc[MR];
+// MR rows of x (stride ldx) against NP consecutive panels (codes and scales of panel j at j * K and
+// j * groups * kLanes); y gets `width` columns (<= NP * kLanes, stride ldy). NP independent accumulator chains
+// per row hide the FMA latency even for one row.
+template <class F, int MR, int NP>
+static void int4_tile(const float* x, int64_t ldx, int64_t K, const typename F::Word* w, const float* s, const int64_t* bounds,
+                      int64_t groups, float* y, int64_t ldy, int64_t width) {
+  Vec acc[MR][NP];
 #pragma GCC unroll 16
-  for (int m = 0; m < MR; ++m) acc[m] = vzero();
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 16
+    for (int j = 0; j < NP; ++j) acc[m][j] = vzero();
   for (int64_t g = 0; g < groups; ++g) {
-    const Vec sc = vload(s + g * kLanes), s8 = vmul(sc, vset(8.f));
-    for (int64_t k = bounds[g]; k < bounds[g + 1]; ++k) {
-      const Vec wk = dequant(w[k], sc, s8);
+    Vec sc[NP], s8[NP];
 #pragma GCC unroll 16
-      for (int m = 0; m < MR; ++m) acc[m] = vfma(vset(x[m * ldx + k]), wk, acc[m]);
+    for (int j = 0; j < NP; ++j) { sc[j] = vload(s + (j * groups + g) * kLanes); s8[j] = vmul(sc[j], vset(F::kZero)); }
+    for (int64_t k = bounds[g]; k < bounds[g + 1]; ++k) {
+      Vec wk[NP];
+#pragma GCC unroll 16
+      for (int j = 0; j < NP; ++j) wk[j] = vfmsub(F::codes(w + j * K + k), sc[j], s8[j]);
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) {
+        const Vec xk = vset(x[m * ldx + k]);
+#pragma GCC unroll 16
+        for (int j = 0; j < NP; ++j) acc[m][j] = vfma(xk, wk[j], acc[m][j]);
+      }
     }
   }
-  alignas(64) float out[kLanes];
+  alignas(64) float out[NP * kLanes];
   for (int m = 0; m < MR; ++m) {
-    if (width == kLanes) { vstore(y + m * ldy, acc[m]); continue; }
-    vstore(out, acc[m]);
+    if (width == NP * kLanes) {
+      for (int j = 0; j < NP; ++j) vstore(y + m * ldy + j * kLanes, acc[m][j]);
+      continue;
+    }
+    for (int j = 0; j < NP; ++j) vstore(out + j * kLanes, acc[m][j]);
     for (int64_t j = 0; j < width; ++j) y[m * ldy + j] = out[j];
   }
 }
 
-template <int MR>
-static void int4_rows_tile(const float* x, int64_t ldx, int64_t M, const Int4& w, int64_t p, float* y, int64_t ldy) {
-  const int64_t K = w.words.size(1), groups = w.bounds.numel() - 1, width = std::min<int64_t>(kLanes, w.n - p * kLanes);
-  const Code* wp = reinterpret_cast<const Code*>(w.words.data_ptr()) + p * K;
+// All M rows against NP panels from panel p: tiles of kTileRows rows, then the remainder (each row's chain is
+// the same whatever tile computes it).
+template <class F, int NP>
+static void int4_rows(const float* x, int64_t ldx, int64_t M, const Int4& w, int64_t p, float* y, int64_t ldy) {
+  const int64_t K = w.words.size(1), groups = w.bounds.numel() - 1, width = std::min<int64_t>(NP * kLanes, w.n - p * kLanes);
+  const auto* wp = reinterpret_cast<const typename F::Word*>(w.words.data_ptr()) + p * K;
   const float* sp = w.scales.data_ptr<float>() + p * groups * kLanes;
   const int64_t* bp = w.bounds.data_ptr<int64_t>();
   int64_t m = 0;
-  for (; m + MR <= M; m += MR) int4_tile<MR>(x + m * ldx, ldx, wp, sp, bp, groups, y + m * ldy + p * kLanes, ldy, width);
-  const int64_t rest = M - m;
+  for (; m + kTileRows <= M; m += kTileRows) int4_tile<F, kTileRows, NP>(x + m * ldx, ldx, K, wp, sp, bp, groups, y + m * ldy + p * kLanes, ldy, width);
   const float* xr = x + m * ldx;
   float* yr = y + m * ldy + p * kLanes;
-  switch (rest) {  // the remainder rows: each row's chain is the same whatever tile computes it
-    case 1: int4_tile<1>(xr, ldx, wp, sp, bp, groups, yr, ldy, width); break;
-    case 2: int4_tile<2>(xr, ldx, wp, sp, bp, groups, yr, ldy, width); break;
-    case 3: int4_tile<3>(xr, ldx, wp, sp, bp, groups, yr, ldy, width); break;
-    case 4: int4_tile<4>(xr, ldx, wp, sp, bp, groups, yr, ldy, width); break;
-    case 5: int4_tile<5>(xr, ldx, wp, sp, bp, groups, yr, ldy, width); break;
-    case 6: int4_tile<6>(xr, ldx, wp, sp, bp, groups, yr, ldy, width); break;
-    case 7: int4_tile<7>(xr, ldx, wp, sp, bp, groups, yr, ldy, width); break;
+  switch (M - m) {
+    case 1: int4_tile<F, 1, NP>(xr, ldx, K, wp, sp, bp, groups, yr, ldy, width); break;
+    case 2: int4_tile<F, 2, NP>(xr, ldx, K, wp, sp, bp, groups, yr, ldy, width); break;
+    case 3: int4_tile<F, 3, NP>(xr, ldx, K, wp, sp, bp, groups, yr, ldy, width); break;
     default: break;
   }
 }
 
 // y[:, :w.n] (row stride ldy) = x [M, K] W^T (+ bias, after the chain); x is first gathered into `scratch` in act order if w has a perm.
-static void int4_linear(const float* x, int64_t M, const Int4& w, float* y, int64_t ldy, std::vector<float>& scratch) {
+template <class F>
+static void panels_linear(const float* x, int64_t M, const Int4& w, float* y, int64_t ldy) {
   const int64_t K = w.words.size(1), panels = w.words.size(0);
+  at::parallel_for(0, (panels + kTilePanels - 1) / kTilePanels, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t first = t * kTilePanels;
+      if (first + kTilePanels <= panels) {
+        int4_rows<F, kTilePanels>(x, K, M, w, first, y, ldy);
+      } else {
+        for (int64_t p = first; p < panels; ++p) int4_rows<F, 1>(x, K, M, w, p, y, ldy);
+      }
+    }
+  });
+}
+
+static void int4_linear(const float* x, int64_t M, const Int4& w, float* y, int64_t ldy, std::vector<float>& scratch) {
+  const int64_t K = w.words.size(1);
   if (w.perm.defined()) {
     scratch.resize(M * K);
     const int64_t* perm = w.perm.data_ptr<int64_t>();
@@ -142,9 +191,8 @@ static void int4_linear(const float* x, int64_t M, const Int4& w, float* y, int6
       for (int64_t k = 0; k < K; ++k) scratch[m * K + k] = x[m * K + perm[k]];
     x = scratch.data();
   }
-  at::parallel_for(0, panels, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t p = lo; p < hi; ++p) int4_rows_tile<kTileRows>(x, K, M, w, p, y, ldy);
-  });
+  if (w.words.scalar_type() == torch::kChar) panels_linear<Bytes>(x, M, w, y, ldy);
+  else panels_linear<Nibbles>(x, M, w, y, ldy);
   if (w.bias.defined()) {
     const float* b = w.bias.data_ptr<float>();
     for (int64_t m = 0; m < M; ++m)
@@ -152,11 +200,22 @@ static void int4_linear(const float* x, int64_t M, const Int4& w, float* y, int6
   }
 }
 
-// x [M, K] float32 through one packed int4 weight: [M, n] (the product alone, for tests and benchmarks).
-torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& words, const torch::Tensor& scales,
+// q [N, K] int8, scales [N] -> (words [P, K, kLanes] int8, scales [P, 1, kLanes]), padded outputs 0.
+std::vector<torch::Tensor> pack_int8(const torch::Tensor& q, const torch::Tensor& scales) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar && scales.numel() == q.size(0), "pack_int8: q [N, K] int8, scales [N]");
+  const int64_t n = q.size(0), k = q.size(1), panels = (n + kLanes - 1) / kLanes;
+  auto padded = torch::zeros({panels * kLanes, k}, q.options());
+  padded.narrow(0, 0, n).copy_(q);
+  auto s = torch::zeros({panels * kLanes}, torch::kFloat);
+  s.narrow(0, 0, n).copy_(scales.reshape(-1));
+  return {padded.view({panels, kLanes, k}).transpose(1, 2).contiguous(), s.view({panels, 1, kLanes})};
+}
+
+// x [M, K] float32 through one packed weight (int4 or int8): [M, n] (an LM head, and the product alone for tests).
+torch::Tensor quant_mm(const torch::Tensor& x, const torch::Tensor& words, const torch::Tensor& scales,
                       const torch::Tensor& bounds, const c10::optional<torch::Tensor>& perm, int64_t n,
                       const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.size(1) == words.size(1), "int4_mm: x [M, K] float32");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.size(1) == words.size(1), "quant_mm: x [M, K] float32");
   const auto input = x.contiguous();
   Int4 w{words, scales, bounds, perm.has_value() ? *perm : torch::Tensor(), bias.has_value() ? *bias : torch::Tensor(), n};
   auto y = torch::empty({input.size(0), n}, input.options());
@@ -316,7 +375,8 @@ class LlamaW4 {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_int4", &pack_int4, "codes [N, K], scales [N, G] -> panel words and scales");
-  m.def("int4_mm", &int4_mm, "x W^T through a packed int4 weight");
+  m.def("pack_int8", &pack_int8, "int8 rows [N, K], scales [N] -> panel bytes and scales");
+  m.def("quant_mm", &quant_mm, "x W^T through a packed int4 or int8 weight");
   m.def("lanes", [] { return kLanes; }, "outputs per panel (8: AVX2, 16: AVX-512)");
   py::class_<LlamaW4>(m, "LlamaW4")
       .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, double, int64_t>())
