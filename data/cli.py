@@ -14,22 +14,12 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
+from data.errors import ConfigError, Interrupted, PolyspecError
+
 _MISSING = object()
 EXIT_USER_ERROR = 2
 EXIT_NOT_PUBLISHED = 3  # decode.eval: every chain was ruled out, nothing published
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
-
-
-class PolyspecError(Exception):
-    """An error the user can fix (config, input, a missing or damaged artifact); the message is one line."""
-
-
-class Interrupted(Exception):
-    """A stage stopped on request after saving what it resumes from; the message says how to continue."""
-
-
-class ConfigError(PolyspecError, ValueError):
-    """A config value of the wrong type or range; the message is one line and names the key."""
 
 
 def run_main(stage: Callable[[Any], Any], cfg: Any) -> NoReturn:

@@ -12,13 +12,14 @@ from omegaconf import DictConfig
 from data.cli import run_main
 from data.models import load_model
 from data.prompts import load_questions
-from data.sharegpt import chat_prompt_ids, load_tokenized
+from data.sharegpt import chat_prompt_ids, load_split, load_tokenized
 
 
 def prepare(cfg: DictConfig) -> dict[str, int]:
-    model, tokenizer = load_model(cfg.model.name, cfg.model.dtype)
-    train, held_out = load_tokenized(cfg.data, tokenizer)
+    split = load_split(cfg.data)  # inputs first: a bad file is refused before the model loads
     questions = load_questions(cfg.eval.get("prompts"))
+    model, tokenizer = load_model(cfg.model.name, cfg.model.dtype)
+    train, held_out = load_tokenized(cfg.data, tokenizer, split)
     prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": questions[0].turns[0]}])
     reply = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):]
     counts = {

@@ -2,15 +2,12 @@
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from data.sharegpt import DataError
+from data.records import SURROGATE, DataError, check_input_file
 
 DEFAULT_PROMPTS = Path(__file__).parent / "prompts" / "default.jsonl"
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -49,7 +46,7 @@ def parse_question(line: str) -> Question:
         raise ValueError(f"'question_id' must be a string or an integer, got {type(qid).__name__}")
     if not isinstance(category, str):
         raise ValueError(f"'category' must be a string, got {type(category).__name__}")
-    if any(_SURROGATE.search(s) for s in [*turns, category, str(qid)]):
+    if any(SURROGATE.search(s) for s in [*turns, category, str(qid)]):
         raise ValueError("text holds a lone surrogate (an escape such as \\ud800 that is not a character)")
     return Question(qid, category, tuple(turns))
 
@@ -63,9 +60,8 @@ def load_questions(path: str | Path | None = None, per_category: int | None = No
     if per_category is not None and (isinstance(per_category, bool) or not isinstance(per_category, int) or per_category < 1):
         raise DataError(f"per_category must be null or an integer >= 1, got {per_category!r}")
     path = Path(path).expanduser() if path else DEFAULT_PROMPTS
-    if not path.is_file():
-        raise DataError(f"{path}: no such question file")
-    questions, seen = [], {}
+    check_input_file(path, "question file")
+    questions, seen, lines_of = [], {}, {}
     for lineno, line in enumerate(_lines(path), 1):
         if not line.strip():
             continue
@@ -76,6 +72,9 @@ def load_questions(path: str | Path | None = None, per_category: int | None = No
         except (KeyError, TypeError, ValueError) as err:  # JSONDecodeError and the integer digit limit are ValueErrors
             message = (str(err).splitlines() or [""])[0]
             raise DataError(f"{path}:{lineno}: not a Spec-Bench question ({err.__class__.__name__}: {message})") from None
+        first = lines_of.setdefault(str(question.question_id), lineno)
+        if first != lineno:  # results are keyed by question_id: a repeat would mix two questions' pairs
+            raise DataError(f"{path}:{lineno}: question_id {question.question_id!r} repeats line {first}")
         seen[question.category] = seen.get(question.category, 0) + 1
         if per_category is None or seen[question.category] <= per_category:
             questions.append(question)

@@ -42,3 +42,19 @@ def cached_forward(model, context: list[int]) -> Step:
             return model(ids[:, -k:], past_key_values=cache, use_cache=True, logits_to_keep=k)
 
     return step
+
+
+def level_forward(level, context: list[int]) -> Step:
+    """A step: one verification-shaped forward of k new tokens through a decode model level (its runner and LM
+    head, as a chain runs it) after a cached context."""
+    import torch
+
+    with torch.inference_mode():
+        level.forward(context, 1, "verify")
+
+    def step(k: int) -> object:
+        level.tokens = level.tokens[: len(context)]  # the last step's tokens are not a prefix to keep
+        with torch.inference_mode():
+            return level.forward(context + context[-k:], k, "verify")
+
+    return step

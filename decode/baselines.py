@@ -9,8 +9,10 @@ import torch
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
-from decode.chain import Generation, GenerationStats, LevelStats, decoding_settings
-from decode.sampling import probabilities, sample
+from decode.engine.levels import Generation, GenerationStats, LevelStats
+
+from decode.engine.chain import decoding_settings
+from decode.engine.sampling import probabilities, sample
 
 
 def _eos_set(eos_token_id: int | list[int] | None) -> set[int]:
@@ -28,7 +30,7 @@ def _truncate(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
 def autoregressive(
     model: PreTrainedModel, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
     top_k: int = 0, top_p: float = 1.0, seed: int | None = None, eos_token_id: int | list[int] | None = None,
-) -> Generation:
+) -> Generation:  # the decoding call's sampling settings spelled out, as Chain.generate takes them
     """One token per forward with a KV cache, sampling with the same logits processing as the chain."""
     sampling = decoding_settings(max_new_tokens, temperature, top_k, top_p, seed)
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
@@ -69,7 +71,7 @@ class _FirstTokenClock(BaseStreamer):
 
 
 def _hf_generate(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, name,
-                 assistant_model=None, **settings) -> Generation:
+                 assistant_model=None, **settings) -> Generation:  # the decoding call's sampling settings spelled out, as Chain.generate takes them
     decoding_settings(max_new_tokens, temperature, top_k, top_p, seed)
     eos = _eos_set(eos_token_id)
     config = GenerationConfig(
@@ -93,7 +95,7 @@ def hf_assisted(
     model: PreTrainedModel, assistant: PreTrainedModel, prompt_ids: list[int], max_new_tokens: int,
     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
     eos_token_id: int | list[int] | None = None,
-) -> Generation:
+) -> Generation:  # the decoding call's sampling settings spelled out, as Chain.generate takes them
     """transformers' assisted generation (one assistant model, its own draft-length schedule)."""
     return _hf_generate(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id,
                         "hf_assisted", assistant_model=assistant)
@@ -103,7 +105,7 @@ def hf_prompt_lookup(
     model: PreTrainedModel, prompt_ids: list[int], max_new_tokens: int, prompt_lookup_num_tokens: int = 10,
     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
     eos_token_id: int | list[int] | None = None,
-) -> Generation:
+) -> Generation:  # the decoding call's sampling settings spelled out, as Chain.generate takes them
     """transformers' prompt lookup decoding (n-gram drafts copied from the context)."""
     return _hf_generate(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id,
                         "hf_prompt_lookup", prompt_lookup_num_tokens=prompt_lookup_num_tokens)

@@ -5,7 +5,8 @@ assistant), transformers prompt lookup, the two-level chain, the three-level cha
 chains (decode.bench.two_level / three_level / extra; a chain or assistant whose artifacts are
 missing is replaced by its configured stand-in, and the table says so). All methods run in one
 process, interleaved per prompt (the order rotates from prompt to prompt), and the table reports
-medians, so machine noise hits every method alike. Each chain's per-level numbers and its measured
+medians, so machine noise hits every method alike, and each method's pooled time speedup over AR with its
+paired interval over prompts (decode.speedup, level decode.bench.confidence). Each chain's per-level numbers and its measured
 decoding time next to both predictions (Theorem 3.1 and the refined one) come from decode.measure,
 the same code decode.eval reports them with.
 """
@@ -20,45 +21,42 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from data.artifacts import Artifacts
 from data.cli import check_writable, run_main
-from decode.build import gemm_choice, level_model, load_target, onednn_target
-from decode.chain import DecodeError, Generation
+from decode.build import configured_builder, eos_of, level_model, load_target, reference_decoders
+from decode.engine.errors import DecodeError
+from decode.engine.levels import Generation
 from decode.generate import chain_from_config, sampling_args
 from decode.measure import level_line, prediction_line, summarize
+from decode.speedup import Interval, IntervalError, checked_confidence, time_speedup
 
 Method = Callable[[list[int], int], Generation]
 
 
 def methods(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Method], dict[str, str]]:
     """The decoders to compare, and a note per method on what it actually is."""
-    from data.models import load_model
-    from decode.baselines import autoregressive, hf_assisted, hf_prompt_lookup
-    from decode.fast import pack, packed_with
-    from decode.head import HeadError
+    from decode import backends
+    from decode.backends.cpu.dense import packed_with
+    from decode.baselines import hf_assisted, hf_prompt_lookup
+    from decode.engine.head import HeadError
+    from decode.engine.spec import LevelSpec, parse
 
-    b, eos, kw = cfg.decode.bench, tokenizer.eos_token_id, sampling_args(cfg)
-    eager_target = load_model(cfg.model.name, cfg.model.dtype)[0]  # plain nn.Linear forwards, for comparison
-    found: dict[str, Method] = {
-        "ar": lambda p, n: autoregressive(target, p, n, eos_token_id=eos, **kw),
-        "ar_eager": lambda p, n: autoregressive(eager_target, p, n, eos_token_id=eos, **kw),
-    }
-    notes = {"ar": "target alone" + (f" (packed: decode.fast, {packed_with(target)})" if packed_with(target) else ""),
-             "ar_eager": "target alone, plain eager nn.Linear"}
-    onednn = onednn_target(cfg, target)  # the other packed product, side by side
-    if onednn is not None:
-        found["ar_onednn"] = lambda p, n: autoregressive(onednn, p, n, eos_token_id=eos, **kw)
-        notes["ar_onednn"] = "target alone, packed with oneDNN (decode.gemm=onednn)"
+    b, eos, kw = cfg.decode.bench, eos_of(target, tokenizer), sampling_args(cfg)
+    found: dict[str, Method] = reference_decoders(cfg, target, eos, kw, onednn=True)
+    notes = {"ar": "target alone" + (f" (packed: {packed_with(target)})" if packed_with(target) else ""),
+             "ar_eager": "target alone, plain eager nn.Linear", "ar_onednn": "target alone, packed with oneDNN (decode.gemm=onednn)"}
+    notes = {name: note for name, note in notes.items() if name in found}
+    builder = configured_builder(cfg, target, tokenizer)
     if b.assistant is not None:
         assistant_cfg = OmegaConf.to_container(b.assistant, resolve=True)
         try:
-            assistant = level_model(assistant_cfg, target, tokenizer, Artifacts.of(cfg), cfg.model.dtype)
+            assistant = level_model(parse(LevelSpec, assistant_cfg, "decode.bench.assistant"), target, tokenizer,
+                                    builder.artifacts, cfg.model.dtype)
         except DecodeError as err:
             print(f"hf_assisted: assistant unavailable ({err}); using stand-in {dict(b.assistant_stand_in)}", file=sys.stderr)
             assistant_cfg = OmegaConf.to_container(b.assistant_stand_in, resolve=True)
-            assistant = level_model(assistant_cfg, target, tokenizer, Artifacts.of(cfg), cfg.model.dtype)
-        if cfg.decode.get("fast"):
-            pack(assistant, gemm_choice(cfg))
+            assistant = level_model(parse(LevelSpec, assistant_cfg, "decode.bench.assistant_stand_in"), target, tokenizer,
+                                    builder.artifacts, cfg.model.dtype)
+        backends.prepare(assistant, builder.gemm)
         found["hf_assisted"] = lambda p, n: hf_assisted(target, assistant, p, n, eos_token_id=eos, **kw)
         notes["hf_assisted"] = f"assistant {assistant_cfg}"
     found["hf_prompt_lookup"] = lambda p, n: hf_prompt_lookup(target, p, n, int(b.prompt_lookup_num_tokens), eos_token_id=eos, **kw)
@@ -68,21 +66,22 @@ def methods(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Method], dict
         if name is None:
             continue
         try:
-            chain = chain_from_config(cfg, name, target, tokenizer)
+            chain = chain_from_config(cfg, name, builder)
         except (DecodeError, HeadError) as err:
             stand_in = b.stand_ins.get(name)
             if not stand_in:
                 raise
             print(f"{slot}: chain {name!r} unavailable ({err}); using stand-in {stand_in!r}", file=sys.stderr)
-            name, chain = stand_in, chain_from_config(cfg, stand_in, target, tokenizer)
+            name, chain = stand_in, chain_from_config(cfg, stand_in, builder)
         found[slot] = lambda p, n, chain=chain: chain.generate(p, n, eos_token_id=eos, **kw)
         notes[slot] = f"{name}: " + " <- ".join(f"{l.name}({l.kind})" for l in chain.levels)
         found[slot].chain = chain  # type: ignore[attr-defined]
     return found, notes
 
 
-def summarise(runs: dict[str, list[Generation]], ar_tokens: list[list[int]]) -> dict[str, dict]:
+def summarise(runs: dict[str, list[Generation]], ar_tokens: list[list[int]], confidence: float) -> dict[str, dict]:
     ar_tps = [g.stats.tokens_per_s for g in runs["ar"]]
+    ar_timed = [(g.stats.wall_time_s, g.stats.new_tokens) for g in runs["ar"]]
     summary = {}
     for name, gens in runs.items():
         tps = [g.stats.tokens_per_s for g in gens]
@@ -94,6 +93,8 @@ def summarise(runs: dict[str, list[Generation]], ar_tokens: list[list[int]]) -> 
             "median_ttft_s": statistics.median(g.stats.time_to_first_token_s for g in gens),
             "identical_to_ar": sum(g.tokens == ref for g, ref in zip(gens, ar_tokens)),
             "runs": len(gens),
+            "time_speedup_interval": time_speedup(ar_timed, [(g.stats.wall_time_s, g.stats.new_tokens) for g in gens],
+                                                  confidence).as_dict(),
         }
         if len(gens[0].stats.levels) > 1:
             entry["measured"] = summarize([g.stats for g in gens])  # per level and both predictions
@@ -102,14 +103,22 @@ def summarise(runs: dict[str, list[Generation]], ar_tokens: list[list[int]]) -> 
 
 
 def table(summary: dict[str, dict], notes: dict[str, str]) -> str:
-    rows = [f"{'method':<17} {'tok/s':>7} {'x AR':>6} {'x AR(sb)':>8} {'TTFT s':>7} {'same':>6}  details"]
+    rows = [f"{'method':<17} {'tok/s':>7} {'x AR':>6} {'x AR(sb)':>8} {'time x AR [interval]':>20} {'TTFT s':>7} {'same':>6}  details"]
     for name, s in summary.items():
         detail = notes.get(name, "")
         if "measured" in s:
             detail += f" | {level_line(s['measured'])} | {prediction_line(s['measured'])}"
         rows.append(f"{name:<17} {s['median_tokens_per_s']:>7.2f} {s['median_ratio_vs_ar']:>6.2f} "
-                    f"{s['speedup_spec_bench']:>8.2f} {s['median_ttft_s']:>7.2f} {s['identical_to_ar']:>3}/{s['runs']:<2}  {detail}")
+                    f"{s['speedup_spec_bench']:>8.2f} {_interval(name, s):>20} {s['median_ttft_s']:>7.2f} {s['identical_to_ar']:>3}/{s['runs']:<2}  {detail}")
     return "\n".join(rows)
+
+
+def _interval(name: str, s: dict) -> str:
+    """'1.01x [0.96, 1.06]' and a mark when shown faster (+) or slower (-) than AR; '-' for AR itself."""
+    if name == "ar":
+        return "-"
+    x = Interval.from_dict(s["time_speedup_interval"])
+    return x.text() + (" +" if x.above_one else " -" if x.below_one else "  ")
 
 
 def run(cfg: DictConfig) -> dict:
@@ -119,11 +128,15 @@ def run(cfg: DictConfig) -> dict:
 
     b = cfg.decode.bench
     check_writable(b.out, "decode.bench.out", kind="file")  # refuse before minutes of decoding, not after
+    try:
+        confidence = checked_confidence(b.get("confidence"))
+    except IntervalError as err:
+        raise DecodeError(f"decode.bench.{err}") from None
     if cfg.decode.get("threads"):
         torch.set_num_threads(int(cfg.decode.threads))
+    questions = load_questions(b.prompts, per_category=b.per_category)  # before any model: a bad file fails fast
     target, tokenizer = load_target(cfg)
     decoders, notes = methods(cfg, target, tokenizer)
-    questions = load_questions(b.prompts, per_category=b.per_category)
     prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]
     for decode in decoders.values():  # untimed warm-up: lazy initialisation, allocator
         decode(prompts[0], int(b.warmup_tokens))
@@ -137,9 +150,10 @@ def run(cfg: DictConfig) -> dict:
         for name in order:
             runs[name].append(decoders[name](prompts[i], n))
         ar_tokens.append(runs["ar"][-1].tokens)
-    summary = summarise(runs, ar_tokens)
+    summary = summarise(runs, ar_tokens, confidence)
     print(f"\n{len(work)} prompts x {len(names)} methods, {n} new tokens, temperature {cfg.decode.temperature}, "
-          f"{torch.get_num_threads()} threads; medians (x AR = median per-prompt ratio; sb = Spec-Bench mean ratio)")
+          f"{torch.get_num_threads()} threads; medians (x AR = median per-prompt ratio; sb = Spec-Bench mean ratio; time x AR = "
+          f"pooled seconds per token of AR over the method's, {confidence:.0%} paired interval over prompts, + shown faster, - shown slower)")
     print(table(summary, notes))
     result = {"config": OmegaConf.to_container(b, resolve=True), "threads": torch.get_num_threads(),
               "notes": notes, "summary": summary}

@@ -8,27 +8,30 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from omegaconf import OmegaConf
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from data.artifacts import Artifacts
+from data.layout import RunLayout
 from data.cli import flag
 from data.models import ModelSourceError, load_model, same_vocabulary
-from decode.chain import Chain, DecodeError, EagleLevel, Level, ModelLevel, NgramLevel, read_features
-from decode.fast import gemm_for, pack, packed_with, quantize_lm_head
-from decode.head import EagleHead
-
-KINDS = ("model", "eagle", "ngram")
-
+from decode import backends
+from decode.backends.cpu import pack
+from decode.backends.cpu.dense import packed_with
+from decode.backends.cpu.int8 import quantize_lm_head
+from decode.engine.chain import Chain, read_features
+from decode.engine.head import EagleHead, vocabulary_rows
+from decode.engine.spec import ChainSpec, LevelSpec
+from decode.engine.errors import DecodeError
+from decode.engine.levels import EagleLevel, Level, ModelLevel, NgramLevel
 
 def gemm_choice(cfg: Any) -> str:
-    """decode.gemm, checked: which packed product dense fp32 linears use (decode.fast.gemm_for)."""
+    """decode.gemm, checked: which packed product dense fp32 linears use (decode.backends.cpu.dense.gemm_for)."""
     gemm = cfg.decode.get("gemm", "auto")
     try:
-        gemm_for(torch.float32, gemm)
+        backends.gemm_choice(gemm, torch.device("cpu"))
     except (ValueError, RuntimeError) as err:  # an unknown name, or avx2 where it cannot run
         raise DecodeError(f"decode.{err}") from None
     return gemm
@@ -49,102 +52,128 @@ def load_target(cfg: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     gemm = gemm_choice(cfg)
     target, tokenizer = load_model(cfg.model.name, cfg.model.dtype)
     if cfg.decode.get("fast"):
-        pack(target, gemm)
+        backends.prepare(target, gemm)
     return target, tokenizer
+
+
+def eos_of(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> int | list[int] | None:
+    """The stop tokens of every decoder of a run (chains and references alike): the target's generation config's,
+    else its tokenizer's."""
+    eos = target.generation_config.eos_token_id
+    return eos if eos is not None else tokenizer.eos_token_id
+
+
+def reference_decoders(cfg: Any, target: PreTrainedModel, eos: Any, sampling: dict | None = None,
+                       onednn: bool = False) -> dict[str, Callable]:
+    """The autoregressive reference on the configured target (`ar`), and beside it, where they differ, AR on the
+    plain eager target (`ar_eager`, when decode.fast) and on oneDNN (`ar_onednn`, asked for and the target on AVX2)."""
+    from decode.baselines import autoregressive
+
+    kw = sampling or {}
+    models = {"ar": target}
+    if cfg.decode.get("fast"):
+        models["ar_eager"] = load_model(cfg.model.name, cfg.model.dtype)[0]
+    if onednn and (other := onednn_target(cfg, target)) is not None:
+        models["ar_onednn"] = other
+    return {name: (lambda p, n, m=model: autoregressive(m, p, n, eos_token_id=eos, **kw)) for name, model in models.items()}
 
 
 def configured_chain(cfg: Any, chain_cfg: list[dict], target_model: PreTrainedModel,
                      tokenizer: PreTrainedTokenizerBase) -> Chain:
-    """`build_chain` with what the config says: the run's artifacts, model.dtype, decode.fast, decode.gemm
-    and decode.draft_defaults."""
-    return build_chain(chain_cfg, target_model, tokenizer, Artifacts.of(cfg), cfg.model.dtype,
-                       flag(cfg.decode, "fast", default=False, error=DecodeError),
-                       OmegaConf.to_container(cfg.decode.draft_defaults, resolve=True), gemm_choice(cfg))
+    """A chain from a level list, with what the config says: the run's artifacts, decode.fast, decode.gemm and
+    decode.draft_defaults."""
+    return configured_builder(cfg, target_model, tokenizer).build(configured_spec(cfg, chain_cfg))
 
 
-def build_chain(
-    chain_cfg: list[dict], target_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-    artifacts: Artifacts | None = None, dtype: str = "float32", fast: bool = False, draft_defaults: dict | None = None,
-    gemm: str = "auto",
-) -> Chain:
-    """Build a chain from level configs (a list from conf/decode/chain.yaml); level 1 is the target.
-
-    Level keys: kind (model | eagle | ngram), name, mu (middle levels), draft (last level:
-    {mode: chain, length} or {mode: tree, depth, top_k, total_tokens}; the keys it leaves out come from
-    `draft_defaults`, by mode: decode.draft_defaults).
-    model: `model` (`target`, a model spec or a folder: `w4` is the W4 stage's output, other relative folders
-    are in the run dir, see data.artifacts; a GPTQ folder loads the same way), `dtype`, `layers` (keep the
-    first n decoder layers: an early-exit copy sharing the weights, a stand-in drafter), `vocab: head` (a
-    middle level restricted to the head's draft vocabulary), `lm_head: int8` (a drafting level's LM head on
-    int8 weights). eagle: `path` (`eagle`, the head stage's
-    output; another head folder; or `untrained`), `features` (nearest: the level above first, then upwards;
-    target: the target first, then downwards). ngram: max_ngram, min_ngram. `artifacts` resolves the
-    folders (None: relative to the working directory). `dtype` is the default for model levels that set
-    none. `fast` packs the linears of every model level loaded here on the `gemm` product (decode.fast; pack
-    the target itself with `load_target`).
-    """
-    if not chain_cfg:
-        raise DecodeError("empty chain: list at least the target and one drafter")
-    artifacts = artifacts or Artifacts(Path("."))
-    configs = [_level_config(i, raw) for i, raw in enumerate(chain_cfg)]
-    loaded = [_load(cfg, target_model, tokenizer, artifacts, dtype, gemm if fast else None) for cfg in configs]
-    heads = [head for cfg, head in zip(configs, loaded) if cfg["kind"] == "eagle"]
-    read = max((i for i, cfg in enumerate(configs) if cfg["kind"] == "eagle"), default=-1)  # levels above it keep features
-    levels: list[Level] = []
-    for i, (cfg, source) in enumerate(zip(configs, loaded)):
-        name, draft = cfg.get("name") or f"L{i + 1}", _draft(cfg.get("draft"), draft_defaults or {})
-        if cfg["kind"] == "model":
-            vocab = None if cfg.get("vocab") is None else _level_vocab(cfg["vocab"], name, i, heads)
-            levels.append(ModelLevel(name, source, int(cfg.get("mu", 1)), draft, vocab=vocab, keep_hidden=i < read))
-        elif cfg["kind"] == "eagle":
-            order = _feature_order(cfg.get("features"), name, source, [l for l in levels[::-1] if isinstance(l, ModelLevel)])
-            features = read_features(order, target_model.config.hidden_size, target_model.dtype)
-            levels.append(EagleLevel(name, source, features, draft))
-        else:
-            levels.append(NgramLevel(name, int(cfg.get("max_ngram", 3)), int(cfg.get("min_ngram", 1)), draft))
-    return Chain(levels)
+def configured_spec(cfg: Any, chain_cfg: Any) -> ChainSpec:
+    """A level list from config as a spec, the drafter's missing draft keys from decode.draft_defaults."""
+    raw = OmegaConf.to_container(chain_cfg, resolve=True) if OmegaConf.is_config(chain_cfg) else chain_cfg
+    return ChainSpec.parse(raw, OmegaConf.to_container(cfg.decode.draft_defaults, resolve=True))
 
 
-def _level_config(i: int, raw: dict) -> dict:
-    """A level's config with its kind spelled out; level 1 must be the target."""
-    cfg = dict(raw)
-    cfg["kind"] = cfg.get("kind", "model")
-    if i == 0 and (cfg["kind"] != "model" or cfg.get("model", "target") != "target" or cfg.get("layers")):
-        raise DecodeError(f"level 1 must be the target ({{kind: model, model: target}}), got {raw}")
-    if cfg["kind"] not in KINDS:
-        raise DecodeError(f"level {i + 1} ({cfg.get('name') or f'L{i + 1}'}): unknown kind {cfg['kind']!r}; use model, eagle or ngram")
-    return cfg
+def configured_builder(cfg: Any, target_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> ChainBuilder:
+    """A builder for the config's run: its artifacts, model.dtype, and decode.fast's packed product."""
+    fast = flag(cfg.decode, "fast", default=False, error=DecodeError)
+    native = str(cfg.decode.get("native", "auto")) if fast else "off"
+    if native not in backends.NATIVE:
+        raise DecodeError(f"decode.native must be one of {', '.join(backends.NATIVE)}, got {native!r}")
+    return ChainBuilder(target_model, tokenizer, RunLayout.of(cfg), cfg.model.dtype, gemm_choice(cfg) if fast else None, native)
 
 
-def _draft(draft: dict | None, defaults: dict) -> dict:
-    """A level's draft with the keys it leaves out taken from `defaults` (by mode; mode is chain unless set)."""
-    draft = {"mode": "chain", **(draft or {})}
-    return {**defaults.get(draft["mode"], {}), **draft}
+def build_chain(levels: list[dict], target_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None,
+                artifacts: RunLayout | None = None, gemm: str | None = None, draft_defaults: dict | None = None) -> Chain:
+    """A chain from a level list (conf/decode/chain.yaml's form; engine.spec.LevelSpec documents the keys)."""
+    return ChainBuilder(target_model, tokenizer, artifacts, gemm=gemm).build(ChainSpec.parse(levels, draft_defaults))
 
 
-def _load(cfg: dict, target: PreTrainedModel, tokenizer, artifacts: Artifacts, dtype: str, gemm: str | None) -> Any:
-    """What a level runs: its model (model levels), its head (eagle levels), nothing (ngram levels); packed
-    on the `gemm` product unless that is None."""
-    if cfg["kind"] == "model":
-        model = level_model(cfg, target, tokenizer, artifacts, dtype)
-        if gemm and model is not target:
-            pack(model, gemm)
-        if cfg.get("lm_head") is not None:
-            _int8_lm_head(cfg, model, target)
-        return model
-    if cfg["kind"] == "eagle":
-        head = _eagle_head(cfg, tokenizer, artifacts, target)
-        if gemm:
-            pack(head, gemm)
+class ChainBuilder:
+    """Chains for one target from specs. Every model or head is loaded once, the first time a spec names it, and
+    shared by every chain built here (a planned variant of a chain costs no load); levels are built complete.
+    `artifacts` resolves folders (None: relative to the working directory); `dtype` is the model levels' default;
+    `gemm` the packed product of every model level loaded here (None: unpacked; pack the target with load_target);
+    `native` whether W4 Llama-family levels run the native CPU runner (decode.backends.runner: auto, on, off)."""
+
+    def __init__(self, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, artifacts: RunLayout | None = None,
+                 dtype: str = "float32", gemm: str | None = None, native: str = "off"):
+        self.target, self.tokenizer, self.dtype, self.gemm, self.native = target, tokenizer, dtype, gemm, native
+        self.artifacts = artifacts or RunLayout(Path("."))
+        self._loaded: dict[tuple, Any] = {}
+
+    def build(self, spec: ChainSpec) -> Chain:
+        loaded = [self.load(level) for level in spec.levels]
+        heads = [head for level, head in zip(spec.levels, loaded) if level.kind == "eagle"]
+        read = max((i for i, level in enumerate(spec.levels) if level.kind == "eagle"), default=-1)  # levels above it keep features
+        levels: list[Level] = []
+        for i, (level, source) in enumerate(zip(spec.levels, loaded)):
+            if level.kind == "model":
+                levels.append(self._model_level(level, source, heads, keep_hidden=i < read, first=i == 0))
+            elif level.kind == "eagle":
+                order = _feature_order(level.features, level.name, source, [l for l in levels[::-1] if isinstance(l, ModelLevel)])
+                features = read_features(order, self.target.config.hidden_size, self.target.dtype)
+                levels.append(EagleLevel(level.name, source, features, level.draft))
+            else:
+                levels.append(NgramLevel(level.name, level.max_ngram, level.min_ngram, level.draft))
+        return Chain(levels)
+
+    def load(self, level: LevelSpec) -> Any:
+        """What a level runs, loaded once: its model (model levels), its head (eagle levels), nothing (ngram)."""
+        key = (level.kind, level.model, level.dtype, level.layers, level.lm_head, level.path)
+        if level.kind != "ngram" and key not in self._loaded:
+            self._loaded[key] = self._load(level)
+        return self._loaded.get(key)
+
+    def _load(self, level: LevelSpec) -> Any:
+        if level.kind == "model":
+            model = level_model(level, self.target, self.tokenizer, self.artifacts, self.dtype)
+            if model is not self.target:
+                backends.prepare(model, self.gemm)
+            if level.lm_head is not None:
+                _int8_lm_head(level, model, self.target)
+            return model
+        head = _eagle_head(level, self.tokenizer, self.artifacts, self.target)
+        backends.prepare(head, self.gemm)
+        head.wrap_linear = backends.linear_wrapper(head, self.gemm)
         return head
-    return None
+
+    def _model_level(self, level: LevelSpec, model: PreTrainedModel, heads: list[EagleHead], keep_hidden: bool,
+                     first: bool) -> ModelLevel:
+        vocab = None if level.vocab is None else _level_vocab(level, heads, first)
+        rows = None if vocab is None else backends.linear_wrapper(model, self.gemm)(
+            vocabulary_rows(model.get_output_embeddings(), vocab))
+        return ModelLevel(level.name, model, level.mu, level.draft, vocab=vocab, keep_hidden=keep_hidden,
+                          runner=self._runner(model), lm_head=rows)
+
+    def _runner(self, model: PreTrainedModel) -> Any:
+        """One runner per loaded model and chain (its KV cache is the level's), the target's always HF."""
+        try:
+            return backends.runner(model, "off" if model is self.target else self.native)
+        except ValueError as err:
+            raise DecodeError(f"decode.{err}") from None
 
 
-def _int8_lm_head(cfg: dict, model: PreTrainedModel, target: PreTrainedModel) -> None:
-    """`lm_head: int8`: a drafting level's LM head on int8 weights (decode.fast.quantize_lm_head)."""
-    name = cfg.get("name", cfg.get("model"))
-    if cfg["lm_head"] != "int8":
-        raise DecodeError(f"level {name!r}: lm_head must be int8 (or left out), got {cfg['lm_head']!r}")
+def _int8_lm_head(level: LevelSpec, model: PreTrainedModel, target: PreTrainedModel) -> None:
+    """`lm_head: int8`: a drafting level's LM head on int8 weights (decode.backends.cpu.int8.quantize_lm_head)."""
+    name = level.name
     if model is target:
         raise DecodeError(f"level {name!r}: lm_head: int8 would change the target's own logits (and the output); "
                           "only a drafting level may have it")
@@ -157,42 +186,38 @@ def _feature_order(features: str | None, name: str, head: EagleHead, above: list
     `features` (nearest | target), by default what the head was trained on."""
     trained_on = getattr(head, "feature_source", None)
     source = features or ("target" if trained_on == "target" else "nearest")
-    order = {"nearest": above, "target": above[::-1]}.get(source)
-    if order is None:
-        raise DecodeError(f"level {name!r}: features must be nearest or target, got {source!r}")
-    return order
+    return {"nearest": above, "target": above[::-1]}[source]
 
 
-def _level_vocab(vocab: str, name: str, i: int, heads: list[EagleHead]) -> torch.Tensor:
+def _level_vocab(level: LevelSpec, heads: list[EagleHead], is_target: bool) -> torch.Tensor:
     """A middle level's vocabulary (`vocab: head`): the draft vocabulary of the chain's EAGLE head."""
-    if i == 0:
+    name = level.name
+    if is_target:
         raise DecodeError(f"level {name!r}: the target cannot have a restricted vocabulary (it would change the output)")
-    if vocab != "head":
-        raise DecodeError(f"level {name!r}: vocab must be 'head' (the EAGLE head's draft vocabulary), got {vocab!r}")
     vocabularies = [head.draft_vocab for head in heads if head.draft_vocab is not None]
     if not vocabularies:
         raise DecodeError(f"level {name!r}: vocab: head needs an EAGLE level whose head has a draft vocabulary")
     return vocabularies[0]
 
 
-def level_model(cfg: dict, target: PreTrainedModel, tokenizer, artifacts: Artifacts, dtype: str) -> PreTrainedModel:
+def level_model(level: LevelSpec, target: PreTrainedModel, tokenizer, artifacts: RunLayout, dtype: str) -> PreTrainedModel:
     """A model level's model: the target itself, or the model its `model:` names (checked against the
     target's vocabulary), cut to its first `layers` layers if set."""
-    spec = str(cfg.get("model", "target"))
+    spec, name = level.model, level.name
     if spec == "target":
         model = target
     else:
         spec = artifacts.model_spec(spec)  # a missing run artifact such as `w4` says "no such model folder"
         try:
-            model, level_tokenizer = load_model(spec, dtype=str(cfg.get("dtype") or dtype))
+            model, level_tokenizer = load_model(spec, dtype=level.dtype or dtype)
         except ModelSourceError as err:
-            raise DecodeError(f"level {cfg.get('name', spec)!r}: {err}") from None
+            raise DecodeError(f"level {name!r}: {err}") from None
         if not same_vocabulary(tokenizer, level_tokenizer):
-            raise DecodeError(f"level {cfg.get('name', spec)!r}: {spec} has a different vocabulary than the target")
+            raise DecodeError(f"level {name!r}: {spec} has a different vocabulary than the target")
     if model.config.vocab_size != target.config.vocab_size:
-        raise DecodeError(f"level {cfg.get('name', spec)!r}: vocab size {model.config.vocab_size} != target's {target.config.vocab_size}")
-    if cfg.get("layers"):
-        model = truncated_copy(model, int(cfg["layers"]))
+        raise DecodeError(f"level {name!r}: vocab size {model.config.vocab_size} != target's {target.config.vocab_size}")
+    if level.layers:
+        model = truncated_copy(model, level.layers)
     return model
 
 
@@ -218,8 +243,8 @@ def truncated_copy(model: PreTrainedModel, layers: int) -> PreTrainedModel:
     return clone.eval()
 
 
-def _eagle_head(cfg: dict, tokenizer, artifacts: Artifacts, target: PreTrainedModel) -> EagleHead:
-    path = str(cfg.get("path", "eagle"))
+def _eagle_head(level: LevelSpec, tokenizer, artifacts: RunLayout, target: PreTrainedModel) -> EagleHead:
+    path = level.path
     if path == "untrained":
         return EagleHead.for_target(target).eval()
     folder = artifacts.folder(path)

@@ -16,9 +16,9 @@ import torch
 from omegaconf import DictConfig
 from transformers import DynamicCache
 
-from data.artifacts import Artifacts
-from data.cli import run_main
-from data.timing import Step, cached_forward, median_ms
+from data.cli import check_writable, run_main
+from data.layout import RunLayout
+from data.timing import Step, cached_forward, level_forward, median_ms
 
 
 def head_forward(head, context: list[int], features: torch.Tensor) -> Step:
@@ -39,25 +39,10 @@ def head_forward(head, context: list[int], features: torch.Tensor) -> Step:
     return step
 
 
-def level_forward(level, context: list[int]) -> Step:
-    """A step: one verification-shaped forward of k new tokens through a chain level (e.g. a level with a
-    restricted vocabulary) after a cached context."""
-    with torch.inference_mode():
-        level.forward(context, 1, "verify")
-
-    def step(k: int) -> object:
-        level.tokens = level.tokens[: len(context)]  # the last step's tokens are not a prefix to keep
-        with torch.inference_mode():
-            return level.forward(context + context[-k:], k, "verify")
-
-    return step
-
-
-def context_ids(cfg: DictConfig, tokenizer, length: int) -> list[int]:
+def context_ids(held_out: list, tokenizer, length: int) -> list[int]:
     """`length` tokens of real chat text: held-out ShareGPT conversations, templated, concatenated."""
-    from data.sharegpt import load_conversations, split_conversations, tokenize_conversation
+    from data.sharegpt import tokenize_conversation
 
-    _, held_out = split_conversations(load_conversations(cfg.data.source), cfg.data.held_out_fraction)
     ids: list[int] = []
     for conv in held_out:
         ids += tokenize_conversation(tokenizer, conv, length).input_ids
@@ -69,15 +54,20 @@ def context_ids(cfg: DictConfig, tokenizer, length: int) -> list[int]:
 def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
     """The forwards to time, and a note per row on what it is."""
     from data.models import load_model
+    from data.sharegpt import load_split
+    from decode import backends
+    from decode.backends.cpu.dense import packed_with
+    from decode.backends.cpu.int8 import Int8RowLinear
     from decode.build import gemm_choice, onednn_target
-    from decode.fast import pack, packed_with, quantize_lm_head
-    from decode.head import EagleHead
+    from decode.engine.head import EagleHead, vocabulary_rows
+    from decode.engine.levels import ModelLevel
 
+    _, held_out = load_split(cfg.data)  # the data before any model or kernel build: refused in seconds
     c, gemm = cfg.decode.costs, gemm_choice(cfg)
     target, tokenizer = load_model(cfg.model.name, cfg.model.dtype)
     fast_target, _ = load_model(cfg.model.name, cfg.model.dtype)
-    pack(fast_target, gemm)
-    context = context_ids(cfg, tokenizer, int(c.context))
+    backends.prepare(fast_target, gemm)
+    context = context_ids(held_out, tokenizer, int(c.context))
     steps = {"target eager": cached_forward(target, context), "target": cached_forward(fast_target, context)}
     notes = {"target eager": f"{cfg.model.dtype}, plain nn.Linear",
              "target": f"{cfg.model.dtype}, packed (decode.fast, {packed_with(fast_target)})"}
@@ -85,16 +75,16 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
     if onednn is not None:
         steps["target onednn"] = cached_forward(onednn, context)
         notes["target onednn"] = f"{cfg.model.dtype}, packed (decode.fast, onednn)"
-    artifacts = Artifacts.of(cfg)
+    artifacts = RunLayout.of(cfg)
     w4_dir = artifacts.output("w4")
     if (w4_dir / "config.json").is_file():
         w4, _ = load_model(str(w4_dir), cfg.model.dtype)
-        pack(w4, gemm)
-        steps["w4"], notes["w4"] = cached_forward(w4, context), f"{w4_dir}, packed dense layers"
-        w4_int8, _ = load_model(str(w4_dir), cfg.model.dtype)
-        pack(w4_int8, gemm)
-        if quantize_lm_head(w4_int8):
-            steps["w4 int8 head"], notes["w4 int8 head"] = cached_forward(w4_int8, context), "the W4 level with lm_head: int8"
+        backends.prepare(w4, gemm)
+        steps["w4"] = level_forward(ModelLevel("w4", w4, runner=backends.runner(w4)), context)
+        notes["w4"] = f"{w4_dir}, packed dense layers"
+        int8_head = Int8RowLinear(w4.get_output_embeddings())
+        steps["w4 int8 head"] = level_forward(ModelLevel("w4", w4, runner=backends.runner(w4), lm_head=int8_head), context)
+        notes["w4 int8 head"] = "the W4 level with lm_head: int8"
     else:
         print(f"costs: no W4 model in {w4_dir}; skipping it", file=sys.stderr)
     with torch.inference_mode():
@@ -110,13 +100,13 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
         heads[f"head V={size or 'full'}"] = EagleHead.for_target(fast_target, draft_vocab=vocab)
         notes[f"head V={size or 'full'}"] = "untrained head, packed, timing only"
     for name, head in heads.items():
-        pack(head, gemm)
+        backends.prepare(head, gemm)
+        head.wrap_linear = backends.linear_wrapper(head, gemm)
         steps[name] = head_forward(head.eval(), context, features)
     vocab = heads["head"].draft_vocab if "head" in heads else None
     if "w4" in steps and vocab is not None:
-        from decode.chain import ModelLevel
-
-        steps["w4 V=head"] = level_forward(ModelLevel("w4", w4, vocab=vocab), context)
+        rows = backends.linear_wrapper(w4, gemm)(vocabulary_rows(w4.get_output_embeddings(), vocab))
+        steps["w4 V=head"] = level_forward(ModelLevel("w4", w4, vocab=vocab, runner=backends.runner(w4), lm_head=rows), context)
         notes["w4 V=head"] = f"the W4 level restricted to the head's {len(vocab)}-token vocabulary (vocab: head)"
     return steps, notes
 
@@ -125,6 +115,7 @@ def run(cfg: DictConfig) -> dict:
     from data.tracking import write_json_atomic
 
     c = cfg.decode.costs
+    check_writable(c.out, "decode.costs.out", kind="file")  # refuse before minutes of timing, not after
     if cfg.decode.get("threads"):
         torch.set_num_threads(int(cfg.decode.threads))
     steps, notes = steps_for(cfg)

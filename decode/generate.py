@@ -14,21 +14,24 @@ from pathlib import Path
 
 import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from data.cli import flag, run_main
-from decode.build import configured_chain
-from decode.chain import Chain, DecodeError, Generation, decoding_settings
+from decode.build import ChainBuilder, configured_builder, configured_spec, eos_of
+from decode.engine.chain import Chain, decoding_settings
+from decode.engine.errors import DecodeError
+from decode.engine.levels import Generation
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def chain_from_config(cfg: DictConfig, name: str, target, tokenizer) -> Chain:
+def chain_from_config(cfg: DictConfig, name: str, builder: ChainBuilder) -> Chain:
+    """decode.chains[name], built."""
     chains = cfg.decode.chains
     if name not in chains or chains[name] is None:
         raise DecodeError(f"decode.chain={name!r}: no such chain in conf/decode/chain.yaml; known: {', '.join(chains)}")
-    return configured_chain(cfg, OmegaConf.to_container(chains[name], resolve=True), target, tokenizer)
+    return builder.build(configured_spec(cfg, chains[name]))
 
 
 def sampling_args(cfg: DictConfig) -> dict:
@@ -134,8 +137,8 @@ def run(cfg: DictConfig) -> None:
     target, tokenizer = load_target(cfg)
     prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": text}])
     check_context(prompt, new_tokens, target)
-    chain = chain_from_config(cfg, d.chain, target, tokenizer)
-    eos = tokenizer.eos_token_id
+    chain = chain_from_config(cfg, d.chain, configured_builder(cfg, target, tokenizer))
+    eos = eos_of(target, tokenizer)
     shown: list[int] = []
     printed = ""
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING, Any, Sequence
 
-from decode.theory import TheoryError, predicted_time, refined_time
+from decode.engine.theory import TheoryError, predicted_time, refined_time
 
 if TYPE_CHECKING:
-    from decode.chain import GenerationStats
+    from decode.engine.levels import GenerationStats
 
 
 def summarize(stats: Sequence[GenerationStats]) -> dict[str, Any]:

@@ -27,7 +27,14 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def _error(prediction: dict[str, Any]) -> str:
-    return _f(prediction.get("error"), "+.0%")
+    bounds = prediction.get("error_interval")
+    return _f(prediction.get("error"), "+.0%") + (f" [{bounds[0]:+.0%}, {bounds[1]:+.0%}]" if bounds else "")
+
+
+def _interval(result: dict[str, Any], key: str = "time_speedup_interval") -> str:
+    """'1.01x [0.96, 1.06]: not shown to be faster' (decode.speedup), or the point alone (AR against itself)."""
+    interval = result.get(key)
+    return interval["text"] if interval else _f(result.get("time_speedup", 1.0))
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -48,7 +55,9 @@ def _gate_section(report: dict[str, Any]) -> list[str]:
         lines.append(f"- rejected {name}: " + "; ".join(reasons))
     agreement = next(c for c in report["checks"] if c["name"] == "agreement")["details"]
     lines += ["", f"Admissible: lossless, every inserted level passes Theorem 3.2, the {agreement['prediction']} "
-              f"prediction within {agreement['tolerance']:.0%} of the measured decoding time, and faster than AR.", ""]
+              f"prediction within {agreement['tolerance']:.0%} of the measured decoding time (unless its interval overlaps "
+              f"the tolerance), and shown faster than AR: the lower bound of its speedup's {report['config']['confidence']:.0%} "
+              "interval (paired over turns) above 1. The admissible chain with the highest lower bound is published.", ""]
     lines += _table(["check", "result", "why"], [
         [c["name"], "pass" if c["passed"] else "FAIL", "; ".join(c["reasons"]) or "-"] for c in report["checks"]
     ])
@@ -72,18 +81,19 @@ def _chains_section(report: dict[str, Any]) -> list[str]:
         levels = s["levels"]
         rows.append([
             name, " <- ".join(l["name"] for l in levels), _f(s["tokens_per_s"], ".1f"),
-            _f(res.get("measured_speedup", 1.0)), _f(res.get("time_speedup", 1.0)),
+            _f(res.get("measured_speedup", 1.0)), _interval(res),
             _f(pred.get("paper", {}).get("speedup")), _f(pred.get("refined", {}).get("speedup")),
             " / ".join(_ms(l["T_s"]) for l in levels),
             " / ".join(f"{_f(l['L_mean'])} (var {_f(l['L_var'])})" for l in levels[:-1]) or "-",
             _f(s["draft_depth"]), _error(pred.get("paper", {})), _error(pred.get("refined", {})),
         ])
     lines = ["## Chains", ""]
-    lines += _table(["chain", "levels", "tok/s", "speedup", "time speedup", "Thm 3.1 speedup", "refined speedup", "T_i ms",
+    lines += _table(["chain", "levels", "tok/s", "speedup", "time speedup [interval]", "Thm 3.1 speedup", "refined speedup", "T_i ms",
                      "L_i (var)", "beta", "Thm 3.1 time error", "refined time error"], rows)
     lines += ["", "speedup: Spec-Bench's (mean tokens/s over the AR's); time speedup: AR seconds per token over the "
-              "chain's, pooled over all turns (what the gate compares with 1). Time errors: predicted decoding time "
-              "(after the first token) over the measured one, minus 1. Theorem 3.1 is the paper's formula; the refined "
+              "chain's, pooled over all turns, with its paired interval over turns (decode.speedup; the gate needs its lower "
+              "bound above 1). Time errors: predicted decoding time (after the first token) over the measured one, minus 1, "
+              "with the turns' spread as an interval. Theorem 3.1 is the paper's formula; the refined "
               "prediction counts each middle level's rounds from the tokens it hands up (P) and those the level above keeps.",
               "", "Per level (T = ms per forward, L = acceptance length, P = tokens handed up per round; as decode.bench prints it):", ""]
     lines += [f"- {name}: {level_line(report['summaries'][name])} | {prediction_line(report['summaries'][name])}" for name in chains]
@@ -133,11 +143,13 @@ def _theorem_3_3_section(report: dict[str, Any]) -> list[str]:
 
 
 def _categories_section(report: dict[str, Any]) -> list[str]:
-    """Each chain's speedup and acceptance lengths per question category."""
+    """Each chain's speedups and acceptance lengths per question category."""
     chains = list(report["chains"])
-    rows = [[category] + [f"{_f(row[n]['speedup'])}x, L {'/'.join(_f(x) for x in row[n]['L'])}" for n in chains]
+    rows = [[category] + [f"{_f(row[n]['speedup'])}x, time {_interval(row[n])}, L {'/'.join(_f(x) for x in row[n]['L'])}"
+                          for n in chains]
             for category, row in report["categories"].items()]
-    return ["", "## Per category", ""] + _table(["category", *chains], rows)
+    return ["", "## Per category", "", "Spec-Bench's speedup, then the time speedup with its interval over the category's turns.",
+            ""] + _table(["category", *chains], rows)
 
 
 def _insertions_section(report: dict[str, Any]) -> list[str]:
@@ -152,7 +164,8 @@ def _insertions_section(report: dict[str, Any]) -> list[str]:
             f"{_f(t.get('lhs_second'), '.3f')} < {_f(t.get('rhs_second'), '.3f')}",
             ins.get("error") or ("improves" if ins["improves"] else "rejected"),
             f"{_f(sp.get('without', {}).get('predicted'))}x -> {_f(sp.get('with', {}).get('predicted'))}x",
-            f"{_f(sp.get('without', {}).get('measured'))}x -> {_f(sp.get('with', {}).get('measured'))}x",
+            f"{_f(sp.get('without', {}).get('measured'))}x -> {_f(sp.get('with', {}).get('measured'))}x "
+            f"(with/without {_interval(ins, 'measured_gain')})",
         ])
     return ["", "## Theorem 3.2: inserted levels (T in ms)", ""] + _table(
         ["insertion", "T_i", "L_i-new", "T_new", "L_new", "T_i+1", "L_i", "lhs T_new/T_i", "rhs",

@@ -8,17 +8,16 @@ Writes `${run_dir}/w4_kernels.json`.
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import hydra
 import torch
 from omegaconf import DictConfig
 from transformers import AutoModelForCausalLM, GPTQConfig, PreTrainedModel
 
-from data.artifacts import Artifacts
+from data.layout import RunLayout
 from data.cli import run_main
 from data.models import load_model, load_tokenizer, resolve_model_path
-from data.sharegpt import load_conversations, split_conversations, tokenize_conversation
+from data.sharegpt import load_split, tokenize_conversation
 from data.tracking import write_json_atomic
 from quantize.w4 import QuantizeError, forward_ms
 
@@ -45,12 +44,13 @@ def kernel_kind(model: PreTrainedModel) -> str:
 
 
 def run(cfg: DictConfig) -> dict[str, dict[str, float | str]]:
-    w4_path = Artifacts.of(cfg).output("w4")
+    layout = RunLayout.of(cfg)
+    w4_path = layout.output("w4")
     if not (w4_path / "config.json").exists():
         raise QuantizeError(f"{w4_path}: no W4 checkpoint; run python -m quantize.w4 first")
+    _, held_out = load_split(cfg.data)  # the data before any model: a bad source is refused in seconds
     src = resolve_model_path(cfg.model.name)
     tokenizer = load_tokenizer(src)
-    _, held_out = split_conversations(load_conversations(cfg.data.source), cfg.data.held_out_fraction)
     ecfg = cfg.quantize.eval
     context: list[int] = []
     for conv in held_out:
@@ -88,7 +88,7 @@ def run(cfg: DictConfig) -> dict[str, dict[str, float | str]]:
         ratios = "".join(f"{per[k] / base[k]:{8 if i == 0 else 7}.2f}x" for i, k in enumerate(ks))
         print(f"{name:40s}" + "".join(f"{per[k]:9.1f}" for k in ks) + f"{ratios}  {kinds[name]}")
     result = {name: {**{f"ms_{k}tok": per[k] for k in ks}, "kernel": kinds[name]} for name, per in ms.items()}
-    write_json_atomic(Path(cfg.run_dir) / "w4_kernels.json", result)
+    write_json_atomic(layout.kernels_report, result)
     return result
 
 

@@ -32,11 +32,11 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from data.artifacts import Artifacts
+from data.layout import RunLayout
 from data.cli import PolyspecError, check_writable, flag, run_main
 from data.models import load_model, load_tokenizer, resolve_model_path, weights_hash
 from data.sharegpt import (
-    Conversation, TokenizedConversation, chat_prompt_ids, load_conversations, split_conversations,
+    Conversation, TokenizedConversation, chat_prompt_ids, load_split,
     tokenize_conversation,
 )
 from data.timing import cached_forward, median_ms
@@ -333,9 +333,10 @@ def run(cfg: DictConfig) -> Path:
     skip_if_valid = flag(qcfg, "skip_if_valid", error=QuantizeError)
     for key in ("sym", "desc_act", "act_group_aware", "true_sequential"):
         flag(qcfg, key, error=QuantizeError)
-    out = Artifacts.of(cfg).output("w4")
+    out = RunLayout.of(cfg).output("w4")
     check_output(out, overwrite or skip_if_valid)
     check_writable(out, "quantize.output", error=QuantizeError)  # fail now, not after minutes of GPTQ
+    train, held_out = load_split(cfg.data)  # the data before any model: a bad source is refused in seconds
     src = source_model_path(cfg.model.name)
     tokenizer = load_tokenizer(src)
     target, _ = load_model(src, dtype=cfg.model.dtype)
@@ -348,7 +349,6 @@ def run(cfg: DictConfig) -> Path:
             return out
         check_output(out, overwrite)
 
-    train, held_out = split_conversations(load_conversations(cfg.data.source), cfg.data.held_out_fraction)
     c = qcfg.calibration
     calibration = calibration_samples(train, tokenizer, c.samples, c.min_len, c.max_len, cfg.seed)
     print(f"w4: {len(calibration)} calibration samples, {sum(map(len, calibration))} tokens (mean {statistics.mean(map(len, calibration)):.0f})")

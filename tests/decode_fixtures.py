@@ -34,7 +34,7 @@ def packed(model: LlamaForCausalLM, gemm: str = "auto") -> LlamaForCausalLM:
     """A copy of the model whose linears run through decode.fast's packed weights (`gemm`: auto, avx2, onednn)."""
     import copy
 
-    from decode.fast import pack
+    from decode.backends.cpu import pack
 
     clone = copy.deepcopy(model)
     assert pack(clone, gemm) > 0, f"no packed product ({gemm}) runs in this torch build"

@@ -8,7 +8,7 @@ import time
 from omegaconf import OmegaConf
 
 from data.prompts import Question
-from decode.chain import ModelLevel
+from decode.engine.levels import ModelLevel
 
 VOCAB = 300
 EOS = 299
@@ -43,6 +43,9 @@ class SlowModel:
         time.sleep(self._delay)
         return self._model(*args, **kwargs)
 
+    def get_decoder(self):  # what a model level's runner calls
+        return SlowModel(self._model.get_decoder(), self._delay)
+
 
 class AcceptEverything(ModelLevel):
     """A broken verifier: takes the whole draft without looking, then adds its own next token."""
@@ -58,6 +61,9 @@ QUESTIONS = [
     Question(1, "writing", ("Write one line about the sea.", "Now about the mountains.")),
     Question(2, "math", ("What is 12 times 7?",)),
     Question(3, "math", ("Name a prime number above 40.",)),
+    Question(4, "qa", ("Which planet is the largest?", "And the smallest?")),
+    Question(5, "qa", ("How many legs has a spider?",)),
+    Question(6, "writing", ("Describe a quiet morning.",)),
 ]
 
 
@@ -67,8 +73,9 @@ def eval_cfg(run_dir, chains: dict, force: bool = False, tolerance: float = 0.3,
     return OmegaConf.create({
         "run_name": "test", "run_dir": str(run_dir), "model": {"name": "tiny", "dtype": "float32"},
         "wandb": {"mode": "disabled", "dir": f"{run_dir}/wandb"},
+        "decode": {"draft_defaults": {"chain": {"length": 4}, "tree": {"depth": 2, "top_k": 2, "total_tokens": 6}}},
         "eval": {
-            "prompts": None, "max_new_tokens": 12, "out_dir": f"{run_dir}/eval", "chains": chains,
+            "prompts": None, "max_new_tokens": 12, "out_dir": f"{run_dir}/eval", "chains": chains, "confidence": 0.95,
             "checks": {"near_tie_relative": {"float32": 1e-4}, "insertion_rule": rule, "agreement_tolerance": tolerance},
             "plan": {"enabled": True, "chains": None, "questions": 2, "max_new_tokens": 12, "mu": [1, 2, 4],
                      "lengths": [1, 2, 4], "min_gain": 0.0, "trees": [], "costs": None, "ks": [1, 4, 8], "repeats": 1, "context": 32},

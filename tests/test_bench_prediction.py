@@ -6,7 +6,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from decode import measure
-from decode.chain import Generation, GenerationStats, LevelStats
+from decode.engine.levels import Generation, GenerationStats, LevelStats
 
 
 def _two_level(new_tokens: int, wall: float, ttft: float) -> Generation:
@@ -55,21 +55,25 @@ def test_three_levels_refined_counts_what_the_middle_level_hands_up():
 
 def test_bench_and_eval_print_the_same_per_level_numbers_for_the_same_generations(tmp_path):
     from decode.bench import summarise, table
-    from decode.eval import Record, evaluate, gate
+    from decode.evaluation.checks import evaluate
+    from decode.evaluation.runner import Decoded, Record
+    from decode.evaluation.publish import gate
     from decode.report import markdown
+    from decode.speedup import Interval
 
     ar = [Generation(list(range(17)), GenerationStats(1.7, 0.1, 17, 0.0, [LevelStats("target", "model", 16, verify_time_s=1.6)]))
           for _ in range(2)]
     chain = [_three_level(wall=1.3), _three_level(wall=1.4)]
-    bench = summarise({"ar": ar, "polybasic": chain}, [g.tokens for g in ar])
+    bench = summarise({"ar": ar, "polybasic": chain}, [g.tokens for g in ar], 0.95)
     printed = table(bench, {"polybasic": "polybasic"})
 
     records = {name: [Record(i, "qa", 0, [1, 2], g.tokens, g.stats) for i, g in enumerate(gens)]
                for name, gens in (("ar", ar), ("polybasic", chain))}
-    checks_cfg = OmegaConf.create({"near_tie_relative": 1e-4, "insertion_rule": "both", "agreement_tolerance": 0.1})
-    report = evaluate(records, {"polybasic": ["target", "w4", "head"]}, lambda ids: (1.0, [0, 0]), checks_cfg)
-    speedups = {n: r["time_speedup"] for n, r in report["chains"].items()}
-    report |= {"run_name": "t", "gate": gate(report["checks"], speedups), "config": {"theorem_3_3": {"temperature": 1.0}}}
+    checks_cfg = OmegaConf.create({"near_tie_relative": 1e-4, "insertion_rule": "both", "agreement_tolerance": 0.1, "confidence": 0.95})
+    levels = [{"name": name} for name in ("target", "w4", "head")]
+    report = evaluate(Decoded(records, {"polybasic": levels}, 2), lambda ids: (1.0, [0, 0]), checks_cfg)
+    speedups = {n: Interval.from_dict(r["time_speedup_interval"]) for n, r in report["chains"].items()}
+    report |= {"run_name": "t", "gate": gate(report["checks"], speedups), "config": {"theorem_3_3": {"temperature": 1.0}, "confidence": 0.95}}
     md = markdown(report)
 
     line = measure.level_line(report["summaries"]["polybasic"])
@@ -78,6 +82,9 @@ def test_bench_and_eval_print_the_same_per_level_numbers_for_the_same_generation
     assert measure.prediction_line(bench["polybasic"]["measured"]) in printed
     assert measure.prediction_line(report["summaries"]["polybasic"]) in md
     assert bench["polybasic"]["measured"]["predictions"] == report["summaries"]["polybasic"]["predictions"]
+    interval = report["chains"]["polybasic"]["time_speedup_interval"]  # and the same speedup interval
+    assert bench["polybasic"]["time_speedup_interval"] == interval and Interval.from_dict(interval).text() in printed
+    assert interval["text"] in md
 
 
 def test_bench_skips_the_assistant_and_chain_slots_set_to_null(monkeypatch):
@@ -91,10 +98,10 @@ def test_bench_skips_the_assistant_and_chain_slots_set_to_null(monkeypatch):
     target = tiny_model()
     monkeypatch.setattr(data.models, "load_model", lambda *args, **kwargs: (target, None))
     cfg = OmegaConf.create({
-        "model": {"name": "tiny", "dtype": "float32"},
+        "run_dir": "runs/unused", "model": {"name": "tiny", "dtype": "float32"},
         "decode": {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0, "fast": False,
                    "bench": {"assistant": None, "two_level": None, "three_level": None, "extra": [],
                              "prompt_lookup_num_tokens": 3}}})
     found, notes = methods(cfg, target, SimpleNamespace(eos_token_id=None))
-    assert list(found) == list(notes) == ["ar", "ar_eager", "hf_prompt_lookup"]
+    assert list(found) == list(notes) == ["ar", "hf_prompt_lookup"]  # decode.fast off: no separate eager row
     assert len(found["ar"]([1, 2, 3], 4).tokens) == 4

@@ -13,9 +13,11 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
-from data.artifacts import Artifacts
+from data.layout import RunLayout
 from decode.build import build_chain, configured_chain
-from decode.chain import DecodeError, EagleLevel, ModelLevel, NgramLevel, read_features
+from decode.engine.errors import DecodeError
+from decode.engine.levels import EagleLevel, ModelLevel, NgramLevel
+from decode.engine.chain import read_features
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 VOCAB = 300
@@ -72,7 +74,7 @@ def test_eagle_level_from_config(target):
     chain = build_chain([{"kind": "model"}, {"kind": "eagle", "path": "untrained"}], model, tokenizer,
                         draft_defaults={"chain": {"length": 3}})
     assert isinstance(chain.levels[1], EagleLevel) and chain.levels[0].keep_hidden
-    assert chain.levels[1].draft_cfg == {"mode": "chain", "length": 3}
+    assert chain.levels[1].draft_spec.as_config() == {"mode": "chain", "length": 3}
 
 
 def test_feature_levels_must_keep_hidden_states_from_construction(target):
@@ -85,21 +87,21 @@ def test_feature_levels_must_keep_hidden_states_from_construction(target):
     ([], "empty chain"),
     ([{"kind": "model"}], "at least two levels"),
     ([{"kind": "ngram"}, {"kind": "model"}], "level 1 must be the target"),
-    ([{"kind": "model"}, {"kind": "lstm"}], "unknown kind 'lstm'"),
+    ([{"kind": "model"}, {"kind": "lstm"}], "kind must be one of model, eagle, ngram, got 'lstm'"),
     ([{"kind": "model"}, {"kind": "ngram"}, {"kind": "ngram"}], "only models verify"),
     ([{"kind": "model"}, {"kind": "model", "model": "target", "mu": 0}, {"kind": "ngram"}], "mu must be >= 1"),
     ([{"kind": "model"}, {"kind": "model", "model": "target", "draft": {"mode": "tree"}}, {"kind": "ngram"}],
      "only the last level can draft a tree"),
     ([{"kind": "model"}, {"kind": "model", "model": "target", "layers": 9}], "layers must be between 1 and 3"),
     ([{"kind": "model"}, {"kind": "eagle", "path": "no_such_head"}], "no EAGLE head folder"),
-    ([{"kind": "model"}, {"kind": "eagle", "path": "untrained", "features": "w7"}], "features must be nearest or target"),
+    ([{"kind": "model"}, {"kind": "eagle", "path": "untrained", "features": "w7"}], "features must be one of nearest, target, got 'w7'"),
     ([{"kind": "model"}, {"kind": "ngram", "draft": {"mode": "tree", "depth": 2}}], "a tree draft needs top_k, total_tokens"),
-    ([{"kind": "model"}, {"kind": "ngram", "draft": {"mode": "trees", "length": 2}}], "draft mode must be chain or tree"),
+    ([{"kind": "model"}, {"kind": "ngram", "draft": {"mode": "trees", "length": 2}}], "mode must be one of chain, tree, got 'trees'"),
 ])
 def test_bad_chains_fail_with_one_line(target, levels, message):
     model, tokenizer = target
     with pytest.raises(DecodeError) as err:
-        build_chain(levels, model, tokenizer, Artifacts(Path("/nonexistent-run")))
+        build_chain(levels, model, tokenizer, RunLayout(Path("/nonexistent-run")))
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
@@ -116,16 +118,16 @@ def test_relative_level_folder_resolves_against_run_dir(target, tmp_path):
     saved = Path(saved_level(tmp_path, "w"))
     saved.rename(tmp_path / "w4")
     chain = build_chain([{"kind": "model"}, {"kind": "model", "model": "w4", "draft": {"length": 4}}], model, tokenizer,
-                        Artifacts(tmp_path))
+                        RunLayout(tmp_path))
     assert chain.levels[1].model is not model
 
 
 def test_configured_outputs_are_where_chains_and_the_eval_look(target, tmp_path):
     """quantize.output and train.output moved out of the run dir: `model: w4` and `path: eagle` follow them,
-    in the builder and in the eval's bundle (data/artifacts.py)."""
+    in the builder and in the eval's bundle (data/layout.py)."""
     from data.models import weights_hash
-    from decode.eval import level_folder
-    from decode.head import EagleHead
+    from decode.evaluation.publish import level_folder
+    from decode.engine.head import EagleHead
 
     model, tokenizer = target
     w4, head = tmp_path / "elsewhere" / "quantized", tmp_path / "heads" / "first"
@@ -139,8 +141,8 @@ def test_configured_outputs_are_where_chains_and_the_eval_look(target, tmp_path)
     chain = configured_chain(cfg, levels, model, tokenizer)
     assert weights_hash(chain.levels[1].model) == weights_hash(tiny_model(seed=1, vocab=VOCAB))
     assert isinstance(chain.levels[2], EagleLevel) and chain.levels[1].keep_hidden
-    assert chain.levels[2].draft_cfg == {"mode": "chain", **cfg.decode.draft_defaults.chain}  # the draft from config
-    assert [level_folder(level, Artifacts.of(cfg)) for level in levels] == [None, w4, head]
+    assert chain.levels[2].draft_spec.as_config() == {"mode": "chain", **cfg.decode.draft_defaults.chain}  # the draft from config
+    assert [level_folder(level, RunLayout.of(cfg)) for level in levels] == [None, w4, head]
 
 
 def test_generate_cli_reports_bad_input_in_one_line():

@@ -153,7 +153,8 @@ def eval_config(tmp_path, *overrides: str):
     ("eval.per_category=0", r"eval\.per_category must be null or an integer >= 1, got 0"),
 ])
 def test_eval_refuses_bad_config_values_before_any_work(tmp_path, override, message):
-    from decode.eval import EvalError, run
+    from decode.evaluation import EvalError
+    from decode.eval import run
 
     with pytest.raises(EvalError, match=message) as err:
         run(eval_config(tmp_path, override))
@@ -161,7 +162,8 @@ def test_eval_refuses_bad_config_values_before_any_work(tmp_path, override, mess
 
 
 def test_eval_refuses_an_unwritable_output_before_decoding(tmp_path, monkeypatch):
-    from decode.eval import EvalError, run
+    from decode.evaluation import EvalError
+    from decode.eval import run
 
     read_only_mount(monkeypatch)
     with pytest.raises(EvalError, match=r"^eval.out_dir=.*eval: cannot write there \(.*Read-only file system\)$"):
@@ -178,7 +180,8 @@ def test_bench_refuses_an_unwritable_output_before_decoding(tmp_path, monkeypatc
 
 
 def test_eval_refuses_an_output_path_that_is_a_file(tmp_path):
-    from decode.eval import EvalError, run
+    from decode.evaluation import EvalError
+    from decode.eval import run
 
     (tmp_path / "publish").write_text("not a folder")
     with pytest.raises(EvalError, match=r"^eval.publish.dir=.*publish: exists and is not a folder$"):

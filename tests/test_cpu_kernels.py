@@ -10,8 +10,10 @@ import torch
 from omegaconf import OmegaConf
 
 from decode.build import gemm_choice
-from decode.chain import DecodeError
-from decode.fast import GEMMS, KERNEL_ATTENTION, PackedLinear, avx2_kernel, gemm_for, pack_weight, _packed_mm
+from decode.engine.errors import DecodeError
+from decode.backends.cpu.dense import GEMMS, PackedLinear, gemm_for, pack_weight, _packed_mm
+from decode.backends.cpu.attention import KERNEL_ATTENTION
+from decode.backends.cpu.kernels import avx2_kernel
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +112,8 @@ def test_packed_model_verifies_with_the_bits_of_one_token_forwards(kernel):
     path skips) give the logits of feeding the path one token at a time, bit for bit."""
     from transformers import DynamicCache
 
-    from decode.fast import unpack
-    from decode.tree import Tree
+    from decode.backends.cpu import unpack
+    from decode.engine.tree import Tree
     from decode_fixtures import packed, tiny_model
 
     model = packed(tiny_model(seed=8), "avx2")

@@ -6,7 +6,7 @@ import torch
 from decode_fixtures import noisy_copy, prompts, tiny_model
 
 from decode.baselines import autoregressive, hf_assisted, hf_prompt_lookup
-from decode.chain import Generation
+from decode.engine.levels import Generation
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

@@ -9,12 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from decode.baselines import autoregressive
-from decode.chain import Chain, DecodeError, ModelLevel, NgramLevel, decoding_settings
+from decode.engine.chain import Chain, decoding_settings
+from decode.engine.errors import DecodeError
+from decode.engine.levels import ModelLevel, NgramLevel
 from decode.generate import check_context, max_new_tokens, prompt_text, sampling_args, shorthand
-from decode.sampling import Sampling, SamplingError
+from decode.engine.sampling import Sampling, SamplingError
 from decode_fixtures import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ from transformers import (
     DynamicCache, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
 )
 
-from decode.head import EagleHead, HeadError, additive_mask, causal_mask
+from decode.engine.head import EagleHead, HeadError, additive_mask, causal_mask
 
 TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -81,14 +81,14 @@ def test_head_holds_only_its_own_weights_and_shares_the_targets():
     target = tiny_target("llama")
     head = EagleHead.for_target(target)
     names = set(head.state_dict())
-    assert names and all(n.startswith(("fc.", "layer.")) for n in names)
+    assert names and all(n.startswith(("fc.", "layers.0.")) for n in names)
     assert head.lm_head is target.lm_head and head.embed_tokens is target.model.embed_tokens
     assert all(p.requires_grad for p in head.parameters())
     assert not any(p.requires_grad for p in target.lm_head.parameters())
 
 
 def test_causal_mask_offsets_by_the_cache():
-    m = causal_mask(2, 3, torch.float32)
+    m = causal_mask(2, 3, torch.float32, "cpu")
     assert m.shape == (1, 1, 2, 5)
     assert (m[0, 0, 0, :4] == 0).all() and m[0, 0, 0, 4] < -1e30 and (m[0, 0, 1] == 0).all()
 
@@ -100,7 +100,7 @@ def test_save_and_load_roundtrip_and_refusals(tmp_path):
     head = EagleHead.for_target(target)
     out = head.save_pretrained(tmp_path / "eagle", target_hash=weights_hash(target), metrics={"acc": 0.5})
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "metrics.json", "model.safetensors"]
-    config = json.loads((out / "config.json").read_text())
+    config = json.loads((out / "config.json").read_text())["polyspec"]
     assert config["target"]["weights_hash"] == weights_hash(target) and config["feature_source"] == "target"
     loaded = EagleHead.from_pretrained(out, target)
     ids, feats = head_inputs(target)

@@ -6,22 +6,12 @@ import shutil
 
 import pytest
 
-from decode.eval import (
-    Record,
-    check_agreement,
-    check_insertion,
-    check_lossless,
-    clean_stale,
-    evaluate_insertion,
-    find_insertions,
-    folder_hash,
-    gate,
-    publish_bundle,
-    set_aside,
-    summarize,
-    time_speedup,
-)
-from decode.chain import GenerationStats, LevelStats
+from decode.evaluation.runner import Record
+from decode.evaluation.checks import check_agreement, check_insertion, check_lossless, evaluate_insertion, find_insertions
+from decode.evaluation.publish import clean_stale, folder_hash, gate, publish_bundle, set_aside
+from decode.evaluation.aggregate import summarize, time_speedup
+from decode.engine.levels import GenerationStats, LevelStats
+from decode.speedup import Interval
 
 
 def record(tokens, levels, turn=0, qid=1, wall=1.0, depth=0.0):
@@ -118,10 +108,15 @@ def test_unmeasured_level_fails_insertion_with_the_theory_message():
     assert not check.passed and "T_new is missing" in check.reasons[0]
 
 
-def result(predicted, measured, speedup=1.0):
-    """A chain result as decode.eval.evaluate makes it: the refined prediction against the measured time."""
-    p = {"time_s": predicted, "error": predicted / measured - 1}
+def result(predicted, measured, speedup=1.0, spread=None):
+    """A chain result as decode.eval.evaluate makes it: the refined prediction against the measured time
+    (`spread`: the error's interval, absent with a single turn)."""
+    p = {"time_s": predicted, "error": predicted / measured - 1} | ({"error_interval": spread} if spread else {})
     return {"predictions": {"refined": p, "paper": p}, "decode_time_s": measured, "time_speedup": speedup}
+
+
+def interval(estimate, low, high):
+    return Interval(estimate, low, high, 0.95, 12)
 
 
 def test_agreement_uses_the_refined_prediction_within_tolerance_and_direction():
@@ -133,13 +128,24 @@ def test_agreement_uses_the_refined_prediction_within_tolerance_and_direction():
     assert not check.passed and list(check.by_chain) == ["d"]
     assert "d: the refined prediction predicts 1.20s of decoding, measured 1.00s (+20%, tolerance 10%)" in check.reasons[0]
     wrong_way = {"d": result(1.0, 1.0, speedup=2.0), "p": result(1.0, 1.0, speedup=1.9)}
-    ins = [{"with": "p", "without": "d", "level": "w4", "improves": True}]
-    check = check_agreement(wrong_way, ins, 0.3)
+    ins = {"with": "p", "without": "d", "level": "w4", "improves": True, "measured_gain": interval(0.95, 0.91, 0.99).as_dict()}
+    check = check_agreement(wrong_way, [ins], 0.3)
     assert list(check.by_chain) == ["p"] and "the theory says inserting w4 is faster" in check.reasons[0]
+    assert "measured slower than d: 0.95x [0.91, 0.99]: shown slower" in check.reasons[0]
+    unresolved = {**ins, "measured_gain": interval(0.95, 0.88, 1.03).as_dict()}  # slower by less than the noise
+    assert check_agreement(wrong_way, [unresolved], 0.3).passed
     unknown = {"d": {"predictions": {"refined": {"error_reason": "L_1 is missing"}}, "time_speedup": 1.0}}
     assert "cannot be evaluated (L_1 is missing)" in check_agreement(unknown, [], 0.3).reasons[0]
     paper = check_agreement({"d": result(1.2, 1.0)}, [], 0.1, prediction="paper")
     assert paper.details["prediction"] == "paper" and "Theorem 3.1 predicts 1.20s" in paper.reasons[0]
+
+
+def test_agreement_fails_only_where_the_errors_interval_clears_the_tolerance():
+    noisy = check_agreement({"d": result(1.15, 1.0, spread=[0.05, 0.25])}, [], 0.1)
+    assert noisy.passed  # +15%, but the turns' spread reaches inside the tolerance
+    shown = check_agreement({"d": result(1.15, 1.0, spread=[0.12, 0.18]), "p": result(0.85, 1.0, spread=[-0.2, -0.11])}, [], 0.1)
+    assert list(shown.by_chain) == ["d", "p"]
+    assert "measured 1.00s (+15% [+12%, +18%], tolerance 10%)" in shown.reasons[0]
 
 
 CHECKS = [{"name": "lossless", "passed": True, "reasons": [], "by_chain": {}},
@@ -147,33 +153,52 @@ CHECKS = [{"name": "lossless", "passed": True, "reasons": [], "by_chain": {}},
           {"name": "agreement", "passed": True, "reasons": [], "by_chain": {}}]
 
 
+def shown(estimate):
+    """A speedup clearly above the noise: its interval +-0.1."""
+    return interval(estimate, estimate - 0.1, estimate + 0.1)
+
+
 def test_gate_publishes_the_fastest_admissible_chain_and_lists_the_rejected():
-    decision = gate(CHECKS, {"dualistic": 1.3, "polybasic": 1.8, "dualistic_planned": 1.5})
+    decision = gate(CHECKS, {"dualistic": shown(1.3), "polybasic": shown(1.8), "dualistic_planned": shown(1.5)})
     assert decision["publish"] and decision["chain"] == "dualistic_planned" and not decision["forced"]
     assert decision["admissible"] == ["dualistic", "dualistic_planned"]
     assert decision["rejected"] == {"polybasic": ["insertion: w4 too slow"]}
-    assert "dualistic_planned, the fastest admissible chain: 1.50x AR" in decision["explanation"]
+    assert ("dualistic_planned, the fastest admissible chain by its interval's lower bound: 1.50x [1.40, 1.60]: "
+            "shown faster than AR at 95% confidence.") == decision["explanation"]
 
 
-def test_gate_never_publishes_a_chain_slower_than_ar():
+def test_gate_ranks_admissible_chains_by_their_lower_bound():
     passing = [{**c, "passed": True, "reasons": [], "by_chain": {}} for c in CHECKS]
-    decision = gate(passing, {"dualistic": 0.95, "polybasic": 1.0})
-    assert not decision["publish"] and decision["chain"] is None and decision["explanation"] == "no chain is admissible."
-    assert decision["rejected"]["dualistic"] == ["faster than AR: measured 0.95x AR"]
-    assert "check failed: faster than AR: polybasic measured 1.00x AR" in decision["failures"][1]
-    for choice in ("best", "dualistic"):  # neither force nor the strict gate publishes a slow chain
-        assert not gate(CHECKS, {"dualistic": 0.95}, choice, force=True)["publish"]
+    steady, noisy = interval(1.25, 1.18, 1.32), interval(1.40, 1.02, 1.92)  # the higher point, the lower bound
+    decision = gate(passing, {"noisy": noisy, "steady": steady})
+    assert decision["admissible"] == ["noisy", "steady"] and decision["chain"] == "steady"
+
+
+def test_gate_never_publishes_a_chain_not_shown_faster_than_ar():
+    passing = [{**c, "passed": True, "reasons": [], "by_chain": {}} for c in CHECKS]
+    decision = gate(passing, {"dualistic": interval(1.01, 0.96, 1.06), "polybasic": interval(0.9, 0.85, 0.95)})
+    assert not decision["publish"] and decision["chain"] is None
+    assert decision["explanation"] == ("no chain is shown faster than AR: dualistic 1.01x [0.96, 1.06]: not shown to be faster; "
+                                       "polybasic 0.90x [0.85, 0.95]: shown slower (95% intervals).")
+    assert decision["rejected"]["dualistic"] == ["faster than AR: 1.01x [0.96, 1.06]: not shown to be faster"]
+    assert decision["failures"][1].startswith("check failed: faster than AR: polybasic measured 0.90x [0.85, 0.95]: shown slower")
+    for choice in ("best", "dualistic"):  # neither force nor the strict gate publishes a chain within the noise
+        assert not gate(CHECKS, {"dualistic": interval(1.01, 0.96, 1.06)}, choice, force=True)["publish"]
+    single = gate(passing, {"dualistic": interval(1.5, None, None)})  # one turn: no interval, nothing shown
+    assert not single["publish"] and "1.50x [no interval: 12 turn(s)]" in single["explanation"]
 
 
 def test_strict_gate_needs_every_check_and_force_overrides_checks_only():
-    strict = gate(CHECKS, {"dualistic": 1.3, "polybasic": 1.8}, choice="dualistic")
+    strict = gate(CHECKS, {"dualistic": shown(1.3), "polybasic": shown(1.8)}, choice="dualistic")
     assert not strict["publish"] and "a check failed" in strict["explanation"]
     assert strict["failures"] == ["check failed: insertion: w4 too slow"]
     passing = [{**c, "passed": True, "reasons": [], "by_chain": {}} for c in CHECKS]
-    assert gate(passing, {"dualistic": 1.3, "polybasic": 1.8}, choice="dualistic")["chain"] == "dualistic"
-    forced = gate(CHECKS, {"polybasic": 1.8}, choice="polybasic", force=True)
+    assert gate(passing, {"dualistic": shown(1.3), "polybasic": shown(1.8)}, choice="dualistic")["chain"] == "dualistic"
+    within_noise = gate(passing, {"dualistic": interval(1.3, 0.99, 1.7), "polybasic": shown(1.8)}, choice="dualistic")
+    assert within_noise["explanation"].startswith("eval.publish.chain=dualistic (strict): it is not shown faster than AR (1.30x")
+    forced = gate(CHECKS, {"polybasic": shown(1.8)}, choice="polybasic", force=True)
     assert forced["publish"] and forced["forced"] and "publish.force=true overrode: insertion: w4 too slow" in forced["explanation"]
-    best_forced = gate(CHECKS, {"polybasic": 1.8}, force=True)
+    best_forced = gate(CHECKS, {"polybasic": shown(1.8)}, force=True)
     assert best_forced["chain"] == "polybasic" and best_forced["decision"] == "published (forced)"
 
 
@@ -247,5 +272,5 @@ def test_eval_config_composes_and_names_the_insertion(choice, inserted):
         cfg = compose("config", overrides=[f"eval={choice}"]).eval
     names = {name: [lvl["name"] for lvl in levels] for name, levels in cfg.chains.items() if levels is not None}
     assert [(i["with"], i["level"]) for i in find_insertions(names)] == [("polybasic", inserted)]
-    assert cfg.publish.chain == "best" and cfg.publish.force is False
+    assert cfg.publish.chain == "best" and cfg.publish.force is False and cfg.confidence == 0.95
     assert cfg.plan.enabled and cfg.checks.agreement_prediction == "refined" and cfg.checks.agreement_tolerance == 0.1

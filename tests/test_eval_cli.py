@@ -32,10 +32,12 @@ def compose(tmp_path, *overrides: str):
     ("eval.prompts=/nonexistent/question.jsonl", "/nonexistent/question.jsonl: no such question file"),
     ("eval.publish.chain=nope", "eval.publish.chain='nope' is not one of eval.chains"),
     ("eval.max_new_tokens=0", "eval.max_new_tokens must be >= 1"),
+    ("eval.confidence=1.5", "eval.confidence must be a number strictly between 0 and 1, got 1.5"),
 ])
 def test_bad_input_is_refused_before_any_work(tmp_path, override, message):
     from data.sharegpt import DataError
-    from decode.eval import EvalError, run
+    from decode.evaluation import EvalError
+    from decode.eval import run
 
     with pytest.raises((EvalError, DataError), match=re.escape(message)) as err:
         run(compose(tmp_path, override))
@@ -77,3 +79,7 @@ def test_smoke_eval_on_the_bundled_model_evaluates_every_check(tmp_path):
     for reason in (r for c in checks.values() for r in c["reasons"]):
         assert reason in proc.stderr
     assert report["gate"]["explanation"] in (tmp_path / "eval" / "report.md").read_text()
+    for name, result in report["chains"].items():  # every speedup carries its interval, and only a shown one is published
+        interval = result["time_speedup_interval"]
+        assert interval["turns"] == 4 and interval["text"] in (tmp_path / "eval" / "report.md").read_text()
+        assert (name in report["gate"]["admissible"]) <= (interval["low"] > 1)

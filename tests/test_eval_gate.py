@@ -11,8 +11,12 @@ import torch
 from data.cli import EXIT_NOT_PUBLISHED
 from data.tracking import Tracker
 from decode.baselines import autoregressive
-from decode.chain import Chain, ModelLevel
-from decode.eval import chain_decoder, conclude, decode_questions, decode_sampled, plan_chains, top2_margin
+from decode.engine.chain import Chain
+from decode.engine.levels import ModelLevel
+from decode.engine.spec import ChainSpec
+from decode.evaluation.runner import Decoded, chain_decoder, decode_questions, decode_sampled, plan_chains
+from decode.eval import conclude
+from decode.evaluation.checks import top2_margin
 from eval_fixtures import EOS, QUESTIONS, AcceptEverything, ByteTokenizer, SlowModel, eval_cfg
 from decode_fixtures import noisy_copy, tiny_model
 
@@ -45,18 +49,31 @@ def slow_polybasic(models):
     return Chain([ModelLevel("target", target), ModelLevel("w4", SlowModel(w4, 0.03), mu=4), ModelLevel("draft", drafter, draft=DRAFT)])
 
 
+class LevelBuilder:
+    """Builds chains from specs on the test's in-memory levels' models (a ChainBuilder loads them instead)."""
+
+    tokenizer = ByteTokenizer()
+
+    def __init__(self, chains: dict[str, Chain]):
+        self.levels = {level.name: level for chain in chains.values() for level in chain.levels}
+
+    def build(self, spec: ChainSpec) -> Chain:
+        return Chain([type(self.levels[l.name])(l.name, self.levels[l.name].model, l.mu, l.draft) for l in spec.levels])
+
+
 def run_eval(models, tmp_path, chains: dict[str, Chain], plan: bool = False, **cfg_kwargs):
     target = models[0]
-    names = {name: [level.name for level in chain.levels] for name, chain in chains.items()}
-    cfg = eval_cfg(tmp_path, {name: [LEVELS[n] for n in levels] for name, levels in names.items()}, **cfg_kwargs)
+    levels = {name: [LEVELS[level.name] for level in chain.levels] for name, chain in chains.items()}
+    cfg = eval_cfg(tmp_path, levels, **cfg_kwargs)
     decoders = {"ar": lambda p, n, **kw: autoregressive(target, p, n, eos_token_id=EOS, **kw)}
     decoders |= {name: chain_decoder(chain, EOS) for name, chain in chains.items()}
-    plans = plan_chains(cfg, chains, decoders, QUESTIONS[:1], ByteTokenizer(), EOS) if plan else {}
+    specs = {name: ChainSpec.parse(chain) for name, chain in levels.items()}
+    plans = plan_chains(cfg, LevelBuilder(chains), specs, decoders, QUESTIONS[:1], EOS) if plan else {}
     records = decode_questions(decoders, QUESTIONS, ByteTokenizer(), max_new_tokens=12, warmup_tokens=4)
     sampled = decode_sampled({n: decoders[n] for n in chains}, QUESTIONS[:2], ByteTokenizer(), 12, 1.0, 0)
-    names |= {p["chain"]: names[base] for base, p in plans.items()}
-    code = conclude(cfg, records, names, lambda ids: top2_margin(target, ids), "hash", Tracker(cfg, "eval"),
-                    len(QUESTIONS), plans=plans, sampled=sampled)
+    levels |= {p["chain"]: p["levels"] for p in plans.values()}
+    decoded = Decoded(records, levels, len(QUESTIONS), plans, sampled)
+    code = conclude(cfg, decoded, lambda ids: top2_margin(target, ids), "hash", Tracker(cfg, "eval"))
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     return code, report, {c["name"]: c for c in report["checks"]}
 
@@ -72,12 +89,15 @@ def test_rejected_w4_level_still_publishes_target_head(models, tmp_path, capsys)
     assert code == 0 and report["gate"]["chain"] == "dualistic", report["gate"]
     manifest = json.loads((tmp_path / "publish" / "chain.json").read_text())
     assert manifest["chain"] == "dualistic" and manifest["measured"]["speedup_over_ar"] > 1.0
+    interval = manifest["measured"]["speedup_over_ar_interval"]
+    assert interval["low"] > 1 and interval["text"].endswith(": shown faster") and interval["turns"] == 8
     assert [lvl["config"]["name"] for lvl in manifest["levels"]] == ["target", "draft"]
     assert manifest["levels"][0]["content_hash"] == "hash" and manifest["forced"] is False
     assert manifest["checks"] == {"lossless": True, "insertion": True, "agreement": True, "faster_than_ar": True}
     assert any(r.startswith("insertion: w4 between") for r in manifest["rejected"]["polybasic"])
     md = (tmp_path / "eval" / "report.md").read_text()
-    assert md.splitlines()[2].startswith("**Published: dualistic.** dualistic, the fastest admissible chain")
+    assert md.splitlines()[2].startswith(f"**Published: dualistic.** dualistic, the fastest admissible chain by its interval's "
+                                         f"lower bound: {interval['text']} than AR")
     assert "- rejected polybasic: insertion: w4 between target and draft" in md
     assert "| w4 in polybasic (vs dualistic) |" in md and "## Theorem 3.3" in md
     for name in ("report.md", "speedup_by_category.png", "acceptance_polybasic.png", "predicted_vs_measured.png", "metrics.json"):
@@ -103,11 +123,13 @@ def test_no_chain_slower_than_ar_is_published_and_a_refusal_sets_the_old_bundle_
     out = capsys.readouterr().out
     assert code == EXIT_NOT_PUBLISHED and all(c["passed"] for c in checks.values())  # every check passed, force too: still refused
     assert report["chains"]["dualistic"]["time_speedup"] < 1 and report["gate"]["decision"] == "not published"
-    assert report["gate"]["rejected"]["dualistic"][-1].startswith("faster than AR: measured 0.")
+    interval = report["chains"]["dualistic"]["time_speedup_interval"]
+    assert interval["high"] < 1 and report["gate"]["rejected"]["dualistic"][-1] == f"faster than AR: {interval['text']}"
     assert not (tmp_path / "publish").exists() and not (tmp_path / ".publish.tmp-left-over").exists()
     assert json.loads((tmp_path / "publish.stale" / "chain.json").read_text())["chain"] == "dualistic"
     assert f"moved the previously published bundle aside to {tmp_path / 'publish.stale'}" in out
-    assert "not published: no chain is admissible." in out and "removed a stale temp folder" in out
+    assert f"not published: no chain is shown faster than AR: dualistic {interval['text']} (95% intervals)." in out
+    assert "removed a stale temp folder" in out
 
 
 def test_lossy_chain_fails_the_lossless_check(models, tmp_path, capsys):

@@ -6,11 +6,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from data.artifacts import Artifacts
+from data.layout import RunLayout
 from data.models import weights_hash
 from decode.build import build_chain
-from decode.chain import DecodeError
-from decode.head import EagleHead, HeadError
+from decode.engine.errors import DecodeError
+from decode.engine.head import EagleHead, HeadError
 
 
 @pytest.fixture
@@ -71,5 +71,5 @@ def test_a_chain_reports_a_damaged_head_in_one_line(saved, tmp_path):
     (out / "model.safetensors").write_bytes(b"")
 
     with pytest.raises(DecodeError, match="cannot load the EAGLE head") as err:
-        build_chain([{"kind": "model"}, {"kind": "eagle", "path": str(out)}], target, None, Artifacts(tmp_path))
+        build_chain([{"kind": "model"}, {"kind": "eagle", "path": str(out)}], target, None, RunLayout(tmp_path))
     assert "\n" not in str(err.value) and "unreadable" in str(err.value)

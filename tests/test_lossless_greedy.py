@@ -10,7 +10,8 @@ import torch
 from decode_fixtures import greedy_equal, noisy_copy, packed, prompts, tiny_model
 
 from decode.build import build_chain
-from decode.chain import Chain, EagleLevel, ModelLevel, NgramLevel
+from decode.engine.chain import Chain
+from decode.engine.levels import EagleLevel, ModelLevel, NgramLevel
 
 VOCAB = 300
 TREE = {"mode": "tree", "depth": 4, "top_k": 3, "total_tokens": 10}
@@ -85,7 +86,7 @@ def test_eagle_chains_greedy_equal_target_greedy(models, shape):
 @pytest.mark.parametrize("mode", [{"length": 4}, TREE])
 def test_eagle_with_draft_vocabulary_greedy_equals_target_greedy(models, mode):
     """A head that can only propose 40 of the 300 tokens: the rest must still come out, from the target."""
-    from decode.head import EagleHead
+    from decode.engine.head import EagleHead
 
     target = models[0]
     chain = build_chain([{"kind": "model"}, {"kind": "eagle", "path": "untrained", "draft": mode}], target, tokenizer=None)
@@ -116,15 +117,15 @@ def test_middle_level_with_restricted_vocabulary_greedy_equals_target_greedy(mod
 
 
 def test_middle_level_with_int8_lm_head_greedy_equals_target_greedy(models):
-    """`lm_head: int8` on the middle level (decode.fast.quantize_lm_head): its proposals change a little, the
+    """`lm_head: int8` on the middle level (decode.backends.cpu.quantize_lm_head): its proposals change a little, the
     output must not; the config refuses it on the target itself."""
-    from decode.chain import DecodeError
-    from decode.fast import Int8RowLinear
+    from decode.engine.errors import DecodeError
+    from decode.backends.cpu.int8 import Int8RowLinear
 
     target = models[0]
     config = [{"kind": "model"}, {"kind": "model", "model": "target", "layers": 3, "mu": 2, "lm_head": "int8"},
               {"kind": "model", "model": "target", "layers": 1, "draft": {"length": 3}}]
-    chain = build_chain(config, target, tokenizer=None, fast=False)
+    chain = build_chain(config, target, tokenizer=None)
     middle = chain.levels[1].model
     head = middle.get_output_embeddings()
     assert isinstance(head, Int8RowLinear) and not isinstance(target.get_output_embeddings(), Int8RowLinear)
@@ -140,7 +141,7 @@ def test_middle_level_with_int8_lm_head_greedy_equals_target_greedy(models):
     assert chain.levels[1].stats.accepted > 0
     with pytest.raises(DecodeError, match="would change the target's own logits"):
         build_chain([{"kind": "model"}, {"kind": "model", "model": "target", "lm_head": "int8"}, config[2]], target, tokenizer=None)
-    with pytest.raises(DecodeError, match="lm_head must be int8"):
+    with pytest.raises(DecodeError, match="lm_head must be one of int8, got .int4."):
         build_chain([config[0], {**config[1], "lm_head": "int4"}, config[2]], target, tokenizer=None)
 
 
@@ -149,7 +150,9 @@ def test_bf16_middle_level_in_a_packed_chain_greedy_equals_target_greedy(models)
     bf16 support (an AVX2-only EPYC refuses at packing time); elsewhere the linears keep their plain forward."""
     import copy
 
-    from decode.fast import PackedLinear, pack, packable_dtypes, unpack
+    from decode.backends.cpu.dense import PackedLinear, packable_dtypes
+
+    from decode.backends.cpu import pack, unpack
 
     target = models[0]
     middle = copy.deepcopy(target)
@@ -168,23 +171,25 @@ def test_bf16_middle_level_in_a_packed_chain_greedy_equals_target_greedy(models)
 
 
 def test_sibling_linears_run_fused_with_the_unfused_packed_logits():
-    """decode.fast.pack runs q/k/v and gate/up (found by tracing, not by name) as one product each: a cached
+    """decode.backends.cpu.pack runs q/k/v and gate/up (found by tracing, not by name) as one product each: a cached
     decode gives bit-identical logits to the unfused packed model; a sibling handed another input computes
-    alone; a deep copy runs unfused on its own copy of the weights."""
+    alone; a deep copy runs unfused on its own copy of the weights. Where the fused forward is not bit-identical
+    on this machine the fusion is undone as a whole: the logits are asserted either way."""
     import copy
 
     from transformers import DynamicCache
 
-    from decode.fast import PackedLinear, SiblingGroup, pack_weight
+    from decode.backends.cpu.dense import PackedLinear, pack_weight
+
+    from decode.backends.cpu.fusion import SiblingGroup
 
     fused, alone = packed(tiny_model(seed=4, vocab=VOCAB)), packed(tiny_model(seed=4, vocab=VOCAB))
     for m in alone.modules():
         if isinstance(m, PackedLinear) and m.sibling is not None:
             m.sibling, m.packed = None, pack_weight(m.weight.detach(), m.gemm)
     groups = {id(m.sibling[0]): m.sibling[0] for m in fused.modules() if getattr(m, "sibling", None)}
-    assert len(groups) == 2 * fused.config.num_hidden_layers and all(isinstance(g, SiblingGroup) for g in groups.values())
+    assert len(groups) in (0, 2 * fused.config.num_hidden_layers) and all(isinstance(g, SiblingGroup) for g in groups.values())
     attention = fused.model.layers[0].self_attn
-    assert attention.q_proj.sibling[0] is attention.k_proj.sibling[0] is attention.v_proj.sibling[0]
     ids = torch.tensor([prompts(VOCAB, 1, seed=5)[0]])
     with torch.inference_mode():
         for model in (fused, alone):
@@ -192,6 +197,9 @@ def test_sibling_linears_run_fused_with_the_unfused_packed_logits():
             model.steps = [model(ids[:, :9], past_key_values=cache).logits] + [
                 model(ids[:, i:i + k], past_key_values=cache).logits for i, k in ((9, 1), (10, 4), (14, 1))]
         assert all(torch.equal(a, b) for a, b in zip(fused.steps, alone.steps))
+        if not groups:
+            return  # the fusion did not hold here bit for bit and was undone: nothing fused left to check
+        assert attention.q_proj.sibling[0] is attention.k_proj.sibling[0] is attention.v_proj.sibling[0]
         x, other = torch.randn(1, 3, 64), torch.randn(1, 3, 64)
         attention.q_proj(x)
         assert torch.equal(attention.k_proj(other), torch.nn.functional.linear(other, attention.k_proj.weight))
@@ -201,13 +209,15 @@ def test_sibling_linears_run_fused_with_the_unfused_packed_logits():
 
 
 def test_packed_grouped_query_attention_skips_repeat_kv_with_the_same_logits(monkeypatch):
-    """decode.fast.pack swaps HF's sdpa attention for one that hands grouped K/V heads to SDPA with a mask
+    """decode.backends.cpu.pack swaps HF's sdpa attention for one that hands grouped K/V heads to SDPA with a mask
     (no repeat_kv copy): a cached verification with a tree mask gives bit-identical logits; unpack restores sdpa."""
     from transformers import DynamicCache
     from transformers.integrations import sdpa_attention
 
-    from decode.fast import GROUPED_SDPA, unpack
-    from decode.tree import Tree
+    from decode.backends.cpu.attention import GROUPED_SDPA
+
+    from decode.backends.cpu import unpack
+    from decode.engine.tree import Tree
 
     model = packed(tiny_model(seed=6, vocab=VOCAB), "onednn")  # the AVX2 product brings its own attention (test_cpu_kernels)
     assert model.config._attn_implementation == GROUPED_SDPA and model.config.num_key_value_heads < model.config.num_attention_heads
@@ -235,8 +245,8 @@ def test_packed_grouped_query_attention_skips_repeat_kv_with_the_same_logits(mon
 
 def test_restricted_vocabulary_comes_from_the_chains_head_and_never_on_the_target(models, monkeypatch):
     from decode import build
-    from decode.chain import DecodeError
-    from decode.head import EagleHead
+    from decode.engine.errors import DecodeError
+    from decode.engine.head import EagleHead
 
     target = models[0]
     config = [{"kind": "model"}, {"kind": "model", "model": "target", "layers": 3, "mu": 2, "vocab": "head"},
@@ -312,7 +322,7 @@ def test_real_packed_target_decodes_like_the_eager_target(bundled_target):
 def test_real_packed_dualistic_chain_with_draft_vocabulary_is_lossless(bundled_target):
     """The default fast path on the real model: packed target <- head with an 8k draft vocabulary (tree)."""
     from data.sharegpt import chat_prompt_ids
-    from decode.head import EagleHead
+    from decode.engine.head import EagleHead
     from decode_fixtures import packed as packed_copy
 
     model, tokenizer = bundled_target

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from data.artifacts import Artifacts
+from data.layout import RunLayout
 from data.models import ModelSourceError, is_hub_id, load_model, resolve_model_path
 from decode.build import level_model
-from decode.chain import DecodeError
+from decode.engine.spec import LevelSpec
+from decode.engine.errors import DecodeError
 from decode_fixtures import tiny_model
 
 
@@ -60,5 +61,5 @@ def test_chain_level_names_the_missing_folder(tmp_path, monkeypatch, spec, missi
     (run / "sub").mkdir(parents=True)
     target = tiny_model(layers=1)
     with pytest.raises(DecodeError, match="no such model folder") as err:
-        level_model({"name": "w4", "model": spec}, target, None, Artifacts(run), "float32")
+        level_model(LevelSpec(name="w4", model=spec), target, None, RunLayout(run), "float32")
     assert missing.format(run=run) in str(err.value) and "hub" not in str(err.value).split("(")[0]

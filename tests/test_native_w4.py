@@ -11,11 +11,11 @@ import copy
 import pytest
 import torch
 from test_quantize_w4 import chat_file, stage_config, tiny_source  # noqa: F401  (module fixtures reused)
-from transformers import DynamicCache, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from decode.backends.cpu.llama import NativeLlamaRunner, int4_parts, native_kernels, unsupported
-from decode.chain import crop_cache
-from decode.tree import Tree
+from decode.engine.runner import HFRunner
+from decode.engine.tree import Tree
 
 pytestmark = pytest.mark.skipif(native_kernels()[0] is None, reason="the native kernels do not build here")
 
@@ -50,21 +50,15 @@ def dequantized(model: torch.nn.Module) -> LlamaForCausalLM:
     return plain
 
 
-def hf_hidden(model, ids, cache, mask=None, positions=None) -> torch.Tensor:
-    with torch.no_grad():
-        return model.model(input_ids=ids, past_key_values=cache, use_cache=True, attention_mask=mask,
-                           position_ids=positions).last_hidden_state
-
-
 def text(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, 300, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
 def test_the_forward_is_the_dequantized_w4_model(w4, one_thread):
-    reference, runner, ids = dequantized(w4), NativeLlamaRunner(w4, capacity=128), text(40)
-    cache = DynamicCache(config=reference.config)
+    reference, runner, ids = HFRunner(dequantized(w4)), NativeLlamaRunner(w4, capacity=128), text(40)
     for lo, hi in ((0, 30), (30, 31), (31, 40)):  # a prefill, one token, a verification
-        ours, theirs = runner.forward(ids[:, lo:hi], None, None), hf_hidden(reference, ids[:, lo:hi], cache)
+        with torch.no_grad():
+            ours, theirs = runner.forward(ids[:, lo:hi], None, None), reference.forward(ids[:, lo:hi], None, None)
         assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4), (lo, (ours - theirs).abs().max())
     assert runner.cached() == 40
 
@@ -93,34 +87,32 @@ def test_a_forward_of_k_tokens_gives_the_bits_of_k_one_token_forwards(w4):
 
 
 def test_a_tree_then_its_accepted_path_like_an_hf_cache(w4, one_thread):
-    """What a ModelLevel does with a cache: a tree forward under a mask with tree positions, keeping the
-    accepted path (index_select on the HF cache), cropping, going on."""
-    reference, runner, ids = dequantized(w4), NativeLlamaRunner(w4, capacity=64), text(16, seed=3)
-    cache = DynamicCache(config=reference.config)
+    """What a ModelLevel does with its runner: a tree forward under a mask with tree positions, keeping the
+    accepted path, cropping, going on; the same as the engine's HFRunner on the dequantized model."""
+    reference, runner, ids = HFRunner(dequantized(w4)), NativeLlamaRunner(w4, capacity=64), text(16, seed=3)
     tree = Tree()
     a = tree.add(7, -1)
     b = tree.add(8, a)
     tree.add(9, a)
     tree.add(10, b)
-    runner.forward(ids, None, None), hf_hidden(reference, ids, cache)
     mask, positions = tree.attention_mask(16, 16, torch.float32), tree.position_ids(16, 16)
-    nodes = torch.tensor([tree.tokens])
-    ours, theirs = runner.forward(nodes, mask, positions), hf_hidden(reference, nodes, cache, mask, positions)
-    assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4)
-    keep = torch.tensor([*range(16), 16, 17, 19])  # context, then the path a -> b -> its child
-    runner.keep(keep)
-    for layer in cache.layers:
-        layer.keys, layer.values = layer.keys.index_select(-2, keep), layer.values.index_select(-2, keep)
-    runner.crop(18)
-    crop_cache(cache, 18)
-    more = text(3, seed=4)
-    ours, theirs = runner.forward(more, None, None), hf_hidden(reference, more, cache)
-    assert runner.cached() == 21 and torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+    nodes, more = torch.tensor([tree.tokens]), text(3, seed=4)
+    results = []
+    for r in (runner, reference):
+        with torch.no_grad():
+            r.forward(ids, None, None)
+            on_tree = r.forward(nodes, mask, positions)
+            r.keep(torch.tensor([*range(16), 16, 17, 19]))  # context, then the path a -> b -> its child
+            r.crop(18)
+            results.append((on_tree, r.forward(more, None, None), r.cached()))
+    (tree_ours, after_ours, cached), (tree_theirs, after_theirs, cached_hf) = results
+    assert torch.allclose(tree_ours, tree_theirs, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(after_ours, after_theirs, atol=1e-4, rtol=1e-4) and cached == cached_hf == 21
 
 
 def test_the_int4_product_is_the_fp32_product_of_the_dequantized_weight_bit_for_bit(w4):
     """One FMA chain per output over the act-ordered inputs, dequantization exact: the fp32 kernel's bits."""
-    from decode.fast import avx2_kernel
+    from decode.backends.cpu.kernels import avx2_kernel
 
     module = w4.model.layers[0].mlp.down_proj
     codes, scales, perm = int4_parts(module)
@@ -160,7 +152,8 @@ def test_unsupported_models_are_refused_with_a_reason(w4, tiny_llama):
 
 def test_the_native_int8_head_is_the_fp32_product_of_its_int8_rows(w4):
     from decode.backends.cpu.llama import NativeInt8Head
-    from decode.fast import Int8RowLinear, avx2_kernel
+    from decode.backends.cpu.int8 import Int8RowLinear
+    from decode.backends.cpu.kernels import avx2_kernel
 
     int8 = Int8RowLinear(w4.get_output_embeddings())
     head, x = NativeInt8Head(int8), torch.randn(3, int8.in_features)
@@ -168,3 +161,51 @@ def test_the_native_int8_head_is_the_fp32_product_of_its_int8_rows(w4):
     fp32 = avx2_kernel()[0]
     assert torch.equal(head(x), fp32.linear(x, fp32.pack(weight), weight.shape[0], None))
     assert torch.allclose(head(x), int8(x), atol=0.05, rtol=0.02)  # aten's kernel rounds activations to bf16
+
+
+def real_text_agreement(model, tokenizer) -> tuple[float, float]:
+    """(share of positions where the native forward's argmax equals GPTQModel's, max |logit difference|) over
+    300 tokens of this repository's README, one forward each."""
+    from pathlib import Path
+
+    ids = torch.tensor([tokenizer(Path(__file__).parents[1].joinpath("README.md").read_text()).input_ids[:300]])
+    with torch.no_grad():
+        theirs = model(ids).logits
+        ours = model.lm_head(NativeLlamaRunner(model, capacity=512).forward(ids, None, None))
+    return (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item(), (ours - theirs).abs().max().item()
+
+
+@pytest.mark.slow
+def test_the_bundled_w4_model_agrees_with_gptqmodel_on_real_text(tmp_path):
+    """The real SmolLM2 quantized with reduced settings (a few minutes on 2 busy cores)."""
+    from data.models import DEFAULT_MODEL, load_model
+    from quantize.w4 import run
+
+    cfg = stage_config(DEFAULT_MODEL, tmp_path, tmp_path, **{
+        "calibration.samples": 8, "calibration.max_len": 128, "calibration.min_len": 64, "eval.ppl_conversations": 1,
+        "eval.agreement_prompts": 1, "eval.continuation_tokens": 8, "eval.timing_repeats": 1})
+    cfg.model.name = DEFAULT_MODEL
+    cfg.data = {"source": "bundled", "max_len": 1024, "held_out_fraction": 0.02, "max_conversations": None}
+    model, tokenizer = load_model(str(run(cfg)))
+    assert unsupported(model) is None
+    agreement, gap = real_text_agreement(model, tokenizer)
+    assert agreement >= 0.97 and gap < 1.0, (agreement, gap)
+
+
+@pytest.mark.parametrize("draft", [{"length": 4}, {"mode": "tree", "depth": 3, "top_k": 2, "total_tokens": 6}],
+                         ids=["chain", "tree"])
+def test_a_native_w4_drafter_keeps_decoding_lossless(w4, tiny_source, draft, one_thread):  # noqa: F811
+    """target <- W4 (native runner): the greedy tokens are the target's own."""
+    from decode_fixtures import greedy_equal
+
+    from decode.backends import runner
+    from decode.engine.chain import Chain
+    from decode.engine.levels import ModelLevel
+
+    target = LlamaForCausalLM.from_pretrained(tiny_source).eval()
+    chain = Chain([ModelLevel("t", target), ModelLevel("w4", w4, draft=draft, runner=runner(w4, "on"))])
+    assert isinstance(chain.levels[1].runner, NativeLlamaRunner)
+    for seed in range(2):
+        prompt = text(12, seed=10 + seed)[0].tolist()
+        ok, _ = greedy_equal(target, prompt, chain.generate(prompt, 30).tokens)
+        assert ok

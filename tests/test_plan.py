@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from decode.plan import ChainModel, Shape, best, capped, first_passage, knobs, plan_chain, predict
+from decode.engine.planner import ChainModel, Shape, best, capped, first_passage, predict
+from decode.plan import plan_chain
 
 
 def test_first_passage_hands_up_the_buffer_that_first_reaches_mu():
@@ -66,17 +67,27 @@ def test_best_picks_mu_for_a_middle_level():
 
 
 def test_plan_chain_calibrates_a_real_chain_and_predicts_the_configured_values(one_thread):
-    from decode.chain import Chain, ModelLevel
+    from decode.engine.chain import Chain
+    from decode.engine.levels import ModelLevel
+    from decode.engine.spec import ChainSpec
     from decode_fixtures import noisy_copy, prompts, tiny_model
 
     target = tiny_model(0)
-    chain = Chain([ModelLevel("target", target), ModelLevel("mid", noisy_copy(target, 0.05, 1), mu=2),
-                   ModelLevel("draft", noisy_copy(target, 0.3, 2), draft={"mode": "chain", "length": 3})])
+    models = {"target": target, "mid": noisy_copy(target, 0.05, 1), "draft": noisy_copy(target, 0.3, 2)}
+    spec = ChainSpec.parse([{"name": "target"}, {"name": "mid", "model": "mid", "mu": 2},
+                            {"name": "draft", "model": "draft", "draft": {"mode": "chain", "length": 3}}])
+    built: list[ChainSpec] = []
+
+    def build(variant: ChainSpec) -> Chain:  # the spec's chain on the models above (a ChainBuilder loads them instead)
+        built.append(variant)
+        return Chain([ModelLevel(l.name, models[l.model], l.mu, l.draft) for l in variant.levels])
+
     cfg = OmegaConf.create({"mu": [1, 2, 4], "lengths": [1, 2, 4], "min_gain": 0.0, "trees": [], "costs": None, "ks": [1, 4, 8],
                             "repeats": 1, "context": 32, "max_new_tokens": 12})
-    plan = plan_chain(chain, prompts(300, n=2), cfg, eos=None)
+    plan = plan_chain(spec, build, prompts(300, n=2), cfg, eos=None)
     assert plan["configured"]["knobs"] == {"mu": {"mid": 2}, "draft": {"mode": "chain", "length": 3}}
-    assert knobs(chain) == plan["configured"]["knobs"]  # calibration puts the configured values back
+    assert spec.knobs() == plan["configured"]["knobs"] and built[0] == spec  # the spec is never changed: variants are new ones
+    assert {v.knobs()["mu"]["mid"] for v in built[1:]} == {4}  # calibration runs at the largest mu
     planned = plan["planned"]["knobs"]
     assert planned["mu"]["mid"] in (1, 2, 4) and planned["draft"]["length"] in (1, 2, 3, 4)
     assert plan["planned"]["predicted"]["s_per_token"] <= plan["configured"]["predicted"]["s_per_token"]
@@ -84,5 +95,5 @@ def test_plan_chain_calibrates_a_real_chain_and_predicts_the_configured_values(o
     assert set(plan["calibration"]["costs"]) == {"target", "mid"}
     assert all(c["source"] == "timed" and c["scale"] > 0 for c in plan["calibration"]["costs"].values())
     assert plan["planned"]["predicted"]["speedup"] > 0
-    cautious = plan_chain(chain, prompts(300, n=2), OmegaConf.merge(cfg, {"min_gain": 0.99}), eos=None)
+    cautious = plan_chain(spec, build, prompts(300, n=2), OmegaConf.merge(cfg, {"min_gain": 0.99}), eos=None)
     assert cautious["planned"] == cautious["configured"]  # not predicted 99% faster: keep the configured values

@@ -47,7 +47,7 @@ def test_bad_prompt_files_are_one_line_errors(tmp_path, content, message):
 
 
 def test_a_folder_is_not_a_question_file(tmp_path):
-    with pytest.raises(DataError, match="no such question file"):
+    with pytest.raises(DataError, match="a folder, not a question file"):
         load_questions(tmp_path)
 
 

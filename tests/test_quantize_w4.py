@@ -276,12 +276,13 @@ def test_bundled_model_quantizes_and_the_w4_level_is_close(tmp_path):
 
 
 def test_packed_int4_forward_matches_gptqmodels_own(quantized):
-    """decode.fast.pack gives the int4 linears a lean forward, siblings fused into one product: same kernel,
-    same logits, and unpack undoes it."""
+    """decode.backends.cpu.pack gives the int4 linears a lean forward: same kernel, same logits, and unpack undoes it.
+    Whether q/k/v and gate/up also run fused depends on the machine (the fusion is kept only where its
+    logits are bit-identical), so only the logits are asserted, never which optimisation stayed."""
     from transformers import DynamicCache
 
     from data.models import load_model
-    from decode.fast import pack, unpack
+    from decode.backends.cpu import pack, unpack
 
     model, _ = load_model(str(quantized))
     ids = torch.tensor([list(range(10, 40))])
@@ -290,9 +291,6 @@ def test_packed_int4_forward_matches_gptqmodels_own(quantized):
         int4 = [m for m in model.modules() if type(m).__name__ == "TorchFusedLinear"]
         assert pack(model) >= len(int4) > 0
         assert all("forward" in vars(m) for m in int4)
-        siblings = [m for n, m in model.named_modules() if m in int4 and not n.endswith(("o_proj", "down_proj"))]
-        assert siblings and all(m.sibling is not None for m in siblings), \
-            "q/k/v and gate/up share an act-order index: each set should run as one int4 product"
         lean = model(ids).logits
         cache = DynamicCache(config=model.config)
         model(ids[:, :20], past_key_values=cache, use_cache=True)

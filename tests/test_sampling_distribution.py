@@ -12,9 +12,10 @@ import pytest
 import torch
 from decode_fixtures import noisy_copy, packed, tiny_model
 
-import decode.sampling
-from decode.chain import Chain, ModelLevel, NgramLevel
-from decode.sampling import Sampling, probabilities
+import decode.engine.sampling
+from decode.engine.chain import Chain
+from decode.engine.levels import ModelLevel, NgramLevel
+from decode.engine.sampling import Sampling, probabilities
 
 VOCAB, SAMPLES, PROMPT = 8, 1500, [1, 2, 3, 1, 2]
 SAMPLING = Sampling(temperature=1.0, top_k=0, top_p=1.0)
@@ -65,7 +66,7 @@ def models(request):
 def draft_vocab_chain(models, draft: dict) -> Chain:
     """target <- EAGLE head that can propose only 4 of the 8 tokens: the others come only from residuals."""
     from decode.build import build_chain
-    from decode.head import EagleHead
+    from decode.engine.head import EagleHead
 
     chain = build_chain([{"kind": "model"}, {"kind": "eagle", "path": "untrained", "draft": draft}], models[0], tokenizer=None)
     torch.manual_seed(0)
@@ -116,7 +117,7 @@ def test_draft_vocabulary_chain_samples_like_the_target(models):
 
 @pytest.mark.parametrize("chain", ["three levels", "draft vocabulary", "restricted middle"])
 def test_broken_acceptance_rule_is_caught(models, monkeypatch, chain):
-    monkeypatch.setattr(decode.sampling, "residual", lambda p, q, token: p)  # the classic bug
+    monkeypatch.setattr(decode.engine.sampling, "residual", lambda p, q, token: p)  # the classic bug
     built = {"three levels": three_level, "restricted middle": restricted_middle}.get(
         chain, lambda m: draft_vocab_chain(m, {"mode": "chain", "length": 2}))(models)
     p = chi_square_pvalue(chain_counts(built), exact_joint(models[0]))

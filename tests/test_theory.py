@@ -7,7 +7,7 @@ from decimal import ROUND_DOWN, Decimal
 
 import pytest
 
-from decode.theory import (
+from decode.engine.theory import (
     TheoryError,
     forward_cost,
     insertion_conditions,

@@ -16,8 +16,10 @@ from safetensors.torch import load_file
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import train.eagle as eagle
+import train.evaluation as evaluation
+import train.examples as train_examples
 from data.models import load_tokenizer, weights_hash
-from decode.head import EagleHead, HeadError
+from decode.engine.head import EagleHead, HeadError
 
 REPO = Path(__file__).resolve().parents[1]
 # Stages this one does not read (of quantize it reads the W4 model's folder, quantize.output); dropping them
@@ -73,7 +75,7 @@ def test_batched_evaluation_drafts_exactly_like_sequential_decoding():
     with torch.no_grad():
         features = target(ids[None], output_hidden_states=True).hidden_states[-1][0]
     depth = 3
-    drafts = eagle.chain_drafts(head, ids, features, depth)
+    drafts = evaluation.chain_drafts(head, ids, features, depth)
     n = len(ids) - 1 - depth
     assert drafts.shape == (depth, n)
     with torch.no_grad():
@@ -95,9 +97,9 @@ def test_unrolled_training_batch_equals_each_sequence_alone():
     ids = torch.randint(0, 49152, (2, 12), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         features = target(ids, output_hidden_states=True).hidden_states[-1]
-        batched = eagle.unroll(head, ids, features, 3)
+        batched = evaluation.unroll(head, ids, features, 3)
         for row in range(2):
-            alone = eagle.unroll(head, ids[row:row + 1], features[row:row + 1], 3)
+            alone = evaluation.unroll(head, ids[row:row + 1], features[row:row + 1], 3)
             for b, a in zip(batched, alone):
                 torch.testing.assert_close(b[row], a[0], rtol=1e-5, atol=1e-5)
 
@@ -107,6 +109,18 @@ def test_unroll_3_trains_a_loadable_head(tiny_setup, tmp_path):
     assert metrics["train/steps"] == 4 and torch.isfinite(torch.tensor(metrics["train/loss"]))
     target = LlamaForCausalLM.from_pretrained(tiny_setup / "target")
     EagleHead.from_pretrained(tmp_path / "eagle", target, load_tokenizer(str(tiny_setup / "target")))
+
+
+def test_target_last_layer_init_copies_the_layer_but_its_input_norm():
+    """The head's layer has no input norm (vLLM's function): init copies every other weight of the target's last layer."""
+    from omegaconf import OmegaConf
+
+    target = tiny_llama(1)
+    head = eagle.new_head(OmegaConf.create({"train": {"init": "target_last_layer"}}), target, None)
+    last, own = target.model.layers[-1].state_dict(), head.layer.state_dict()
+    assert set(last) - set(own) == {"input_layernorm.weight"} and set(own) <= set(last)
+    assert all(torch.equal(own[k], last[k]) for k in own)
+    assert torch.equal(head.fc.weight[:, 32:], torch.eye(32)) and head.fc.bias is None
 
 
 def test_config_errors_are_one_line(tiny_setup, tmp_path):
@@ -134,9 +148,10 @@ def test_target_without_decoder_layer_class_is_refused(tiny_setup, tmp_path):
 def test_training_writes_a_loadable_head_folder(tiny_setup, tmp_path):
     metrics = eagle.train(compose(tiny_setup, tmp_path, "train.lr=3e-3"))
     out = tmp_path / "eagle"
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "learning_curve.png", "metrics.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "draft_vocab.json", "learning_curve.png", "metrics.json",
+                                                     "model.safetensors"]
     assert (out / "learning_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    config = json.loads((out / "config.json").read_text())
+    config = json.loads((out / "config.json").read_text())["polyspec"]
     assert config["target"]["weights_hash"] == weights_hash(tiny_llama(0))
     assert config["feature_source"] == "target" and config["training"]["lr"] == 3e-3
     assert json.loads((out / "metrics.json").read_text())["train/steps"] == metrics["train/steps"] == 8
@@ -210,7 +225,7 @@ def test_feature_source_w4_trains_on_the_w4_models_features(tiny_setup, tmp_path
     load_tokenizer(str(tiny_setup / "target")).save_pretrained(tmp_path / "quantized")
     metrics = eagle.train(compose(tiny_setup, tmp_path, "train.feature_source=w4", "train.epochs=1", *moved))
     assert not (tmp_path / "eagle").exists()
-    config = json.loads((tmp_path / "heads" / "w4_features" / "config.json").read_text())
+    config = json.loads((tmp_path / "heads" / "w4_features" / "config.json").read_text())["polyspec"]
     assert config["feature_source"] == "w4"
     assert config["training"]["feature_model_hash"] == weights_hash(w4) != config["target"]["weights_hash"]
     target_metrics = eagle.train(compose(tiny_setup, tmp_path / "t", "train.epochs=1"))
@@ -224,7 +239,7 @@ def test_verifier_replies_are_its_own_greedy_answers_generated_once(tiny_setup, 
                   "train.regenerate.batch=3")
     target = LlamaForCausalLM.from_pretrained(tiny_setup / "target").eval()
     tokenizer = load_tokenizer(str(tiny_setup / "target"))
-    examples, _ = eagle.load_examples(cfg, tokenizer, target, weights_hash(target))
+    examples, _ = train_examples.load_examples(cfg, tokenizer, target, weights_hash(target))
     assert len(examples) == 16 and len(list((tmp_path / "eagle_features").glob("replies-*.json"))) == 1
     for example in examples[:4]:
         prompt = example.input_ids[~example.loss_mask]
@@ -235,11 +250,11 @@ def test_verifier_replies_are_its_own_greedy_answers_generated_once(tiny_setup, 
     metrics = eagle.train(compose(tiny_setup, tmp_path, "train.replies=verifier", "train.regenerate.max_new_tokens=6",
                                   "train.regenerate.batch=3", "train.epochs=1"))
     assert torch.isfinite(torch.tensor(metrics["train/loss"]))
-    monkeypatch.setattr(eagle.replies, "greedy_replies", lambda *a: pytest.fail("cached replies were regenerated"))
-    again, _ = eagle.load_examples(cfg, tokenizer, target, weights_hash(target))
+    monkeypatch.setattr(train_examples.replies, "greedy_replies", lambda *a: pytest.fail("cached replies were regenerated"))
+    again, _ = train_examples.load_examples(cfg, tokenizer, target, weights_hash(target))
     assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(examples, again))
     with pytest.raises(pytest.fail.Exception, match="regenerated"):  # another model: another key, never the old file
-        eagle.load_examples(cfg, tokenizer, tiny_llama(7), "other-weights")
+        train_examples.load_examples(cfg, tokenizer, tiny_llama(7), "other-weights")
 
 
 def test_feature_store_is_sized_first_reused_and_rebuilt_when_its_key_changes(tiny_setup, tmp_path, capsys):
@@ -252,7 +267,7 @@ def test_feature_store_is_sized_first_reused_and_rebuilt_when_its_key_changes(ti
     meta = json.loads((store_dir / "meta.json").read_text())
     assert meta["key"] == store_dir.name and meta["conversations"] == 16
     target = LlamaForCausalLM.from_pretrained(tiny_setup / "target")
-    examples, _ = eagle.load_examples(compose(tiny_setup, tmp_path), load_tokenizer(str(tiny_setup / "target")), target, "")
+    examples, _ = train_examples.load_examples(compose(tiny_setup, tmp_path), load_tokenizer(str(tiny_setup / "target")), target, "")
     stored = eagle.store.build_or_load(target, [e.input_ids for e in examples],
                                        tmp_path / "eagle_features", weights_hash(target), "bfloat16", 4)
     with torch.no_grad():
@@ -276,12 +291,12 @@ def test_loss_on_all_tokens_reuses_the_store_and_counts_every_real_position(tiny
     everything = eagle.train(compose(tiny_setup, tmp_path, "train.loss_tokens=all"))
     assert "feature store: reusing" in capsys.readouterr().out
     assert everything["train/loss"] != replies["train/loss"]
-    examples, _ = eagle.load_examples(compose(tiny_setup, tmp_path), load_tokenizer(str(tiny_setup / "target")),
+    examples, _ = train_examples.load_examples(compose(tiny_setup, tmp_path), load_tokenizer(str(tiny_setup / "target")),
                                       tiny_llama(0), "")
     batch = examples[:2]
     features = [torch.zeros(len(e.input_ids), 32) for e in batch]
-    _, _, assistant = eagle.pad(batch, features)
-    _, _, every = eagle.pad(batch, features, all_tokens=True)
+    _, _, assistant = train_examples.pad(batch, features)
+    _, _, every = train_examples.pad(batch, features, all_tokens=True)
     lengths = [len(e.input_ids) for e in batch]
     assert every.sum() == sum(lengths) and assistant.sum() == sum(int(e.loss_mask.sum()) for e in batch) < sum(lengths)
     assert all(not every[b, n:].any() for b, n in enumerate(lengths))
@@ -341,8 +356,9 @@ def test_two_process_torchrun_matches_one_process_with_the_same_global_batch(tin
 def test_bf16_training_keeps_bf16_head_weights(tiny_setup, tmp_path):
     eagle.train(compose(tiny_setup, tmp_path, "train.precision=bf16", "train.zero_stage=1", "train.epochs=1"))
     weights = head_weights(tmp_path)
-    assert weights.pop("draft_vocab").dtype == torch.int64  # the token map, not a weight
+    assert "draft_vocab" not in weights and (tmp_path / "eagle" / "draft_vocab.json").is_file()  # the token map, not a weight
     assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "eagle" / "config.json").read_text())["dtype"] == "bfloat16"
 
 
 @pytest.mark.slow

@@ -46,7 +46,7 @@ def greedy_replies(model: PreTrainedModel, tokenizer, prompts: list[list[int]], 
 
 
 def regenerate(model: PreTrainedModel, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch: int,
-               root: Path, feature_hash: str, rank: int = 0, world: int = 1) -> list[list[int]]:
+               root: Path, feature_hash: str, rank: int = 0, world: int = 1) -> list[list[int]]:  # rank/world: each rank generates its share
     """The feature model's greedy reply to each prompt (token ids), from the cache under `root` or generated."""
     path = root / f"replies-{replies_key(feature_hash, prompts, max_new_tokens, tokenizer.eos_token_id)}.json"
     if path.is_file():

@@ -63,7 +63,7 @@ def _features(model: PreTrainedModel, sequences: list[torch.Tensor], batch: int)
 
 
 def build_or_load(model: PreTrainedModel, sequences: list[torch.Tensor], root: Path,
-                  feature_hash: str, dtype: str, batch: int, rank: int = 0, world: int = 1) -> list[torch.Tensor]:
+                  feature_hash: str, dtype: str, batch: int, rank: int = 0, world: int = 1) -> list[torch.Tensor]:  # rank/world: each rank computes its share of the store
     """Per-sequence features [len, h] in `dtype`, from the store under `root` (built first if missing)."""
     key = store_key(feature_hash, sequences, dtype)
     folder = root / key
@@ -74,7 +74,7 @@ def build_or_load(model: PreTrainedModel, sequences: list[torch.Tensor], root: P
     return _load(folder, len(sequences))
 
 
-def _build(model, sequences, root: Path, key: str, dtype: torch.dtype, batch: int, rank: int, world: int) -> None:
+def _build(model, sequences, root: Path, key: str, dtype: torch.dtype, batch: int, rank: int, world: int) -> None:  # rank/world: each rank computes its share of the store
     partial = root / f"{key}.partial"
     tokens, h = sum(len(s) for s in sequences), model.config.hidden_size
     shards = range(0, len(sequences), SHARD_EXAMPLES)

@@ -1,0 +1,68 @@
+"""Backends: how a level's model runs on its device. The engine sees only a Runner and modules; the builder asks
+this package what to run: the CPU backend packs linears and registers its attention (decode.backends.cpu), every
+other device runs the model as transformers does."""
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from decode.engine.runner import HFRunner, Runner
+
+
+def on_cpu(module: nn.Module) -> bool:
+    return next(module.parameters()).device.type == "cpu"
+
+
+def prepare(module: nn.Module, gemm: str | None) -> None:
+    """Make a loaded model or head fast on its device, in place (CPU: packed linears on the `gemm` product; None = leave it)."""
+    if gemm and on_cpu(module):
+        from decode.backends.cpu import pack
+
+        pack(module, gemm)
+
+
+def linear_wrapper(module: nn.Module, gemm: str | None) -> Callable[[nn.Linear], nn.Module]:
+    """What a linear built later for `module` (a vocabulary's LM-head rows) should run as."""
+    if not gemm or not on_cpu(module):
+        return lambda linear: linear
+    from decode.backends.cpu.dense import packed_or_plain
+
+    return lambda linear: packed_or_plain(linear, gemm)
+
+
+NATIVE = ("auto", "on", "off")
+
+
+def runner(model: PreTrainedModel, native: str = "off") -> Runner:
+    """The runner of a model level: for a GPTQ W4 Llama-family model on the CPU, the native runner
+    (decode.backends.cpu.llama) when `native` is "auto" (where it can run; a quantized model it cannot run is said
+    once, with why) or "on" (ValueError where it cannot); otherwise the model's HF decoder with a DynamicCache."""
+    if native not in NATIVE:
+        raise ValueError(f"native must be one of {', '.join(NATIVE)}, got {native!r}")
+    if native == "off" or not on_cpu(model):
+        return HFRunner(model)
+    from decode.backends.cpu.llama import NativeLlamaRunner, unsupported
+
+    why = unsupported(model)
+    if why is None:
+        return NativeLlamaRunner(model)
+    if native == "on":
+        raise ValueError(f"native=on: the native W4 runner cannot run {model.name_or_path}: {why}")
+    if getattr(model.config, "quantization_config", None) is not None:
+        print(f"decode: {model.name_or_path} runs the eager HF forward (native W4 runner: {why})", file=sys.stderr)
+    return HFRunner(model)
+
+
+def gemm_choice(gemm: str, device: torch.device) -> str | None:
+    """decode.gemm checked for a device: the packed product CPU models use, None off the CPU. ValueError/RuntimeError
+    for an unknown name or avx2 where it cannot run."""
+    if device.type != "cpu":
+        return None
+    from decode.backends.cpu.dense import gemm_for
+
+    gemm_for(torch.float32, gemm)
+    return gemm

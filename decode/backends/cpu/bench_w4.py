@@ -1,4 +1,4 @@
-"""Micro-benchmark of the W4 level's forward: the native runner against the eager path (decode.fast packed)
+"""Micro-benchmark of the W4 level's forward: the native runner against the eager path (decode.backends.cpu.pack)
 and the packed fp32 target, one forward of k new tokens on a cached context, interleaved in one process.
 
     python -m decode.backends.cpu.bench_w4 --w4 runs/default/w4 [--context 256] [--ks 1 8] [--repeats 21]
@@ -13,7 +13,8 @@ import torch
 from data.models import DEFAULT_MODEL, load_model
 from data.timing import Step, cached_forward, median_ms
 from decode.backends.cpu.llama import NativeInt8Head, NativeLlamaRunner
-from decode.fast import pack, quantize_lm_head
+from decode.backends.cpu import pack
+from decode.backends.cpu.int8 import quantize_lm_head
 
 
 def runner_forward(runner: NativeLlamaRunner, head: torch.nn.Module | None, context: list[int]) -> Step:
@@ -48,7 +49,7 @@ def main() -> None:
     text = tokenizer(Path("README.md").read_text()).input_ids * 8
     context = text[: args.context + max(args.ks)]
     steps = {"target fp32 packed": cached_forward(target, context[: args.context]),
-             "w4 eager (decode.fast, int8 head)": cached_forward(w4, context[: args.context]),
+             "w4 eager (packed, int8 head)": cached_forward(w4, context[: args.context]),
              "w4 native (int8 head)": runner_forward(runner, w4.get_output_embeddings(), context[: args.context]),
              "w4 native (native int8 head)": runner_forward(runner, NativeInt8Head(w4.get_output_embeddings()), context[: args.context]),
              "w4 native decoder only": runner_forward(runner, None, context[: args.context])}

@@ -19,21 +19,24 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from decode.fast import build_kernels
+from decode.backends.cpu.kernels import build_extension
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
 STATIC_ROPE = ("default", "linear", "llama3")  # rotary tables that depend on the position only
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-KERNELS_CPP = Path(__file__).resolve().parents[2] / "kernels.cpp"
+KERNELS_CPP = Path(__file__).with_name("kernels.cpp")
+MAX_CAPACITY = 8192  # positions a runner's cache may hold (rotary tables are built up to it)
 
 
 @functools.cache
 def native_kernels() -> tuple[Any | None, str]:
     """(the llama_w4.cpp extension for this machine, "") or (None, why not); AVX-512 where the CPU has it."""
-    flags = ("-mavx512f",) if torch.backends.cpu.get_cpu_capability() == "AVX512" else ()
-    return build_kernels(Path(__file__).with_name("llama_w4.cpp"), "the native W4 Llama kernels",
-                         "W4 levels run the eager HF forward", flags, (KERNELS_CPP,))
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None, f"the CPU lacks AVX2+FMA ({torch.backends.cpu.get_cpu_capability()})"
+    wide = ["-mavx512f"] if torch.backends.cpu.get_cpu_capability() == "AVX512" else []
+    return build_extension("polyspec_llama_w4", Path(__file__).with_name("llama_w4.cpp"),
+                           ["-O3", "-mavx2", "-mfma", "-fopenmp", *wide], (KERNELS_CPP,))
 
 
 def _module(model: torch.nn.Module, layer: int, name: str) -> torch.nn.Module:
@@ -151,9 +154,16 @@ def _rotary(model: torch.nn.Module, capacity: int) -> tuple[torch.Tensor, torch.
     return cos[0].float().contiguous(), sin[0].float().contiguous()
 
 
+def native_model(model: torch.nn.Module) -> Any:
+    """The C++ decoder with `model`'s weights (int4 repacked once, norms and embeddings shared), built once per
+    model and kept on it: every runner of the model (one per chain) shares it and brings its own cache."""
+    if "_native_w4" not in vars(model):
+        capacity = min(MAX_CAPACITY, getattr(model.config, "max_position_embeddings", MAX_CAPACITY))
+        vars(model)["_native_w4"] = (_native_model(model, capacity), capacity)
+    return vars(model)["_native_w4"]
+
+
 def _native_model(model: torch.nn.Module, capacity: int) -> Any:
-    """The C++ decoder with `model`'s weights (int4 repacked once, norms and embeddings shared) and an empty
-    cache of `capacity` positions."""
     kernels, config = native_kernels()[0], model.config
     attention = model.model.layers[0].self_attn
     cos, sin = _rotary(model, capacity)
@@ -174,13 +184,17 @@ class NativeLlamaRunner:
     the cached positions and returns the final-norm hidden states; the LM head stays the level's."""
 
     def __init__(self, model: torch.nn.Module, capacity: int = 4096):
+        """`capacity`: the positions its KV cache holds (allocated, not touched, until used)."""
         problem = unsupported(model)
         if problem is not None:
             raise ValueError(f"the native W4 runner cannot run this model: {problem}")
         self.config: PretrainedConfig = model.config
-        self.capacity = min(capacity, getattr(model.config, "max_position_embeddings", capacity))
-        self.native = _native_model(model, self.capacity)
-        self.keys, self.values = self.native.cache()
+        self.device, self.dtype = torch.device("cpu"), torch.float32
+        self.native, most = native_model(model)
+        self.capacity = min(capacity, most)
+        config = model.config
+        shape = (config.num_hidden_layers, config.num_key_value_heads, self.capacity, self.native.head_dim())
+        self.keys, self.values = torch.empty(shape), torch.empty(shape)  # positions >= length are never read
         self.length = 0
 
     def cached(self) -> int:
@@ -214,13 +228,14 @@ class NativeLlamaRunner:
             positions = torch.arange(self.length, self.length + t)
         if mask is not None and mask.dtype != torch.bool:
             mask = mask.float()
-        hidden = self.native.forward(ids.reshape(-1), positions.reshape(-1).long().contiguous(), mask, self.length)
+        hidden = self.native.forward(ids.reshape(-1), positions.reshape(-1).long().contiguous(), mask, self.length,
+                                     self.keys, self.values)
         self.length += t
         return hidden[None]
 
 
 class NativeInt8Head(torch.nn.Module):
-    """An int8 LM head (decode.fast.Int8RowLinear's weights: int8 rows, one bf16 scale each) on the native
+    """An int8 LM head (decode.backends.cpu.int8.Int8RowLinear's weights: int8 rows, one bf16 scale each) on the native
     kernel with fp32 activations: one FMA chain per logit over the exactly dequantized row, where aten's int8
     kernel takes bf16 activations. Inference only; the original weight stays attached."""
 

@@ -1,5 +1,5 @@
 // A Llama-family decoder with GPTQ int4 weights, whole forward in one call, built on first use by
-// decode/backends/cpu/llama.py (decode.fast.build_kernels).
+// decode/backends/cpu/llama.py (decode.backends.cpu.kernels.build_extension).
 //
 // Eager PyTorch spends most of a small W4 model's forward outside its weights: thousands of small aten ops
 // per forward (norms, rotary, cache concatenation, casts, act-order gathers). Here a forward is one call:
@@ -282,33 +282,33 @@ static int64_t width(const std::vector<Int4>& ws) {
   return n;
 }
 
-// The decoder: embeddings, layers, final norm; the KV cache [layers, kv heads, capacity, head dim] for keys and
-// for values. Which positions it holds is the caller's (`forward` appends after `cached`).
+// The decoder: embeddings, layers, final norm. The KV cache is the caller's ([layers, kv heads, capacity, head dim]
+// for keys and for values, one per runner): `forward` appends after `cached` positions.
 class LlamaW4 {
  public:
   LlamaW4(torch::Tensor embed, torch::Tensor final_norm, torch::Tensor cos, torch::Tensor sin, int64_t heads,
           int64_t kv_heads, double eps, int64_t layers)
       : embed_(embed.contiguous()), final_norm_(final_norm.contiguous()), cos_(cos.contiguous()), sin_(sin.contiguous()),
-        heads_(heads), kv_heads_(kv_heads), head_dim_(cos.size(1)), eps_(static_cast<float>(eps)) {
-    keys_ = torch::zeros({layers, kv_heads, cos.size(0), head_dim_});
-    values_ = torch::zeros_like(keys_);
-  }
+        heads_(heads), kv_heads_(kv_heads), head_dim_(cos.size(1)), layers_wanted_(layers), eps_(static_cast<float>(eps)) {}
 
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, const std::vector<Weight>& qkv, const Weight& o,
                  const std::vector<Weight>& gate_up, const Weight& down) {
-    TORCH_CHECK(static_cast<int64_t>(layers_.size()) < keys_.size(0), "add_layer: more layers than the cache holds");
+    TORCH_CHECK(static_cast<int64_t>(layers_.size()) < layers_wanted_, "add_layer: more layers than the model has");
     layers_.push_back({input_norm.contiguous(), post_norm.contiguous(), int4s(qkv), int4s(gate_up), int4(o), int4(down)});
   }
 
-  std::vector<torch::Tensor> cache() const { return {keys_, values_}; }
+  int64_t head_dim() const { return head_dim_; }
 
   // ids [T] long after `cached` cached positions, positions [T] long (rotary), mask: none (causal) or additive
   // float32 broadcastable to [1, heads, T, cached + T]. Returns the final-norm hidden states [T, hidden].
   torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& positions, const c10::optional<torch::Tensor>& mask,
-                        int64_t cached) {
+                        int64_t cached, const torch::Tensor& keys, const torch::Tensor& values) {
     const int64_t T = ids.numel(), H = embed_.size(1), L = cached + T;
-    TORCH_CHECK(static_cast<int64_t>(layers_.size()) == keys_.size(0), "forward: the model has not all its layers");
-    TORCH_CHECK(L <= keys_.size(2), "forward: ", L, " positions exceed the KV cache's capacity of ", keys_.size(2));
+    TORCH_CHECK(static_cast<int64_t>(layers_.size()) == layers_wanted_, "forward: the model has not all its layers");
+    TORCH_CHECK(keys.dim() == 4 && keys.size(0) == layers_wanted_ && keys.size(1) == kv_heads_ && keys.size(3) == head_dim_ &&
+                keys.is_contiguous() && values.sizes() == keys.sizes() && values.is_contiguous() && keys.scalar_type() == torch::kFloat,
+                "forward: a float32 cache [layers, kv heads, capacity, head dim] for keys and for values");
+    TORCH_CHECK(L <= keys.size(2), "forward: ", L, " positions exceed the KV cache's capacity of ", keys.size(2));
     const int64_t* pos = positions.data_ptr<int64_t>();
     for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < cos_.size(0), "forward: position out of range");
     auto h = embed_.index_select(0, ids.to(torch::kLong)).to(torch::kFloat).contiguous();
@@ -318,7 +318,8 @@ class LlamaW4 {
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       rms_norm(h.data_ptr<float>(), T, H, layer.input_norm.data_ptr<float>(), eps_, normed.data_ptr<float>());
-      const auto attended = attention(static_cast<int64_t>(i), normed.data_ptr<float>(), T, pos, mask, cached, scratch, wide);
+      const auto attended = attention(static_cast<int64_t>(i), normed.data_ptr<float>(), T, pos, mask, cached, keys[i], values[i],
+                                      scratch, wide);
       int4_linear(attended.data_ptr<float>(), T, layer.o, step.data_ptr<float>(), H, scratch);
       h.add_(step);
       rms_norm(h.data_ptr<float>(), T, H, layer.post_norm.data_ptr<float>(), eps_, normed.data_ptr<float>());
@@ -331,15 +332,17 @@ class LlamaW4 {
 
  private:
   // q/k/v of T rows, rotary, keys and values into the cache after `cached`, attention: [T, heads * head dim].
+  // Each layer's keys/values: [kv heads, capacity, head dim].
   torch::Tensor attention(int64_t i, const float* x, int64_t T, const int64_t* pos, const c10::optional<torch::Tensor>& mask,
-                          int64_t cached, std::vector<float>& scratch, std::vector<float>& qkv) {
+                          int64_t cached, const torch::Tensor& keys, const torch::Tensor& values, std::vector<float>& scratch,
+                          std::vector<float>& qkv) {
     const Layer& layer = layers_[i];
-    const int64_t D = head_dim_, Q = heads_ * D, KV = kv_heads_ * D, N = width(layer.qkv), cap = keys_.size(2);
+    const int64_t D = head_dim_, Q = heads_ * D, KV = kv_heads_ * D, N = width(layer.qkv), cap = keys.size(1);
     TORCH_CHECK(N == Q + 2 * KV, "attention: q/k/v widths do not match the heads");
     qkv.resize(T * N);
     int4_siblings(x, T, layer.qkv, qkv.data(), N, scratch);
-    float* kc = keys_.data_ptr<float>() + i * kv_heads_ * cap * D;
-    float* vc = values_.data_ptr<float>() + i * kv_heads_ * cap * D;
+    float* kc = keys.data_ptr<float>();
+    float* vc = values.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) {
       float* row = qkv.data() + t * N;
       rotate(row, heads_ + kv_heads_, D, cos_.data_ptr<float>() + pos[t] * D, sin_.data_ptr<float>() + pos[t] * D);
@@ -349,8 +352,8 @@ class LlamaW4 {
       }
     }
     const auto q = torch::from_blob(qkv.data(), {1, heads_, T, D}, {T * N, D, N, 1}, torch::kFloat);
-    const auto k = keys_[i].narrow(1, 0, cached + T).unsqueeze(0);
-    const auto v = values_[i].narrow(1, 0, cached + T).unsqueeze(0);
+    const auto k = keys.narrow(1, 0, cached + T).unsqueeze(0);
+    const auto v = values.narrow(1, 0, cached + T).unsqueeze(0);
     return attend(q, k, v, mask, 1.0 / std::sqrt(static_cast<double>(D)), !mask.has_value() && T > 1);
   }
 
@@ -367,8 +370,8 @@ class LlamaW4 {
     int4_linear(wide.data(), T, layer.down, y, embed_.size(1), scratch);
   }
 
-  torch::Tensor embed_, final_norm_, cos_, sin_, keys_, values_;
-  int64_t heads_, kv_heads_, head_dim_;
+  torch::Tensor embed_, final_norm_, cos_, sin_;
+  int64_t heads_, kv_heads_, head_dim_, layers_wanted_;
   float eps_;
   std::vector<Layer> layers_;
 };
@@ -381,6 +384,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<LlamaW4>(m, "LlamaW4")
       .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, double, int64_t>())
       .def("add_layer", &LlamaW4::add_layer)
-      .def("cache", &LlamaW4::cache)
+      .def("head_dim", &LlamaW4::head_dim)
       .def("forward", &LlamaW4::forward);
 }

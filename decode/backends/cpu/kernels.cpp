@@ -1,4 +1,4 @@
-// CPU kernels for decoding with AVX2 + FMA, built on first use by decode/fast.py.
+// CPU kernels for decoding with AVX2 + FMA, built on first use by decode/backends/cpu/kernels.py.
 //
 // `linear`: small-M fp32 products, y = x W^T (+ b), with W packed once into 8-column panels. Decoding forwards
 // multiply 1-16 rows by weights read from memory once per forward: the product must stream W at memory speed

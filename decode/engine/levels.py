@@ -1,30 +1,32 @@
-"""The polybasic speculative decoding engine: a chain of levels, Algorithm 1 generalised to n levels.
+"""The levels of a chain: a model level (any causal LM, through a runner), an EAGLE head, prompt lookup.
 
-Level 0 is the target; level i verifies what level i+1 proposes; the last level drafts. A middle level
-keeps what it accepts (plus one token of its own) in a pending buffer until it holds `mu` tokens, then
-hands the buffer up together with its own distributions, which are the proposal q for the level above.
-Every model level keeps its own KV cache: before each forward it crops the cache to the longest prefix
-its cached tokens share with the current sequence, so rejected tokens are rolled back and nothing is
-recomputed from the start. Every level is complete when constructed; decode/build.py builds chains from config.
+Every model level keeps its own KV cache (in its runner): before each forward it crops the cache to the longest
+prefix its cached tokens share with the current sequence, so rejected tokens are rolled back and nothing is
+recomputed from the start. Every level is complete when constructed: nothing changes it afterwards.
 """
 from __future__ import annotations
 
-import numbers
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
+from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from data.cli import PolyspecError
-from decode import tree as trees
-from decode.head import softcapped, spread, vocabulary_rows
-from decode.sampling import Sampling, SamplingError, probabilities, sample, verify_greedy, verify_sampled
+from decode.engine import tree as trees
+from decode.engine.errors import DecodeError
+from decode.engine.head import softcapped, spread, vocabulary_rows
+from decode.engine.runner import HFRunner, Runner
+from decode.engine.spec import Draft
+from decode.engine.sampling import Sampling, probabilities, sample, verify_greedy, verify_sampled
 
 
-class DecodeError(PolyspecError, RuntimeError):
-    """A chain that cannot be built or run; the message is one line, meant for the user."""
+def synchronized_clock(device: torch.device) -> float:
+    """time.perf_counter() once the device has finished its queued work (a forward's time on CUDA is not its launch)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 @dataclass
@@ -120,21 +122,16 @@ def crop_cache(cache: DynamicCache, length: int) -> None:
         cache.crop(-extra)
 
 
-# What a drafter's draft must set, by mode (decode.draft_defaults in conf/decode/chain.yaml has the values).
-DRAFT_KEYS = {"chain": ("length",), "tree": ("depth", "top_k", "total_tokens")}
-
-
 class Level:
     """One model of the chain. Subclasses implement `draft` (bottom level) and/or `verify`.
 
-    `draft` (the last level's; see DRAFT_KEYS): {mode: chain, length} or {mode: tree, depth, top_k,
+    `draft` (the last level's, a spec.Draft or its mapping): {mode: chain, length} or {mode: tree, depth, top_k,
     total_tokens}; mode is chain unless set."""
 
     kind = "level"
 
-    def __init__(self, name: str, mu: int = 1, draft: dict | None = None):
-        self.name, self.mu = name, mu
-        self.draft_cfg = {"mode": "chain", **(draft or {})}
+    def __init__(self, name: str, mu: int = 1, draft: Draft | dict | None = None):
+        self.name, self.mu, self.draft_spec = name, mu, Draft.of(draft)
         self.stats = LevelStats(name, self.kind)
 
     def reset(self) -> None:
@@ -157,7 +154,7 @@ class Level:
 
 
 class ModelLevel(Level):
-    """Any HF causal LM (the target, a quantized copy, a smaller model of the same vocabulary).
+    """Any HF causal LM (the target, a quantized copy, a smaller model of the same vocabulary), run by a `Runner`.
 
     `vocab` restricts the level's logits to those token ids (None = all): its LM head computes those rows only
     and every other token gets -inf, so it never proposes one. Lossless, as any proposal q is: the level above
@@ -166,16 +163,22 @@ class ModelLevel(Level):
 
     kind = "model"
 
-    def __init__(self, name: str, model: PreTrainedModel, mu: int = 1, draft: dict | None = None,
-                 vocab: torch.Tensor | None = None, keep_hidden: bool = False):
+    def __init__(self, name: str, model: PreTrainedModel, mu: int = 1, draft: Draft | dict | None = None,
+                 vocab: torch.Tensor | None = None, keep_hidden: bool = False, *, runner: Runner | None = None,
+                 lm_head: nn.Module | None = None):  # 8: the level contract's parts; the last two are a backend's
+        """`runner` defaults to the model's HF decoder (HFRunner); `lm_head` to its output embedding, or with `vocab`
+        the rows of it for those ids (a backend passes faster versions of either)."""
         super().__init__(name, mu, draft)
         self.model, self.vocab, self.keep_hidden = model, vocab, keep_hidden
-        self._vocab_rows = None if vocab is None else vocabulary_rows(model.get_output_embeddings(), vocab)
+        self.runner = runner or HFRunner(model)
+        head = model.get_output_embeddings()
+        self.lm_head = lm_head or (head if vocab is None else vocabulary_rows(head, vocab))
+        self.config, self.device = model.config, self.runner.device
         self.reset()
 
     def reset(self) -> None:
         super().reset()
-        self.cache = DynamicCache(config=self.model.config)
+        self.runner.reset()
         self.tokens: list[int] = []  # the tokens whose keys/values the cache holds, in order
         self.hidden: torch.Tensor | None = None  # [1, len(tokens), h] last hidden states, if keep_hidden
 
@@ -186,29 +189,24 @@ class ModelLevel(Level):
         """Logits [n_logits, V] for the last n_logits positions of ctx (+ the tree's nodes, if given)."""
         nodes = tree.tokens if tree else []
         keep = min(common_prefix(self.tokens, ctx), len(ctx), len(ctx) + len(nodes) - n_logits)
-        crop_cache(self.cache, keep)
-        mask = tree.attention_mask(keep, len(ctx), self.model.dtype) if tree else None
-        positions = tree.position_ids(keep, len(ctx)) if tree else None
+        self.runner.crop(keep)
+        mask = tree.attention_mask(keep, len(ctx), self.runner.dtype, device=self.device) if tree else None
+        positions = tree.position_ids(keep, len(ctx), device=self.device) if tree else None
         logits = self._run(ctx[keep:] + nodes, n_logits, phase, mask, positions)
         self.tokens = ctx + nodes
         return logits
 
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = softcapped(self.lm_head(hidden), self.config)
+        return logits if self.vocab is None else spread(logits, self.vocab, self.config.vocab_size, float("-inf"))
+
     def _run(self, ids, n_logits, phase, mask=None, positions=None) -> torch.Tensor:
         """One forward of `ids` on top of the cache, timed; keeps the last hidden states if asked."""
-        before = self.cache.get_seq_length()
-        start = time.perf_counter()
-        if self.vocab is None:
-            out = self.model(
-                input_ids=torch.tensor([ids]), past_key_values=self.cache, use_cache=True, attention_mask=mask,
-                position_ids=positions, logits_to_keep=n_logits, output_hidden_states=self.keep_hidden,
-            )
-            logits, h = out.logits[0], out.hidden_states[-1] if self.keep_hidden else None
-        else:  # the decoder, then the vocabulary's LM-head rows only
-            h = self.model.get_decoder()(input_ids=torch.tensor([ids]), past_key_values=self.cache, use_cache=True,
-                                         attention_mask=mask, position_ids=positions).last_hidden_state
-            rows = softcapped(self._vocab_rows(h[0, -n_logits:]), self.model.config)
-            logits = spread(rows, self.vocab, self.model.config.vocab_size, float("-inf"))
-        elapsed = time.perf_counter() - start
+        before = self.runner.cached()
+        start = synchronized_clock(self.device)
+        h = self.runner.forward(torch.tensor([ids], device=self.device), mask, positions)
+        logits = self._logits(h[0, -n_logits:])
+        elapsed = synchronized_clock(self.device) - start
         self.stats.forward_calls += 1
         self.stats.forwards.append((len(ids), elapsed))
         if phase == "draft":
@@ -242,9 +240,8 @@ class ModelLevel(Level):
         path, nxt, dists = trees.walk(tree, logits, sampling, gen)
         # keep the accepted path's keys/values, drop the other branches: no recomputation
         base = len(ctx)
-        keep = torch.tensor(list(range(base)) + [base + i for i in path])
-        for layer in self.cache.layers:
-            layer.keys, layer.values = layer.keys.index_select(-2, keep), layer.values.index_select(-2, keep)
+        keep = torch.tensor(list(range(base)) + [base + i for i in path], device=self.device)
+        self.runner.keep(keep)
         if self.keep_hidden:
             self.hidden = self.hidden.index_select(1, keep)
         accepted = [tree.tokens[i] for i in path]
@@ -253,16 +250,16 @@ class ModelLevel(Level):
 
     def draft(self, ctx, budget, sampling, gen):
         start, fwd = time.perf_counter(), self.stats.draft_time_s + self.stats.verify_time_s
-        if self.draft_cfg["mode"] == "tree":
-            proposal = tree_proposal(trees.build(self._tree_step(ctx), self.draft_cfg, budget))
+        if self.draft_spec.mode == "tree":
+            proposal = tree_proposal(trees.build(self._tree_step(ctx), self.draft_spec, budget))
             # tree nodes sit at tree positions, not sequence positions: drop them from the cache
-            crop_cache(self.cache, len(ctx))
+            self.runner.crop(len(ctx))
             self.tokens = list(ctx)
             if self.hidden is not None:
                 self.hidden = self.hidden[:, : len(ctx)]
         else:
             tokens, qs = [], []
-            for _ in range(min(int(self.draft_cfg["length"]), budget)):
+            for _ in range(min(self.draft_spec.length, budget)):
                 logits = self.forward(ctx + tokens, 1, "draft")[-1]
                 tokens.append(choose(logits, sampling, gen, qs))
             proposal = Proposal(tokens, torch.stack(qs) if qs else None)
@@ -275,8 +272,8 @@ class ModelLevel(Level):
         def step(tree: trees.Tree | None, lo: int, hi: int) -> torch.Tensor:
             if tree is None:
                 return torch.log_softmax(self.forward(ctx, 1, "draft")[-1].float(), -1)
-            mask = tree.attention_mask(base, base, self.model.dtype, lo, hi)
-            logits = self._run(tree.tokens[lo:hi], hi - lo, "draft", mask, tree.position_ids(base, base, lo, hi))
+            mask = tree.attention_mask(base, base, self.runner.dtype, lo, hi, self.device)
+            logits = self._run(tree.tokens[lo:hi], hi - lo, "draft", mask, tree.position_ids(base, base, lo, hi, self.device))
             return torch.log_softmax(logits.float(), -1)
 
         return step
@@ -291,13 +288,13 @@ class NgramLevel(Level):
 
     kind = "ngram"
 
-    def __init__(self, name: str, max_ngram: int = 3, min_ngram: int = 1, draft: dict | None = None):
+    def __init__(self, name: str, max_ngram: int = 3, min_ngram: int = 1, draft: Draft | dict | None = None):
         super().__init__(name, 1, draft)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def draft(self, ctx, budget, sampling, gen):
         start = time.perf_counter()
-        k = min(int(self.draft_cfg["length"]), budget)
+        k = min(self.draft_spec.length, budget)
         tokens: list[int] = []
         for n in range(min(self.max_ngram, len(ctx) - 1), self.min_ngram - 1, -1):
             pattern = ctx[-n:]
@@ -317,9 +314,10 @@ class EagleLevel(Level):
 
     kind = "eagle"
 
-    def __init__(self, name: str, head: torch.nn.Module, features: Features, draft: dict | None = None):
+    def __init__(self, name: str, head: torch.nn.Module, features: Features, draft: Draft | dict | None = None):
         super().__init__(name, 1, draft)
         self.head, self.features = head, features
+        self.device = next(head.parameters()).device
         self.reset()
 
     def reset(self) -> None:
@@ -328,12 +326,12 @@ class EagleLevel(Level):
         self.tokens: list[int] = []  # head position t holds (feature of t, token t+1) for tokens[:t+2]
 
     def _head(self, ids: list[int], feats: torch.Tensor, positions: list[int], mask: torch.Tensor | None = None):
-        start = time.perf_counter()
+        start = synchronized_clock(self.device)
         hidden, logits, self.cache = self.head(
-            torch.tensor([ids]), feats, past_key_values=self.cache,
-            position_ids=torch.tensor([positions]), attention_mask=mask,
+            torch.tensor([ids], device=self.device), feats, past_key_values=self.cache,
+            position_ids=torch.tensor([positions], device=self.device), attention_mask=mask,
         )
-        elapsed = time.perf_counter() - start
+        elapsed = synchronized_clock(self.device) - start
         self.stats.forward_calls += 1
         self.stats.forwards.append((len(ids), elapsed))
         self.stats.draft_time_s += elapsed
@@ -355,16 +353,16 @@ class EagleLevel(Level):
             return Proposal([])
         real = len(ctx) - 1
         hidden, logits = self._prefill(ctx)
-        if self.draft_cfg["mode"] == "tree":
-            proposal = tree_proposal(trees.build(self._tree_step(ctx, hidden, logits), self.draft_cfg, budget))
+        if self.draft_spec.mode == "tree":
+            proposal = tree_proposal(trees.build(self._tree_step(ctx, hidden, logits), self.draft_spec, budget))
         else:
             tokens, qs = [], []
-            for i in range(min(int(self.draft_cfg["length"]), budget)):
+            for i in range(min(self.draft_spec.length, budget)):
                 if i:
                     h, lg = self._head([tokens[-1]], hidden, [real + i - 1])
                     hidden, logits = h[:, -1:], lg[0, -1]
                 index = choose(logits, sampling, gen, qs)  # a position in the head's draft vocabulary
-                tokens.append(int(self.head.token_ids(torch.tensor(index))))
+                tokens.append(int(self.head.token_ids(torch.tensor(index, device=self.device))))
             proposal = Proposal(tokens, self.head.full_vocab(torch.stack(qs)) if qs else None)
         crop_cache(self.cache, real)  # drafted positions used predicted features: never keep them
         self.stats.bookkeeping_time_s += time.perf_counter() - start - (self.stats.draft_time_s - fwd)
@@ -378,7 +376,7 @@ class EagleLevel(Level):
             if tree is None:
                 return self._full_log_probs(root_logits)
             feats = torch.cat([node_hidden[p] if p >= 0 else root_hidden for p in tree.parents[lo:hi]], dim=1)
-            mask = tree.attention_mask(real, real, feats.dtype, lo, hi)
+            mask = tree.attention_mask(real, real, feats.dtype, lo, hi, self.device)
             hidden, logits = self._head(tree.tokens[lo:hi], feats, tree.position_ids(real, real, lo, hi)[0].tolist(), mask)
             node_hidden.extend(hidden[:, i : i + 1] for i in range(hi - lo))
             return self._full_log_probs(logits[0])
@@ -391,116 +389,3 @@ class EagleLevel(Level):
         if self.head.draft_vocab is None:
             return logp
         return spread(logp, self.head.draft_vocab, self.head.config.vocab_size, float("-inf"))
-
-
-class Chain:
-    """levels[0] is the target; levels[-1] drafts; everything between verifies and proposes."""
-
-    def __init__(self, levels: list[Level]):
-        if len(levels) < 2:
-            raise DecodeError("a chain needs at least two levels: the target and a drafter")
-        if not isinstance(levels[0], ModelLevel) or not all(isinstance(l, ModelLevel) for l in levels[:-1]):
-            raise DecodeError("every level but the last must be a model level (only models verify)")
-        for i, level in enumerate(levels[:-1]):
-            if level.mu < 1:
-                raise DecodeError(f"level {level.name!r}: mu must be >= 1, got {level.mu}")
-            if levels[i + 1].draft_cfg["mode"] == "tree" and i + 1 != len(levels) - 1:
-                raise DecodeError(f"level {levels[i + 1].name!r}: only the last level can draft a tree")
-        drafter, draft = levels[-1], levels[-1].draft_cfg
-        if draft["mode"] not in DRAFT_KEYS:
-            raise DecodeError(f"level {drafter.name!r}: draft mode must be chain or tree, got {draft['mode']!r}")
-        missing = [key for key in DRAFT_KEYS[draft["mode"]] if key not in draft]
-        if missing:
-            raise DecodeError(f"level {drafter.name!r}: a {draft['mode']} draft needs {', '.join(missing)} "
-                              "(decode.draft_defaults fills in what a configured chain leaves out)")
-        self.levels = levels
-        self.target = levels[0]
-
-    def generate(
-        self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-        top_p: float = 1.0, seed: int | None = None, eos_token_id: int | list[int] | None = None,
-        on_tokens: Callable[[list[int]], None] | None = None,
-    ) -> Generation:
-        """Decode up to max_new_tokens after prompt_ids; distributed exactly as the target's own decoding.
-
-        `on_tokens` receives each block of tokens the target commits (streaming; may overshoot the limits
-        by the last block, the returned tokens do not)."""
-        sampling = decoding_settings(max_new_tokens, temperature, top_k, top_p, seed)
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        eos = set([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or [])
-        for level in self.levels:
-            level.reset()
-        seq, stop = list(prompt_ids), len(prompt_ids) + max_new_tokens
-        start = time.perf_counter()
-        with torch.inference_mode():
-            tokens = self.target.verify(seq, Proposal([]), sampling, gen, record=False)[0]  # prefill
-            ttft = time.perf_counter() - start
-            self.target.reset_stats()  # per-level stats describe the decoding rounds; the prefill is ttft
-            while True:
-                seq += tokens
-                if on_tokens:
-                    on_tokens(tokens)
-                if len(seq) >= stop or eos.intersection(tokens):
-                    break
-                tokens, _ = self.target.verify(seq, self._propose(1, seq, stop, eos, sampling, gen), sampling, gen)
-        return self._result(seq[len(prompt_ids) :], max_new_tokens, eos, time.perf_counter() - start, ttft)
-
-    def _propose(self, i: int, ctx: list[int], stop: int, eos: set[int], sampling, gen) -> Proposal:
-        """What level i proposes after ctx: the drafter's draft, or a middle level's pending buffer."""
-        level = self.levels[i]
-        if i == len(self.levels) - 1:
-            return level.draft(ctx, stop - len(ctx) - 1, sampling, gen)
-        pending, dists = [], []
-        while len(pending) < level.mu and len(ctx) + len(pending) < stop - 1 and not eos.intersection(pending):
-            draft = self._propose(i + 1, ctx + pending, stop, eos, sampling, gen)
-            tokens, p = level.verify(ctx + pending, draft, sampling, gen)
-            pending += tokens
-            dists.append(p)
-        return Proposal(pending, None if sampling.greedy or not dists else torch.cat(dists))
-
-    def _result(self, new: list[int], max_new: int, eos: set[int], wall: float, ttft: float) -> Generation:
-        new = new[:max_new]
-        for i, t in enumerate(new):
-            if t in eos:
-                new = new[: i + 1]
-                break
-        stats = [level.stats for level in self.levels]
-        rounds = len(stats[-2].acceptance_lengths)
-        return Generation(new, GenerationStats(wall, ttft, len(new), stats[-1].forward_calls / max(rounds, 1), stats))
-
-
-def read_features(order: list[ModelLevel], hidden_size: int, dtype: torch.dtype) -> Features:
-    """Feature source for an EAGLE level: positions [start, end) of ctx, each from the first level in `order`
-    whose kept hidden states cover it (cached states stay valid while the prefix is unchanged). Every level
-    in `order` must have been built with keep_hidden=True."""
-    forgetful = [level.name for level in order if not level.keep_hidden]
-    if forgetful:
-        raise DecodeError(f"levels {', '.join(forgetful)} do not keep their hidden states (build them with keep_hidden=True)")
-    empty = torch.zeros(1, 0, hidden_size, dtype=dtype)
-
-    def features(ctx: list[int], start: int, end: int) -> torch.Tensor:
-        parts, pos = [], start
-        for level in order:
-            valid = min(level.hidden_valid(ctx), end)
-            if valid > pos:
-                parts.append(level.hidden[:, pos:valid])
-                pos = valid
-        if pos < end:
-            raise DecodeError(f"no level holds features for positions {pos}..{end - 1}")
-        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0] if parts else empty
-
-    return features
-
-
-def decoding_settings(max_new_tokens: Any, temperature: Any = 0.0, top_k: Any = 0, top_p: Any = 1.0,
-                      seed: Any = None) -> Sampling:
-    """The Sampling of one decoding call, after checking its arguments: a one-line DecodeError names the
-    first bad one (max_new_tokens >= 1; temperature >= 0, top_k >= 0, 0 < top_p <= 1; seed an integer or None)."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
-        raise DecodeError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
-        raise DecodeError(f"seed must be an integer or null, got {seed!r}")
-    try:
-        return Sampling(temperature, top_k, top_p)
-    except SamplingError as err:
-        raise DecodeError(str(err)) from None

@@ -1,9 +1,10 @@
-"""Where a run's artifacts are: the one resolver every stage uses to find another stage's output.
+"""Every path of a run, named once: the one object each command builds (`RunLayout.of(cfg)`) to find what it
+writes and what the other stages wrote.
 
 Each stage writes where its config says: quantize.w4 to `quantize.output`, train.eagle to `train.output`
 (both folders of run_dir by default). A chain level names them by the output's name, `model: w4` and
 `path: eagle`, so moving an output in the config moves every reader with it: training on W4 features,
-the chain builder, decode.costs and the eval's published bundle.
+the chain builder, decode.costs and the eval's published bundle. The rest of a run's files live in run_dir.
 """
 from __future__ import annotations
 
@@ -19,17 +20,32 @@ STAGE_OUTPUTS = {"w4": "quantize.output", "eagle": "train.output"}  # an output'
 
 
 @dataclass(frozen=True)
-class Artifacts:
+class RunLayout:
     """One run's folder and the stage outputs its config sets (by name, see STAGE_OUTPUTS)."""
 
     run_dir: Path
     outputs: dict[str, Path] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, cfg: Any) -> Artifacts:
-        """The artifacts of the run a stage's config describes (a stage's config may leave out other stages)."""
+    def of(cls, cfg: Any) -> RunLayout:
+        """The layout of the run a stage's config describes (a stage's config may leave out other stages)."""
         found = {name: OmegaConf.select(cfg, key) for name, key in STAGE_OUTPUTS.items()}
         return cls(Path(cfg.run_dir), {name: Path(str(folder)) for name, folder in found.items() if folder is not None})
+
+    @property
+    def feature_store(self) -> Path:
+        """train.eagle's cached verifier features (and regenerated replies), one folder per key."""
+        return self.run_dir / "eagle_features"
+
+    @property
+    def checkpoints(self) -> Path:
+        """train.eagle's resumable checkpoints."""
+        return self.run_dir / "eagle_checkpoints"
+
+    @property
+    def kernels_report(self) -> Path:
+        """quantize.kernels' comparison of the int4 kernels."""
+        return self.run_dir / "w4_kernels.json"
 
     def output(self, name: str) -> Path:
         """The folder a stage writes: `w4` (quantize.output) or `eagle` (train.output)."""

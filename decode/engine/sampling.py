@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from data.cli import PolyspecError
+from data.errors import PolyspecError
 
 
 class SamplingError(PolyspecError, ValueError):
@@ -103,10 +103,10 @@ def verify_sampled(
     """
     k = len(draft)
     if k:
-        idx = torch.arange(k)
-        tok = torch.tensor(draft)
+        idx = torch.arange(k, device=p.device)
+        tok = torch.tensor(draft, device=p.device)
         px = p[idx, tok]
-        qx = q[idx, tok] if q is not None else torch.ones(k)
+        qx = q[idx, tok] if q is not None else torch.ones(k, device=p.device)
         u = torch.rand(k, generator=generator)
         rejected = (u * qx > px).nonzero()
         if len(rejected):

@@ -13,7 +13,8 @@ from typing import Callable
 
 import torch
 
-from decode.sampling import Sampling, probabilities, sample, verify_children
+from decode.engine.spec import Draft
+from decode.engine.sampling import Sampling, probabilities, sample, verify_children
 
 
 @dataclass
@@ -30,7 +31,8 @@ class Tree:
         self.ancestry.append((self.ancestry[parent] if parent >= 0 else []) + [len(self.tokens) - 1])
         return len(self.tokens) - 1
 
-    def attention_mask(self, past: int, base: int, dtype: torch.dtype, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+    def attention_mask(self, past: int, base: int, dtype: torch.dtype, lo: int = 0, hi: int | None = None,
+                       device: torch.device | str = "cpu") -> torch.Tensor:
         """Additive mask [1, 1, Q, K] for feeding context tokens past..base-1, then nodes lo..hi-1,
         when the cache holds `past` tokens (and nodes 0..lo-1 after the context)."""
         hi = len(self.tokens) if hi is None else hi
@@ -41,11 +43,12 @@ class Tree:
         for row, node in enumerate(range(lo, hi), start=q_ctx):
             allowed[row, [base + a for a in self.ancestry[node]]] = True
         mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-        return mask[None, None]
+        return mask[None, None].to(device)
 
-    def position_ids(self, past: int, base: int, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+    def position_ids(self, past: int, base: int, lo: int = 0, hi: int | None = None,
+                     device: torch.device | str = "cpu") -> torch.Tensor:
         hi = len(self.tokens) if hi is None else hi
-        return torch.tensor([list(range(past, base)) + [base - 1 + d for d in self.depths[lo:hi]]])
+        return torch.tensor([list(range(past, base)) + [base - 1 + d for d in self.depths[lo:hi]]], device=device)
 
 
 # step(None, 0, 0) -> log-probs [V] after the context; step(tree, lo, hi) feeds nodes lo..hi-1 (their
@@ -53,11 +56,11 @@ class Tree:
 Step = Callable[[Tree | None, int, int], torch.Tensor]
 
 
-def build(step: Step, cfg: dict, budget: int) -> Tree | None:
+def build(step: Step, cfg: Draft, budget: int) -> Tree | None:
     """EAGLE-2: expand the top_k best frontier nodes per depth, keep every candidate with its cumulative
     log-probability, then keep the total_tokens best candidates (a node always scores below its parent,
     so the kept set is a tree). None when the budget leaves no depth to draft."""
-    depth, top_k, total = min(int(cfg["depth"]), budget), int(cfg["top_k"]), int(cfg["total_tokens"])
+    depth, top_k, total = min(cfg.depth, budget), cfg.top_k, cfg.total_tokens
     if depth <= 0:
         return None
     fed = Tree()
@@ -75,7 +78,7 @@ def build(step: Step, cfg: dict, budget: int) -> Tree | None:
             cand_fed[c] = fed.add(cand_tok[c], cand_fed[parent] if parent >= 0 else -1)
         logp = step(fed, lo, len(fed.tokens))
         values, tokens = logp.topk(top_k, dim=-1)
-        scores = values + torch.tensor([cand_score[c] for c in frontier])[:, None]
+        scores = values + torch.tensor([cand_score[c] for c in frontier], device=values.device)[:, None]
         children = []
         for row, c in enumerate(frontier):
             for s, t in zip(scores[row].tolist(), tokens[row].tolist()):

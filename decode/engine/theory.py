@@ -36,7 +36,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-from data.cli import PolyspecError
+from data.errors import PolyspecError
 
 
 class TheoryError(PolyspecError, ValueError):
@@ -177,7 +177,7 @@ class Insertion:
 def insertion_conditions(
     t_i: float, l_i_new: float, t_new: float, l_new: float, t_next: float, l_i: float,
     draft_depth: float, l_new_next: float,
-) -> Insertion:
+) -> Insertion:  # Theorem 3.2's eight quantities, as the paper names them
     """Theorem 3.2's two closed-form conditions for inserting M_new between M_i and M_{i+1}.
 
     Argument order follows the paper's table: T_i, L_{i-new}, T_new, L_new, T_{i+1}, L_i; then beta and

@@ -1,0 +1,66 @@
+"""Attention for packed CPU models, registered with transformers by name (`register`, called by the backend).
+
+HF's sdpa attention copies every layer's K and V cache to the query head count whenever a mask is given (every
+verification): `grouped_sdpa_attention` takes grouped heads directly. For fp32, `kernel_attention` runs kernels.cpp's
+`attend`: grouped heads read in place, each query row computed by one fixed sequence over the keys it sees, so a
+k-token forward gives the bits of its k one-token forwards (row-exact verification)."""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from decode.backends.cpu.kernels import avx2_kernel
+
+GROUPED_SDPA = "polyspec_grouped_sdpa"
+KERNEL_ATTENTION = "polyspec_attend"
+
+
+def grouped_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                           is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:  # transformers' AttentionInterface signature
+    """HF's sdpa attention without `repeat_kv` when a mask is given on the CPU (see the module docstring);
+    every other case (no mask, one K/V head per query head, position bias, paged caches) is HF's own."""
+    if (attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1 or query.device.type != "cpu"
+            or _special(kwargs)):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    out = nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                                     scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def kernel_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:  # transformers' AttentionInterface signature
+    """fp32 attention on the AVX2 `attend` kernel (row-exact, grouped heads read in place, see the module
+    docstring); anything it does not cover (other dtypes, dropout, position bias, softcapping, attention
+    sinks) goes to `grouped_sdpa_attention`."""
+    kernels = avx2_kernel()[0]
+    if (kernels is None or query.device.type != "cpu" or dropout or _special(kwargs)
+            or not query.dtype == key.dtype == value.dtype == torch.float32 or query.shape[-1] % 8 or query.shape[-1] > 256
+            or attention_mask is not None and attention_mask.dtype not in (torch.bool, torch.float32)):
+        return grouped_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    causal = attention_mask is None and query.shape[2] > 1 and (is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return kernels.attend(query, key, value, attention_mask, scale, causal), None
+
+
+def _special(kwargs: dict) -> bool:
+    """Attention features only HF's own sdpa path implements."""
+    return (any(kwargs.get(k) is not None for k in ("position_bias", "cache", "softcap", "s_aux", "sinks"))
+            or bool(kwargs.get("output_attentions")))
+
+
+@functools.cache
+def register() -> None:
+    """Make both attention functions known to transformers (once per process)."""
+    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
+    AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
+    AttentionInterface.register(KERNEL_ATTENTION, kernel_attention)
+    AttentionMaskInterface.register(KERNEL_ATTENTION, sdpa_mask)

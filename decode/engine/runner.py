@@ -1,0 +1,57 @@
+"""The seam between a model level and whatever runs its model: a *runner* is a causal LM's decoder with its own KV
+cache. The engine decides what to feed and what to keep; a backend decides how the forward runs (HFRunner: any
+transformers model through its public API; a backend may bring a faster one for the architectures it knows)."""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+
+class Runner(Protocol):
+    """A decoder with a KV cache. `forward` feeds ids [1, T] after the cached positions (mask None = causal, else an
+    additive float mask [1, 1, T, cached + T]; positions None = cached .. cached + T - 1, else ids [1, T]) and returns
+    the last hidden states after the final norm, [1, T, hidden]. The LM head is not the runner's: the level applies it."""
+
+    config: Any
+    device: torch.device
+    dtype: torch.dtype
+
+    def cached(self) -> int: ...
+
+    def crop(self, length: int) -> None: ...
+
+    def keep(self, index: torch.Tensor) -> None: ...
+
+    def reset(self) -> None: ...
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None) -> torch.Tensor: ...
+
+
+class HFRunner:
+    """A transformers causal LM's decoder on a DynamicCache: crop = rollback, keep = index-select (a tree's path)."""
+
+    def __init__(self, model: PreTrainedModel):
+        self.model, self.config, self.decoder = model, model.config, model.get_decoder()
+        self.device, self.dtype = model.device, model.dtype
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.config)
+
+    def cached(self) -> int:
+        return self.cache.get_seq_length()
+
+    def crop(self, length: int) -> None:
+        extra = self.cached() - length
+        if extra > 0:
+            self.cache.crop(-extra)
+
+    def keep(self, index: torch.Tensor) -> None:
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys.index_select(-2, index), layer.values.index_select(-2, index)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None) -> torch.Tensor:
+        return self.decoder(input_ids=ids, past_key_values=self.cache, use_cache=True, attention_mask=mask,
+                            position_ids=positions).last_hidden_state

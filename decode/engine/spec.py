@@ -1,0 +1,156 @@
+"""A chain as data: one typed, frozen spec from config to manifest. YAML becomes a ChainSpec once (`ChainSpec.parse`,
+every type and choice checked against the dataclasses' own annotations); the builder turns a spec into levels; the
+planner returns a new spec (`with_knobs`); the published manifest serialises it (`as_config`). Nothing mutates one."""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from decode.engine.errors import DecodeError
+
+
+class SpecError(DecodeError, ValueError):
+    """A chain config that does not fit the schema; one line naming the key."""
+
+
+@dataclass(frozen=True)
+class Draft:
+    """How the last level drafts: a chain of `length` tokens, or an EAGLE-2 tree (depth, top_k, total_tokens)."""
+
+    mode: Literal["chain", "tree"] = "chain"
+    length: int | None = None
+    depth: int | None = None
+    top_k: int | None = None
+    total_tokens: int | None = None
+
+    def missing(self) -> list[str]:
+        """The keys this mode needs and leaves unset."""
+        needed = ("length",) if self.mode == "chain" else ("depth", "top_k", "total_tokens")
+        return [key for key in needed if getattr(self, key) is None]
+
+    def as_config(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    @classmethod
+    def of(cls, draft: Draft | dict | None) -> Draft:
+        return draft if isinstance(draft, Draft) else parse(cls, draft or {}, "draft")
+
+
+KIND_KEYS = {"model": ("model", "dtype", "layers", "vocab", "lm_head"), "eagle": ("path", "features"),
+             "ngram": ("max_ngram", "min_ngram")}
+
+
+@dataclass(frozen=True)
+class LevelSpec:
+    """One level. model: `model` (target | w4 | a spec or folder), dtype, layers (early-exit copy), vocab: head
+    (restricted to the head's draft vocabulary), lm_head: int8. eagle: path (eagle | a folder | untrained),
+    features (nearest | target; default: what the head was trained on). ngram: max_ngram, min_ngram.
+    mu: tokens a middle level gathers before handing up; draft: the last level's."""
+
+    kind: Literal["model", "eagle", "ngram"] = "model"
+    name: str | None = None
+    mu: int = 1
+    draft: Draft | None = None
+    model: str = "target"
+    dtype: str | None = None
+    layers: int | None = None
+    vocab: Literal["head"] | None = None
+    lm_head: Literal["int8"] | None = None
+    path: str = "eagle"
+    features: Literal["nearest", "target"] | None = None
+    max_ngram: int = 3
+    min_ngram: int = 1
+
+    def as_config(self) -> dict[str, Any]:
+        """The keys that apply to this kind of level, set ones only (what the manifest records)."""
+        keys = ("kind", "name", "mu", "draft") + KIND_KEYS[self.kind]
+        values = {key: getattr(self, key) for key in keys}
+        return {k: v.as_config() if isinstance(v, Draft) else v for k, v in values.items() if v is not None}
+
+
+@dataclass(frozen=True)
+class ChainSpec:
+    """Level 1 is the target, the last level drafts (its draft complete), names unique."""
+
+    levels: tuple[LevelSpec, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def parse(cls, raw: list[dict] | tuple, draft_defaults: dict | None = None, where: str = "chain") -> ChainSpec:
+        """A spec from config: levels checked against the schema, names filled in (L1, L2, ...), the drafter's
+        missing draft keys taken from `draft_defaults` (by mode: decode.draft_defaults)."""
+        if not raw:
+            raise SpecError("empty chain: list at least the target and one drafter")
+        levels = [parse(LevelSpec, level, f"{where} level {i + 1}") for i, level in enumerate(raw)]
+        levels = [dataclasses.replace(l, name=l.name or f"L{i + 1}") for i, l in enumerate(levels)]
+        last = levels[-1]
+        draft = Draft.of(last.draft)
+        defaults = parse(Draft, {"mode": draft.mode, **(draft_defaults or {}).get(draft.mode, {})}, "draft_defaults")
+        filled = dataclasses.replace(defaults, **{k: v for k, v in dataclasses.asdict(draft).items() if v is not None})
+        levels[-1] = dataclasses.replace(last, draft=filled)
+        spec = cls(tuple(levels))
+        spec.check()
+        return spec
+
+    def check(self) -> None:
+        first = self.levels[0]
+        if first.kind != "model" or first.model != "target" or first.layers:
+            raise SpecError(f"level 1 must be the target ({{kind: model, model: target}}), got {first.as_config()}")
+        names = [level.name for level in self.levels]
+        if len(set(names)) != len(names):
+            raise SpecError(f"level names must be unique, got {names}")
+
+    @property
+    def drafter(self) -> LevelSpec:
+        return self.levels[-1]
+
+    def knobs(self) -> dict[str, Any]:
+        """What the planner sets: every middle level's mu and the drafter's draft."""
+        return {"mu": {level.name: level.mu for level in self.levels[1:-1]}, "draft": self.drafter.draft.as_config()}
+
+    def with_knobs(self, knobs: dict[str, Any]) -> ChainSpec:
+        """A new spec with these mus (by level name) and this draft."""
+        middle = [dataclasses.replace(l, mu=int(knobs["mu"].get(l.name, l.mu))) for l in self.levels[1:-1]]
+        drafter = dataclasses.replace(self.drafter, draft=Draft.of(knobs["draft"]))
+        return ChainSpec((self.levels[0], *middle, drafter))
+
+    def as_config(self) -> list[dict[str, Any]]:
+        return [level.as_config() for level in self.levels]
+
+
+def parse(cls: type, raw: Any, where: str) -> Any:
+    """An instance of dataclass `cls` from a mapping, each value checked against the field's annotation
+    (Literal choices, int, str, Optional, nested dataclasses); unknown keys refused. SpecError names the key."""
+    if dataclasses.is_dataclass(raw) and isinstance(raw, cls):
+        return raw
+    if not isinstance(raw, dict):
+        raise SpecError(f"{where}: expected a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(raw) - set(hints))
+    if unknown:
+        raise SpecError(f"{where}: unknown key {unknown[0]!r}; known: {', '.join(hints)}")
+    return cls(**{key: _value(hints[key], value, f"{where}: {key}") for key, value in raw.items()})
+
+
+def _value(hint: Any, value: Any, where: str) -> Any:
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    if value is None:
+        if type(None) in options:
+            return None
+        raise SpecError(f"{where} must be set, got null")
+    for option in (o for o in options if o is not type(None)):
+        if typing.get_origin(option) is Literal:
+            if value in typing.get_args(option):
+                return value
+            raise SpecError(f"{where} must be one of {', '.join(map(str, typing.get_args(option)))}, got {value!r}")
+        if dataclasses.is_dataclass(option):
+            return parse(option, value, where)
+        if option is int and isinstance(value, int) and not isinstance(value, bool):
+            if value < 1:
+                raise SpecError(f"{where} must be >= 1, got {value}")
+            return value
+        if option is str and isinstance(value, (str, int)) and not isinstance(value, bool):
+            return str(value)
+    raise SpecError(f"{where} must be {' or '.join(getattr(o, '__name__', str(o)) for o in options)}, got {value!r}")

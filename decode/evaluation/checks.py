@@ -1,0 +1,225 @@
+"""The eval's checks, each a named pass/fail with one line per failure: lossless (greedy outputs equal AR but at a
+near-tie), insertion (Theorem 3.2 on measured T and L), agreement (predictions against measured times), and
+Theorem 3.3's variance comparison; `evaluate` computes the whole report from the decoded records."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from decode import speedup as paired
+from decode.evaluation import EvalError
+from decode.engine.theory import TheoryError, insertion_conditions, insertion_improves
+from decode.evaluation.aggregate import (by_category, chain_result, error_intervals, record_row, speedup, speedup_interval,
+                                         summarize, theory_inputs, time_speedup)
+from decode.evaluation.runner import Decoded, Record
+
+PREDICTIONS = {"refined": "the refined prediction", "paper": "Theorem 3.1"}
+
+
+@dataclass
+class Check:
+    name: str
+    by_chain: dict[str, list[str]] = field(default_factory=dict)  # each failure, under the chain it rules out
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def fail(self, chain: str, reason: str) -> None:
+        self.by_chain.setdefault(chain, []).append(reason)
+
+    @property
+    def reasons(self) -> list[str]:  # one line per failure
+        return [r for reasons in self.by_chain.values() for r in reasons]
+
+    @property
+    def passed(self) -> bool:
+        return not self.by_chain
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "passed": self.passed, "reasons": self.reasons, "by_chain": self.by_chain, "details": self.details}
+
+
+def top2_margin(target, ids: list[int]) -> tuple[float, list[int]]:
+    """Relative gap of the target's two largest next-token logits after `ids`, and those two tokens."""
+    with torch.inference_mode():
+        logits = target(input_ids=torch.tensor([ids])).logits[0, -1].float()
+    top = torch.topk(logits, 2)
+    a, b = top.values.tolist()
+    return (a - b) / max(abs(a), 1e-12), top.indices.tolist()
+
+
+def check_lossless(
+    records: dict[str, list[Record]], margin_fn: Callable[[list[int]], tuple[float, list[int]]],
+    near_tie: float, reference: str = "ar",
+) -> Check:
+    """Token-for-token equality with the reference; a divergence at a near-tie is counted, not failed.
+
+    `margin_fn(ids)` returns the target's relative top-2 margin after ids and its top-2 tokens. A tie
+    excuses the rest of that turn (the texts legitimately part there); so does nothing else.
+    """
+    check, ties, compared = Check("lossless"), [], 0
+    for name, recs in records.items():
+        if name == reference:
+            continue
+        for mine, ref in zip(recs, records[reference]):
+            compared += 1
+            if mine.tokens == ref.tokens:
+                continue
+            where = f"{name}: question {ref.question_id} turn {ref.turn + 1}"
+            pos = next((i for i, (a, b) in enumerate(zip(mine.tokens, ref.tokens)) if a != b), None)
+            if pos is None:
+                check.fail(name, f"{where}: {len(mine.tokens)} tokens instead of {len(ref.tokens)}")
+                continue
+            margin, top2 = margin_fn(ref.prompt_ids + ref.tokens[:pos])
+            if margin <= near_tie and {mine.tokens[pos], ref.tokens[pos]} <= set(top2):
+                ties.append({"chain": name, "question_id": ref.question_id, "turn": ref.turn, "position": pos, "margin": margin})
+            else:
+                check.fail(name, f"{where}: token {pos} is {mine.tokens[pos]}, AR has {ref.tokens[pos]} "
+                                 f"(target top-2 margin {margin:.2e} > near-tie tolerance {near_tie:.0e})")
+    check.details = {"compared_turns": compared, "near_ties": ties, "near_tie_tolerance": near_tie}
+    return check
+
+
+def find_insertions(chains: dict[str, list[str]]) -> list[dict[str, Any]]:
+    """Pairs of chains that differ by one middle level: (with, without, index of the inserted level)."""
+    found = []
+    for with_name, names in chains.items():
+        for without_name, base in chains.items():
+            if len(names) != len(base) + 1:
+                continue
+            for j in range(1, len(names) - 1):
+                if names[:j] + names[j + 1 :] == base:
+                    found.append({"with": with_name, "without": without_name, "index": j, "level": names[j],
+                                  "between": [names[j - 1], names[j + 1]]})
+    return found
+
+
+def evaluate_insertion(ins: dict[str, Any], summaries: dict[str, dict], rule: str) -> dict[str, Any]:
+    """Theorem 3.2 (both closed forms) and the direct Theorem 3.1 comparison on measured values."""
+    j, w, wo = ins["index"], summaries[ins["with"]], summaries[ins["without"]]
+    values = {
+        "T_i": wo["levels"][j - 1]["T_s"], "L_i_new": w["levels"][j - 1]["L_mean"], "T_new": w["levels"][j]["T_s"],
+        "L_new": w["levels"][j]["L_mean"], "T_next": wo["levels"][j]["T_s"], "L_i": wo["levels"][j - 1]["L_mean"],
+        "beta": w["draft_depth"],
+    }
+    try:
+        closed = insertion_conditions(values["T_i"], values["L_i_new"], values["T_new"], values["L_new"],
+                                      values["T_next"], values["L_i"], draft_depth=values["beta"], l_new_next=values["L_new"])
+        direct = insertion_improves(theory_inputs(wo), theory_inputs(w))
+    except TheoryError as err:
+        return {**ins, "values": values, "error": str(err), "improves": False}
+    verdict = {"theorem": closed.improves, "direct": direct.improves, "both": closed.improves and direct.improves}[rule]
+    return {**ins, "values": values, "theorem_3_2": closed.as_dict(), "direct": direct.as_dict(), "rule": rule, "improves": verdict}
+
+
+def check_insertion(insertions: list[dict[str, Any]]) -> Check:
+    check = Check("insertion", details={"insertions": len(insertions)})
+    for ins in insertions:
+        if ins.get("error"):
+            check.fail(ins["with"], f"{ins['level']} in {ins['with']}: Theorem 3.2 cannot be evaluated ({ins['error']})")
+        elif not ins["improves"]:
+            t, d = ins["theorem_3_2"], ins["direct"]
+            why = []
+            if ins["rule"] in ("theorem", "both") and not t["improves"]:
+                why.append(f"Theorem 3.2 fails both conditions (T_new/T_i {t['lhs_first']:.3f} >= {t['rhs_first']:.3f}, "
+                           f"T_new/T_i+1 {t['lhs_second']:.3f} >= {t['rhs_second']:.3f})")
+            if ins["rule"] in ("direct", "both") and not d["improves"]:
+                why.append(f"Theorem 3.1 predicts {d['time_with'] * 1e3:.2f} ms/token with it vs "
+                           f"{d['time_without'] * 1e3:.2f} ms without")
+            check.fail(ins["with"], f"{ins['level']} between {ins['between'][0]} and {ins['between'][1]} does not pay "
+                                    f"for itself: {'; '.join(why)}")
+    return check
+
+
+def check_agreement(
+    chain_results: dict[str, dict[str, Any]], insertions: list[dict[str, Any]], tolerance: float, prediction: str = "refined",
+) -> Check:
+    """A prediction of each chain's decoding time (refined by default) against the measured one, and an
+    insertion the theory admits measured faster. Each fails only where the measurement shows it: the error's
+    interval lies wholly outside the tolerance, or the insertion's paired speedup interval lies below 1."""
+    if prediction not in PREDICTIONS:
+        raise EvalError(f"eval.checks.agreement_prediction must be one of {', '.join(PREDICTIONS)}, got {prediction!r}")
+    check, label = Check("agreement", details={"prediction": prediction, "tolerance": tolerance}), PREDICTIONS[prediction]
+    for name, res in chain_results.items():
+        p = res["predictions"][prediction]
+        if p.get("error") is None:
+            check.fail(name, f"{name}: {label} cannot be evaluated ({p.get('error_reason', 'no decoding time measured')})")
+            continue
+        bounds = p.get("error_interval")
+        low, high = bounds or (p["error"], p["error"])  # no interval (one turn): the point itself
+        if low > tolerance or high < -tolerance:
+            spread = f" [{low:+.0%}, {high:+.0%}]" if bounds else ""
+            check.fail(name, f"{name}: {label} predicts {p['time_s']:.2f}s of decoding, measured {res['decode_time_s']:.2f}s "
+                             f"({p['error']:+.0%}{spread}, tolerance {tolerance:.0%})")
+    for ins in insertions:
+        gain = paired.Interval.from_dict(ins["measured_gain"])
+        if ins["improves"] and gain.below_one:
+            check.fail(ins["with"], f"{ins['with']}: the theory says inserting {ins['level']} is faster, but it measured "
+                                    f"slower than {ins['without']}: {gain.verdict()}")
+    return check
+
+
+def theorem_3_3(greedy: dict[str, list[Record]], sampled: dict[str, list[Record]]) -> dict[str, list[dict[str, Any]]]:
+    """Per chain and verifying level, acceptance length (mean, variance) greedy vs sampling on the same turns."""
+    out = {}
+    for name, recs in sampled.items():
+        turns = {(r.question_id, r.turn) for r in recs}
+        same = [r for r in greedy[name] if (r.question_id, r.turn) in turns]
+        if not recs or not same:
+            continue
+        pair = summarize(same), summarize(recs)
+        rows = []
+        for g, s in zip(pair[0]["levels"][:-1], pair[1]["levels"][:-1]):
+            row = {"level": g["name"], **{side: {"L": l["L_mean"], "var": l["L_var"], "verifications": l["verifications"]}
+                                          for side, l in (("greedy", g), ("sampling", s))}}
+            row["claim_holds"] = None if None in (g["L_var"], s["L_var"]) else s["L_var"] < g["L_var"]
+            rows.append(row)
+        out[name] = rows
+    return out
+
+
+def evaluate(decoded: Decoded, margin_fn: Callable[[list[int]], tuple[float, list[int]]], checks_cfg: Any,
+             reference: str = "ar") -> dict[str, Any]:
+    """Everything the report holds, computed from the decoded records: summaries, theory, checks, plans.
+
+    `decoded.plans` maps a configured chain to its plan (decode.plan.plan_chain, plus "chain": the planned chain's
+    name); insertions pair configured chains with configured ones and planned with planned."""
+    records, chains, plans, confidence = decoded.records, decoded.names, decoded.plans, checks_cfg.confidence
+    summaries = {name: summarize(recs) for name, recs in records.items()}
+    rows = {name: [record_row(r, ref) for r, ref in zip(recs, records[reference])] for name, recs in records.items()}
+    chain_results = {}
+    for name in chains:
+        res = chain_result(summaries[name], summaries[reference])
+        res["measured_speedup"] = speedup(records[name], records[reference])
+        res["time_speedup"] = time_speedup(summaries[name], summaries[reference])
+        res["time_speedup_interval"] = speedup_interval(records[name], records[reference], confidence)
+        error_intervals(res, rows[name], confidence)
+        chain_results[name] = res
+    baselines = {name: {"measured_speedup": speedup(records[name], records[reference]),  # e.g. ar_eager
+                        "time_speedup": time_speedup(summaries[name], summaries[reference]),
+                        "time_speedup_interval": speedup_interval(records[name], records[reference], confidence)}
+                 for name in records if name != reference and name not in chains}
+    planned = {plan["chain"] for base, plan in plans.items() if plan["chain"] != base}
+    groups = [[n for n in chains if n not in planned], [plan["chain"] for plan in plans.values()]]
+    pairs = {(i["with"], i["without"], i["index"]): i for g in groups for i in find_insertions({n: chains[n] for n in g})}
+    insertions = [evaluate_insertion(ins, summaries, checks_cfg.insertion_rule) for ins in pairs.values()]
+    for ins in insertions:
+        ins["speedups"] = {side: {"predicted": chain_results[ins[side]]["predictions"]["paper"].get("speedup"),
+                                  "measured": chain_results[ins[side]]["time_speedup"]} for side in ("without", "with")}
+        ins["measured_gain"] = speedup_interval(records[ins["with"]], records[ins["without"]], confidence)  # with over without
+    per_token = {name: s["decode_time_s"] / max(s["decode_tokens"], 1) for name, s in summaries.items()}
+    for base, plan in plans.items():  # the planner's predictions against what the chains measured
+        for side, name in (("configured", base), ("planned", plan["chain"])):
+            plan[side] |= {"measured_s_per_token": per_token[name], "measured_speedup": per_token[reference] / per_token[name],
+                           "error": plan[side]["predicted"]["s_per_token"] / per_token[name] - 1}
+    checks = [
+        check_lossless(records, margin_fn, checks_cfg.near_tie_relative, reference),
+        check_insertion(insertions),
+        check_agreement(chain_results, insertions, checks_cfg.agreement_tolerance, checks_cfg.get("agreement_prediction", "refined")),
+    ]
+    return {
+        "summaries": summaries, "chains": chain_results, "baselines": baselines, "insertions": insertions, "plans": plans,
+        "theorem_3_3": theorem_3_3(records, decoded.sampled),
+        "categories": by_category(records, confidence, reference), "checks": [c.as_dict() for c in checks],
+        "records": rows,
+    }

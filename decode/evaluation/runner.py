@@ -1,0 +1,154 @@
+"""Decoding for the eval: every question with every method, interleaved after a warm-up (records per turn), the
+sampled decodes of Theorem 3.3, and the planned chains (decode.plan) decoded next to the configured ones."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from decode.evaluation import EvalError
+
+Decoder = Callable[..., Any]  # (prompt_ids, max_new_tokens, **sampling) -> Generation
+
+
+@dataclass
+class Record:
+    """One decoded turn of one method: what it produced and what the engine measured."""
+
+    question_id: Any
+    category: str
+    turn: int
+    prompt_ids: list[int]
+    tokens: list[int]
+    stats: Any  # decode.chain.GenerationStats
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.stats.wall_time_s if self.stats.wall_time_s > 0 else 0.0
+
+
+def _record(question, turn: int, prompt_ids: list[int], generation) -> Record:
+    return Record(question.question_id, question.category, turn, list(prompt_ids), list(generation.tokens), generation.stats)
+
+
+def decode_questions(
+    decoders: dict[str, Decoder], questions: list, tokenizer, max_new_tokens: int, warmup_tokens: int,
+    reference: str = "ar",
+) -> dict[str, list[Record]]:
+    """Decode every turn of every question with every decoder, interleaved so CPU noise hits all alike."""
+    from data.sharegpt import chat_prompt_ids
+
+    if reference not in decoders:
+        raise EvalError(f"the reference decoder {reference!r} is missing")
+    first = chat_prompt_ids(tokenizer, [{"role": "user", "content": questions[0].turns[0]}])
+    for decode in decoders.values():
+        decode(first, warmup_tokens)
+    records: dict[str, list[Record]] = {name: [] for name in decoders}
+    progress = tqdm(questions, desc="eval", unit="question", file=sys.stderr)
+    for question in progress:
+        messages: list[dict[str, str]] = []
+        for turn, text in enumerate(question.turns):
+            messages.append({"role": "user", "content": text})
+            prompt_ids = chat_prompt_ids(tokenizer, messages)
+            for name, decode in decoders.items():
+                records[name].append(_record(question, turn, prompt_ids, decode(prompt_ids, max_new_tokens)))
+            answer = tokenizer.decode(records[reference][-1].tokens, skip_special_tokens=True)
+            messages.append({"role": "assistant", "content": answer})
+        progress.set_postfix({n: f"{r[-1].tokens_per_s:.1f}tok/s" for n, r in records.items()})
+    return records
+
+
+def decode_sampled(decoders: dict[str, Decoder], questions: list, tokenizer, max_new_tokens: int, temperature: float,
+                   seed: int) -> dict[str, list[Record]]:
+    """First turns decoded by sampling (Theorem 3.3's side of the comparison; the greedy side is the main run)."""
+    from data.sharegpt import chat_prompt_ids
+
+    records: dict[str, list[Record]] = {name: [] for name in decoders}
+    for i, question in enumerate(questions):
+        prompt_ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": question.turns[0]}])
+        for name, decode in decoders.items():
+            generation = decode(prompt_ids, max_new_tokens, temperature=temperature, seed=seed + i)
+            records[name].append(_record(question, 0, prompt_ids, generation))
+    return records
+
+
+@dataclass
+class Decoded:
+    """What the eval decoded: each method's per-turn records, each chain's levels (as its spec writes them: planned
+    chains included), the plans, the sampled decodes (Theorem 3.3), and how many questions."""
+
+    records: dict[str, list[Record]]
+    chains: dict[str, list[dict[str, Any]]]
+    questions: int
+    plans: dict[str, dict[str, Any]] = field(default_factory=dict)
+    sampled: dict[str, list[Record]] = field(default_factory=dict)
+
+    @property
+    def names(self) -> dict[str, list[str]]:
+        """Each chain's level names, target first."""
+        return {chain: [level["name"] for level in levels] for chain, levels in self.chains.items()}
+
+
+def chain_decoder(chain, eos: Any) -> Decoder:
+    def decode(prompt_ids: list[int], max_new_tokens: int, **sampling):
+        return chain.generate(prompt_ids, max_new_tokens, eos_token_id=eos, **sampling)
+
+    return decode
+
+
+def build_decoders(cfg: DictConfig, builder, eos: Any) -> tuple[dict[str, Decoder], dict[str, Any]]:
+    """The AR reference and every configured chain, as decoders; and the chains' specs."""
+    from decode.build import configured_spec, reference_decoders
+
+    decoders: dict[str, Decoder] = reference_decoders(cfg, builder.target, eos)
+    specs = {}
+    for name, levels in cfg.eval.chains.items():
+        if name == "ar":
+            raise EvalError("eval.chains: 'ar' is reserved for the autoregressive reference")
+        if levels is None:
+            continue  # a chain switched off from the command line (eval.chains.polybasic=null)
+        specs[name] = configured_spec(cfg, levels)
+        decoders[name] = chain_decoder(builder.build(specs[name]), eos)
+    if not specs:
+        raise EvalError("eval.chains is empty: nothing to evaluate")
+    return decoders, specs
+
+
+def calibration_prompts(ecfg: Any, questions: list, tokenizer) -> list[list[int]]:
+    """First turns of questions the eval does not decode (categories in turn), else of the eval's own."""
+    from data.prompts import load_questions
+    from data.sharegpt import chat_prompt_ids
+
+    used = {q.question_id for q in questions}
+    held_out = [q for q in load_questions(ecfg.prompts) if q.question_id not in used] or questions
+    seen: dict[str, int] = {}
+    ranked = []
+    for q in held_out:
+        seen[q.category] = seen.get(q.category, 0) + 1
+        ranked.append((seen[q.category], q))
+    picked = [q for _, q in sorted(ranked, key=lambda r: r[0])][: int(ecfg.plan.questions)]
+    return [chat_prompt_ids(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in picked]
+
+
+def plan_chains(cfg: DictConfig, builder: Any, specs: dict[str, Any], decoders: dict[str, Decoder], questions: list,
+                eos: Any) -> dict[str, dict[str, Any]]:
+    """Plan the chains of eval.plan.chains (null: all) on held-out prompts. A plan that changes the knobs adds
+    the decoder `<chain>_planned` (a chain built from the planned spec), decoded next to the configured chain."""
+    from decode.plan import plan_chain
+
+    pcfg, plans = cfg.eval.plan, {}
+    prompts = calibration_prompts(cfg.eval, questions, builder.tokenizer)
+    for name in pcfg.chains or list(specs):
+        if name not in specs:
+            raise EvalError(f"eval.plan.chains: {name!r} is not one of eval.chains ({', '.join(specs)})")
+        print(f"plan: calibrating {name} on {len(prompts)} held-out prompts", file=sys.stderr)
+        plan = plan_chain(specs[name], builder.build, prompts, pcfg, eos)
+        planned_spec = specs[name].with_knobs(plan["planned"]["knobs"])
+        planned = name if planned_spec == specs[name] else f"{name}_planned"
+        if planned != name:
+            decoders[planned] = chain_decoder(builder.build(planned_spec), eos)
+        plans[name] = plan | {"chain": planned, "levels": planned_spec.as_config()}
+    return plans

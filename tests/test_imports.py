@@ -1,0 +1,69 @@
+"""The packages' imports flow one way: data <- quantize, train <- decode apps; inside decode, engine <- backends <-
+apps. Read from the source (every import, lazy ones inside functions too), so nothing has to be imported to check."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("data", "train", "quantize", "decode")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_imports(path: Path) -> set[str]:
+    """Project modules `path` imports (a `from package import module` counts as the module where one exists)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+        for name in names:
+            while name and name.split(".")[0] in PACKAGES:
+                if name in MODULES:
+                    found.add(name)
+                    break
+                name = name.rpartition(".")[0]
+    return found
+
+
+MODULES = {module_name(p): p for package in PACKAGES for p in (ROOT / package).rglob("*.py")}
+GRAPH = {name: project_imports(path) - {name} for name, path in MODULES.items()}
+
+
+def test_no_import_cycles():
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for dep in sorted(GRAPH[name]):
+            if state.get(dep) == 1:
+                cycle = path[path.index(dep):] + [dep]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep, path + [dep])
+        state[name] = 2
+
+    for name in sorted(GRAPH):
+        if name not in state:
+            visit(name, [name])
+
+
+def test_engine_imports_no_backend_app_or_cli():
+    allowed = lambda dep: dep.startswith("decode.engine") or dep.startswith("data") and dep != "data.cli"
+    bad = {name: sorted(d for d in deps if not allowed(d)) for name, deps in GRAPH.items() if name.startswith("decode.engine")}
+    assert not {n: d for n, d in bad.items() if d}, bad
+    for name in (n for n in MODULES if n.startswith("decode.engine")):
+        assert "hydra" not in MODULES[name].read_text(), f"{name} imports a CLI framework"
+
+
+def test_layers_import_downward_only():
+    rank = lambda m: (0 if m.startswith("data") else 1 if m.startswith(("quantize", "train", "decode.engine"))
+                      else 2 if m.startswith("decode.backends") else 3)
+    upward = {f"{n} -> {d}" for n, deps in GRAPH.items() for d in deps if rank(d) > rank(n)}
+    assert not upward, sorted(upward)

@@ -1,0 +1,71 @@
+"""The chain spec: parsed once from config against its schema, frozen, and only ever replaced."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from decode.engine.spec import ChainSpec, Draft, LevelSpec, SpecError
+
+POLYBASIC = [{"kind": "model", "name": "target"}, {"kind": "model", "name": "w4", "model": "w4", "mu": 1, "lm_head": "int8"},
+             {"kind": "eagle", "name": "head", "draft": {"mode": "tree", "depth": 1, "top_k": 8, "total_tokens": 2}}]
+
+
+def test_parse_fills_names_and_draft_defaults():
+    spec = ChainSpec.parse([{"kind": "model"}, {"kind": "ngram", "draft": {"length": 3}}, ][:1] + [{"kind": "ngram"}],
+                           {"chain": {"length": 4}, "tree": {"depth": 5, "top_k": 8, "total_tokens": 48}})
+    assert [l.name for l in spec.levels] == ["L1", "L2"] and spec.drafter.draft == Draft("chain", length=4)
+    tree = ChainSpec.parse([{}, {"kind": "ngram", "draft": {"mode": "tree", "top_k": 2}}], {"tree": {"depth": 5, "top_k": 8, "total_tokens": 48}})
+    assert tree.drafter.draft == Draft("tree", depth=5, top_k=2, total_tokens=48)  # the level's own key wins
+
+
+@pytest.mark.parametrize("levels, message", [
+    ([{"kind": "model"}, {"kind": "lstm"}], "chain level 2: kind must be one of model, eagle, ngram, got 'lstm'"),
+    ([{"kind": "model"}, {"kind": "model", "mu": "2"}], "chain level 2: mu must be int, got '2'"),
+    ([{"kind": "model"}, {"kind": "model", "mu": True}], "chain level 2: mu must be int, got True"),
+    ([{"kind": "model"}, {"kind": "model", "moddel": "w4"}], "chain level 2: unknown key 'moddel'"),
+    ([{"kind": "model"}, {"kind": "eagle", "draft": {"mode": "beam"}}], "chain level 2: draft: mode must be one of chain, tree"),
+    ([{"kind": "model"}, {"kind": "model", "vocab": "all"}], "chain level 2: vocab must be one of head, got 'all'"),
+    ([{"kind": "model", "layers": 3}, {"kind": "ngram"}], "level 1 must be the target"),
+    ([{"name": "a"}, {"kind": "ngram", "name": "a"}], "level names must be unique"),
+    ([], "empty chain"),
+])
+def test_schema_checks_are_one_line(levels, message):
+    with pytest.raises(SpecError, match=message) as err:
+        ChainSpec.parse(levels)
+    assert "\n" not in str(err.value)
+
+
+def test_spec_is_frozen_and_knobs_make_a_new_one():
+    spec = ChainSpec.parse(POLYBASIC)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.levels[1].mu = 4  # type: ignore[misc]
+    planned = spec.with_knobs({"mu": {"w4": 3}, "draft": {"mode": "chain", "length": 2}})
+    assert spec == ChainSpec.parse(POLYBASIC) and planned != spec
+    assert planned.knobs() == {"mu": {"w4": 3}, "draft": {"mode": "chain", "length": 2}}
+    assert planned.levels[1].lm_head == "int8" and planned.levels[0] is spec.levels[0]
+
+
+def test_as_config_round_trips_and_keeps_only_the_kinds_keys():
+    spec = ChainSpec.parse(POLYBASIC)
+    config = spec.as_config()
+    assert config[2] == {"kind": "eagle", "name": "head", "mu": 1, "path": "eagle",
+                         "draft": {"mode": "tree", "depth": 1, "top_k": 8, "total_tokens": 2}}
+    assert "path" not in config[1] and "max_ngram" not in config[1]
+    assert ChainSpec.parse(config) == spec
+
+
+def test_a_built_chain_leaves_its_spec_unchanged():
+    from decode.build import ChainBuilder
+    from decode_fixtures import tiny_model
+
+    spec = ChainSpec.parse([{"name": "t"}, {"kind": "model", "name": "exit", "layers": 2, "mu": 2},
+                            {"kind": "ngram", "name": "n", "draft": {"length": 3}}])
+    before = dataclasses.astuple(spec)
+    builder = ChainBuilder(tiny_model(0), None)
+    chain = builder.build(spec)
+    chain.generate([1, 2, 3, 1, 2], 8)
+    assert dataclasses.astuple(spec) == before and chain.levels[1].mu == 2
+    again = builder.build(spec.with_knobs({"mu": {"exit": 1}, "draft": {"mode": "chain", "length": 1}}))
+    assert again.levels[1].model is chain.levels[1].model  # loaded once, shared by every chain of the builder
+    assert isinstance(spec.levels[1], LevelSpec)
