@@ -209,3 +209,13 @@ def test_a_native_w4_drafter_keeps_decoding_lossless(w4, tiny_source, draft, one
         prompt = text(12, seed=10 + seed)[0].tolist()
         ok, _ = greedy_equal(target, prompt, chain.generate(prompt, 30).tokens)
         assert ok
+
+
+def test_decode_native_is_checked_before_anything_loads():
+    from omegaconf import OmegaConf
+
+    from decode.build import configured_builder
+    from decode.engine.errors import DecodeError
+
+    with pytest.raises(DecodeError, match="decode.native must be one of auto, on, off"):
+        configured_builder(OmegaConf.create({"decode": {"fast": True, "native": "yes"}}), None, None)
