@@ -183,15 +183,16 @@ class NativeLlamaRunner:
     """A W4 Llama-family decoder with its own KV cache (the Runner a ModelLevel drives): forward appends after
     the cached positions and returns the final-norm hidden states; the LM head stays the level's."""
 
-    def __init__(self, model: torch.nn.Module, capacity: int = 4096):
-        """`capacity`: the positions its KV cache holds (allocated, not touched, until used)."""
+    def __init__(self, model: torch.nn.Module, capacity: int | None = None):
+        """`capacity`: the positions its KV cache holds (None: the model's maximum, up to MAX_CAPACITY; the memory
+        is allocated, not touched, until used)."""
         problem = unsupported(model)
         if problem is not None:
             raise ValueError(f"the native W4 runner cannot run this model: {problem}")
         self.config: PretrainedConfig = model.config
         self.device, self.dtype = torch.device("cpu"), torch.float32
         self.native, most = native_model(model)
-        self.capacity = min(capacity, most)
+        self.capacity = most if capacity is None else min(capacity, most)
         config = model.config
         shape = (config.num_hidden_layers, config.num_key_value_heads, self.capacity, self.native.head_dim())
         self.keys, self.values = torch.empty(shape), torch.empty(shape)  # positions >= length are never read
