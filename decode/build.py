@@ -94,7 +94,10 @@ def configured_spec(cfg: Any, chain_cfg: Any) -> ChainSpec:
 def configured_builder(cfg: Any, target_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> ChainBuilder:
     """A builder for the config's run: its artifacts, model.dtype, and decode.fast's packed product."""
     fast = flag(cfg.decode, "fast", default=False, error=DecodeError)
-    return ChainBuilder(target_model, tokenizer, RunLayout.of(cfg), cfg.model.dtype, gemm_choice(cfg) if fast else None)
+    native = str(cfg.decode.get("native", "auto")) if fast else "off"
+    if native not in backends.NATIVE:
+        raise DecodeError(f"decode.native must be one of {', '.join(backends.NATIVE)}, got {native!r}")
+    return ChainBuilder(target_model, tokenizer, RunLayout.of(cfg), cfg.model.dtype, gemm_choice(cfg) if fast else None, native)
 
 
 def build_chain(levels: list[dict], target_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None,
@@ -107,11 +110,12 @@ class ChainBuilder:
     """Chains for one target from specs. Every model or head is loaded once, the first time a spec names it, and
     shared by every chain built here (a planned variant of a chain costs no load); levels are built complete.
     `artifacts` resolves folders (None: relative to the working directory); `dtype` is the model levels' default;
-    `gemm` the packed product of every model level loaded here (None: unpacked; pack the target with load_target)."""
+    `gemm` the packed product of every model level loaded here (None: unpacked; pack the target with load_target);
+    `native` whether W4 Llama-family levels run the native CPU runner (decode.backends.runner: auto, on, off)."""
 
     def __init__(self, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, artifacts: RunLayout | None = None,
-                 dtype: str = "float32", gemm: str | None = None):
-        self.target, self.tokenizer, self.dtype, self.gemm = target, tokenizer, dtype, gemm
+                 dtype: str = "float32", gemm: str | None = None, native: str = "off"):
+        self.target, self.tokenizer, self.dtype, self.gemm, self.native = target, tokenizer, dtype, gemm, native
         self.artifacts = artifacts or RunLayout(Path("."))
         self._loaded: dict[tuple, Any] = {}
 
@@ -157,7 +161,14 @@ class ChainBuilder:
         rows = None if vocab is None else backends.linear_wrapper(model, self.gemm)(
             vocabulary_rows(model.get_output_embeddings(), vocab))
         return ModelLevel(level.name, model, level.mu, level.draft, vocab=vocab, keep_hidden=keep_hidden,
-                          runner=backends.runner(model), lm_head=rows)
+                          runner=self._runner(model), lm_head=rows)
+
+    def _runner(self, model: PreTrainedModel) -> Any:
+        """One runner per loaded model and chain (its KV cache is the level's), the target's always HF."""
+        try:
+            return backends.runner(model, "off" if model is self.target else self.native)
+        except ValueError as err:
+            raise DecodeError(f"decode.{err}") from None
 
 
 def _int8_lm_head(level: LevelSpec, model: PreTrainedModel, target: PreTrainedModel) -> None:

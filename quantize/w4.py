@@ -110,7 +110,7 @@ def gptq_quantize(src: str, dst: Path, qcfg: DictConfig, calibration: list[list[
     model.save(str(dst))
 
 
-def _unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
+def unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """GPTQ packs 32/bits codes per int32 along dim 0 (qweight) or dim 1 (qzeros, after a transpose)."""
     per_word = 32 // bits
     shifts = torch.arange(0, 32, bits, dtype=torch.int32)
@@ -120,8 +120,8 @@ def _unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor, bits: int) -> torch.Tensor:
     """The [in, out] weight a GPTQ (v1 format) linear stands for: scale[g] * (code - (zero[g] + 1))."""
-    codes = _unpack_rows(qweight, bits)[: g_idx.numel()].float()
-    zeros = _unpack_rows(qzeros.t().contiguous(), bits).t()[:, : scales.shape[1]].float() + 1
+    codes = unpack_rows(qweight, bits)[: g_idx.numel()].float()
+    zeros = unpack_rows(qzeros.t().contiguous(), bits).t()[:, : scales.shape[1]].float() + 1
     g = g_idx.long()
     return scales.float()[g] * (codes - zeros[g])
 

@@ -3,6 +3,7 @@ this package what to run: the CPU backend packs linears and registers its attent
 other device runs the model as transformers does."""
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 import torch
@@ -33,8 +34,26 @@ def linear_wrapper(module: nn.Module, gemm: str | None) -> Callable[[nn.Linear],
     return lambda linear: packed_or_plain(linear, gemm)
 
 
-def runner(model: PreTrainedModel) -> Runner:
-    """The runner of a model level: the model's HF decoder with a DynamicCache."""
+NATIVE = ("auto", "on", "off")
+
+
+def runner(model: PreTrainedModel, native: str = "off") -> Runner:
+    """The runner of a model level: for a GPTQ W4 Llama-family model on the CPU, the native runner
+    (decode.backends.cpu.llama) when `native` is "auto" (where it can run; a quantized model it cannot run is said
+    once, with why) or "on" (ValueError where it cannot); otherwise the model's HF decoder with a DynamicCache."""
+    if native not in NATIVE:
+        raise ValueError(f"native must be one of {', '.join(NATIVE)}, got {native!r}")
+    if native == "off" or not on_cpu(model):
+        return HFRunner(model)
+    from decode.backends.cpu.llama import NativeLlamaRunner, unsupported
+
+    why = unsupported(model)
+    if why is None:
+        return NativeLlamaRunner(model)
+    if native == "on":
+        raise ValueError(f"native=on: the native W4 runner cannot run {model.name_or_path}: {why}")
+    if getattr(model.config, "quantization_config", None) is not None:
+        print(f"decode: {model.name_or_path} runs the eager HF forward (native W4 runner: {why})", file=sys.stderr)
     return HFRunner(model)
 
 

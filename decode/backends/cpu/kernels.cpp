@@ -1,4 +1,4 @@
-// CPU kernels for decoding with AVX2 + FMA, built on first use by decode/fast.py.
+// CPU kernels for decoding with AVX2 + FMA, built on first use by decode/backends/cpu/kernels.py.
 //
 // `linear`: small-M fp32 products, y = x W^T (+ b), with W packed once into 8-column panels. Decoding forwards
 // multiply 1-16 rows by weights read from memory once per forward: the product must stream W at memory speed
@@ -225,8 +225,10 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
   return out;
 }
 
+#ifndef POLYSPEC_KERNELS_NO_MODULE  // set by a file that #includes these kernels into its own extension
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "W [N, K] -> 8-column panels");
   m.def("linear", &linear, "x W^T (+ b) through packed panels");
   m.def("attend", &attend, "attention of query rows against K/V heads, [B, T, Hq, D] out");
 }
+#endif

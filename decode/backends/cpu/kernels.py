@@ -14,11 +14,12 @@ import torch
 from data.models import cache_dir
 
 
-def build_extension(name: str, source: Path, flags: list[str]) -> tuple[Any | None, str]:
-    """(the extension module, "") or (None, why it did not build: said once on stderr)."""
+def build_extension(name: str, source: Path, flags: list[str], includes: tuple[Path, ...] = ()) -> tuple[Any | None, str]:
+    """(the extension module, "") or (None, why it did not build: said once on stderr). `includes`: the files
+    `source` #includes, keyed with it."""
     from torch.utils import cpp_extension
 
-    key = hashlib.sha256(source.read_bytes() + " ".join(flags + [torch.__version__]).encode()).hexdigest()[:12]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in (source, *includes)) + " ".join(flags + [torch.__version__]).encode()).hexdigest()[:12]
     build = cache_dir() / "kernels" / key
     build.mkdir(parents=True, exist_ok=True)
     lock = build / "lock"  # left behind by a build that was killed: torch would wait for it forever

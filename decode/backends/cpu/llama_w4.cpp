@@ -1,0 +1,389 @@
+// A Llama-family decoder with GPTQ int4 weights, whole forward in one call, built on first use by
+// decode/backends/cpu/llama.py (decode.backends.cpu.kernels.build_extension).
+//
+// Eager PyTorch spends most of a small W4 model's forward outside its weights: thousands of small aten ops
+// per forward (norms, rotary, cache concatenation, casts, act-order gathers). Here a forward is one call:
+// the layers loop in C++ over buffers allocated once per call, keys and values go into a preallocated cache
+// (rollback is setting a length, done by the caller), and every linear is `int4_linear`.
+//
+// `int4_linear`: y = x W^T with W = (q - 8) * s (4-bit codes q, one scale s per output and group of inputs,
+// symmetric like GPTQModel's CPU kernel). The codes of one panel of kLanes outputs at input k are one word
+// (AVX2: 8 nibbles in a uint32; AVX-512: 16 in a uint64, even lanes in the low half); a weight is dequantized
+// in registers as it streams, (q * s - 8 s) in one FMA, exactly (q - 8) * s in fp32. Each output is then one FMA
+// chain over the (act-order sorted) inputs from zero, as in kernels.cpp's `linear`: the bits of a row do not
+// depend on how many rows or threads compute it, and equal the fp32 product with the dequantized weight.
+// Attention is kernels.cpp's `attend` on views of the cache (row-exact, grouped heads read in place).
+#define POLYSPEC_KERNELS_NO_MODULE
+#include "kernels.cpp"
+
+#include <cstdint>
+
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+using Code = uint64_t;
+#else
+constexpr int64_t kLanes = 8;
+using Code = uint32_t;
+#endif
+constexpr int kTileRows = 4;  // rows per tile
+// panels per tile: AVX-512 has 32 registers (4 x 4 accumulators, 4 weights, 8 scales, input, shift, mask),
+// AVX2 16 (4 x 2 accumulators, 2 weights, input, shift, mask; scales spill to the stack, read once a group)
+constexpr int kTilePanels = kLanes == 16 ? 4 : 2;
+
+// codes [N, K] (0..15, inputs in their kernel order), scales [N, G] -> (words [P, K], scales [P, G, kLanes]),
+// P = ceil(N / kLanes), padded outputs with code 8 and scale 0.
+std::vector<torch::Tensor> pack_int4(const torch::Tensor& codes, const torch::Tensor& scales) {
+  TORCH_CHECK(codes.dim() == 2 && scales.dim() == 2 && codes.size(0) == scales.size(0), "pack_int4: codes [N, K], scales [N, G]");
+  const int64_t n = codes.size(0), k = codes.size(1), g = scales.size(1), panels = (n + kLanes - 1) / kLanes;
+  auto c = codes.to(torch::kLong).contiguous();
+  auto s = scales.to(torch::kFloat).contiguous();
+  auto words = torch::zeros({panels, k}, torch::kLong);
+  auto packed_scales = torch::zeros({panels, g, kLanes}, torch::kFloat);
+  auto wp = words.data_ptr<int64_t>();
+  auto sp = packed_scales.data_ptr<float>();
+  const int64_t* cp = c.data_ptr<int64_t>();
+  const float* ssrc = s.data_ptr<float>();
+  for (int64_t p = 0; p < panels; ++p)
+    for (int64_t lane = 0; lane < kLanes; ++lane) {
+      const int64_t col = p * kLanes + lane;
+      const int64_t shift = kLanes == 16 ? (lane % 2) * 32 + (lane / 2) * 4 : lane * 4;
+      for (int64_t i = 0; i < k; ++i) wp[p * k + i] |= static_cast<int64_t>(col < n ? cp[col * k + i] : 8) << shift;
+      for (int64_t j = 0; j < g && col < n; ++j) sp[(p * g + j) * kLanes + lane] = ssrc[col * g + j];
+    }
+  return {kLanes == 16 ? words : words.to(torch::kInt), packed_scales};
+}
+
+#if defined(__AVX512F__)
+using Vec = __m512;
+static inline Vec vzero() { return _mm512_setzero_ps(); }
+static inline Vec vset(float v) { return _mm512_set1_ps(v); }
+static inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline Vec vfmsub(Vec a, Vec b, Vec c) { return _mm512_fmsub_ps(a, b, c); }
+static inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+static inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+#else
+using Vec = __m256;
+static inline Vec vzero() { return _mm256_setzero_ps(); }
+static inline Vec vset(float v) { return _mm256_set1_ps(v); }
+static inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline Vec vfmsub(Vec a, Vec b, Vec c) { return _mm256_fmsub_ps(a, b, c); }
+static inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+static inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+#endif
+
+// Weight formats: the codes of one panel's kLanes outputs at one input, as floats; the weight is
+// (code - kZero) * scale, computed by one FMA, exactly.
+struct Nibbles {  // GPTQ int4 (symmetric: zero point 8), one word per input
+  using Word = Code;
+  static constexpr float kZero = 8.f;
+  static inline Vec codes(const Word* w) {
+#if defined(__AVX512F__)
+    const __m512i shift = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
+    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi64(static_cast<long long>(*w)), shift), _mm512_set1_epi32(15)));
+#else
+    const __m256i shift = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(*w)), shift), _mm256_set1_epi32(15)));
+#endif
+  }
+};
+
+struct Bytes {  // int8 rows (an LM head: one scale per output), kLanes bytes per input
+  struct Word { int8_t q[kLanes]; };
+  static constexpr float kZero = 0.f;
+  static inline Vec codes(const Word* w) {
+#if defined(__AVX512F__)
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+#else
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+#endif
+  }
+};
+
+// One quantized weight in the kernel's layout (int4: words [P, K] int32/int64; int8: [P, K, kLanes] int8): inputs
+// in `perm` order (none: as they come), groups of inputs [bounds[g], bounds[g + 1]) sharing a scale, n outputs.
+struct Int4 {
+  torch::Tensor words, scales, bounds, perm, bias;  // perm, bias: undefined when none
+  int64_t n;
+};
+
+// MR rows of x (stride ldx) against NP consecutive panels (codes and scales of panel j at j * K and
+// j * groups * kLanes); y gets `width` columns (<= NP * kLanes, stride ldy). NP independent accumulator chains
+// per row hide the FMA latency even for one row.
+template <class F, int MR, int NP>
+static void int4_tile(const float* x, int64_t ldx, int64_t K, const typename F::Word* w, const float* s, const int64_t* bounds,
+                      int64_t groups, float* y, int64_t ldy, int64_t width) {
+  Vec acc[MR][NP];
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 16
+    for (int j = 0; j < NP; ++j) acc[m][j] = vzero();
+  for (int64_t g = 0; g < groups; ++g) {
+    Vec sc[NP], s8[NP];
+#pragma GCC unroll 16
+    for (int j = 0; j < NP; ++j) { sc[j] = vload(s + (j * groups + g) * kLanes); s8[j] = vmul(sc[j], vset(F::kZero)); }
+    for (int64_t k = bounds[g]; k < bounds[g + 1]; ++k) {
+      Vec wk[NP];
+#pragma GCC unroll 16
+      for (int j = 0; j < NP; ++j) wk[j] = vfmsub(F::codes(w + j * K + k), sc[j], s8[j]);
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) {
+        const Vec xk = vset(x[m * ldx + k]);
+#pragma GCC unroll 16
+        for (int j = 0; j < NP; ++j) acc[m][j] = vfma(xk, wk[j], acc[m][j]);
+      }
+    }
+  }
+  alignas(64) float out[NP * kLanes];
+  for (int m = 0; m < MR; ++m) {
+    if (width == NP * kLanes) {
+      for (int j = 0; j < NP; ++j) vstore(y + m * ldy + j * kLanes, acc[m][j]);
+      continue;
+    }
+    for (int j = 0; j < NP; ++j) vstore(out + j * kLanes, acc[m][j]);
+    for (int64_t j = 0; j < width; ++j) y[m * ldy + j] = out[j];
+  }
+}
+
+// All M rows against NP panels from panel p: tiles of kTileRows rows, then the remainder (each row's chain is
+// the same whatever tile computes it).
+template <class F, int NP>
+static void int4_rows(const float* x, int64_t ldx, int64_t M, const Int4& w, int64_t p, float* y, int64_t ldy) {
+  const int64_t K = w.words.size(1), groups = w.bounds.numel() - 1, width = std::min<int64_t>(NP * kLanes, w.n - p * kLanes);
+  const auto* wp = reinterpret_cast<const typename F::Word*>(w.words.data_ptr()) + p * K;
+  const float* sp = w.scales.data_ptr<float>() + p * groups * kLanes;
+  const int64_t* bp = w.bounds.data_ptr<int64_t>();
+  int64_t m = 0;
+  for (; m + kTileRows <= M; m += kTileRows) int4_tile<F, kTileRows, NP>(x + m * ldx, ldx, K, wp, sp, bp, groups, y + m * ldy + p * kLanes, ldy, width);
+  const float* xr = x + m * ldx;
+  float* yr = y + m * ldy + p * kLanes;
+  switch (M - m) {
+    case 1: int4_tile<F, 1, NP>(xr, ldx, K, wp, sp, bp, groups, yr, ldy, width); break;
+    case 2: int4_tile<F, 2, NP>(xr, ldx, K, wp, sp, bp, groups, yr, ldy, width); break;
+    case 3: int4_tile<F, 3, NP>(xr, ldx, K, wp, sp, bp, groups, yr, ldy, width); break;
+    default: break;
+  }
+}
+
+// y[:, :w.n] (row stride ldy) = x [M, K] W^T (+ bias, after the chain); x is first gathered into `scratch` in act order if w has a perm.
+template <class F>
+static void panels_linear(const float* x, int64_t M, const Int4& w, float* y, int64_t ldy) {
+  const int64_t K = w.words.size(1), panels = w.words.size(0);
+  at::parallel_for(0, (panels + kTilePanels - 1) / kTilePanels, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t first = t * kTilePanels;
+      if (first + kTilePanels <= panels) {
+        int4_rows<F, kTilePanels>(x, K, M, w, first, y, ldy);
+      } else {
+        for (int64_t p = first; p < panels; ++p) int4_rows<F, 1>(x, K, M, w, p, y, ldy);
+      }
+    }
+  });
+}
+
+static void int4_linear(const float* x, int64_t M, const Int4& w, float* y, int64_t ldy, std::vector<float>& scratch) {
+  const int64_t K = w.words.size(1);
+  if (w.perm.defined()) {
+    scratch.resize(M * K);
+    const int64_t* perm = w.perm.data_ptr<int64_t>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) scratch[m * K + k] = x[m * K + perm[k]];
+    x = scratch.data();
+  }
+  if (w.words.scalar_type() == torch::kChar) panels_linear<Bytes>(x, M, w, y, ldy);
+  else panels_linear<Nibbles>(x, M, w, y, ldy);
+  if (w.bias.defined()) {
+    const float* b = w.bias.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t j = 0; j < w.n; ++j) y[m * ldy + j] += b[j];
+  }
+}
+
+// q [N, K] int8, scales [N] -> (words [P, K, kLanes] int8, scales [P, 1, kLanes]), padded outputs 0.
+std::vector<torch::Tensor> pack_int8(const torch::Tensor& q, const torch::Tensor& scales) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar && scales.numel() == q.size(0), "pack_int8: q [N, K] int8, scales [N]");
+  const int64_t n = q.size(0), k = q.size(1), panels = (n + kLanes - 1) / kLanes;
+  auto padded = torch::zeros({panels * kLanes, k}, q.options());
+  padded.narrow(0, 0, n).copy_(q);
+  auto s = torch::zeros({panels * kLanes}, torch::kFloat);
+  s.narrow(0, 0, n).copy_(scales.reshape(-1));
+  return {padded.view({panels, kLanes, k}).transpose(1, 2).contiguous(), s.view({panels, 1, kLanes})};
+}
+
+// x [M, K] float32 through one packed weight (int4 or int8): [M, n] (an LM head, and the product alone for tests).
+torch::Tensor quant_mm(const torch::Tensor& x, const torch::Tensor& words, const torch::Tensor& scales,
+                      const torch::Tensor& bounds, const c10::optional<torch::Tensor>& perm, int64_t n,
+                      const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.size(1) == words.size(1), "quant_mm: x [M, K] float32");
+  const auto input = x.contiguous();
+  Int4 w{words, scales, bounds, perm.has_value() ? *perm : torch::Tensor(), bias.has_value() ? *bias : torch::Tensor(), n};
+  auto y = torch::empty({input.size(0), n}, input.options());
+  std::vector<float> scratch;
+  int4_linear(input.data_ptr<float>(), input.size(0), w, y.data_ptr<float>(), n, scratch);
+  return y;
+}
+
+// HF's LlamaRMSNorm in fp32: x * rsqrt(mean(x^2) + eps) * weight, one row at a time.
+static void rms_norm(const float* x, int64_t M, int64_t H, const float* weight, float eps, float* y) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * H;
+    float sum = 0.f;
+    for (int64_t i = 0; i < H; ++i) sum += xr[i] * xr[i];
+    const float r = 1.f / std::sqrt(sum / static_cast<float>(H) + eps);
+    for (int64_t i = 0; i < H; ++i) y[m * H + i] = weight[i] * (xr[i] * r);
+  }
+}
+
+// Rotary embedding of `heads` heads of one row in place (rotate-half form), cos/sin rows of the position.
+static void rotate(float* x, int64_t heads, int64_t D, const float* cos, const float* sin) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* v = x + h * D;
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = v[i], b = v[i + half];
+      v[i] = a * cos[i] - b * sin[i];
+      v[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+  }
+}
+
+struct Layer {
+  torch::Tensor input_norm, post_norm;
+  std::vector<Int4> qkv, gate_up;  // one fused weight, or the siblings one by one (act orders that differ)
+  Int4 o, down;
+};
+
+// words, scales, bounds, perm, bias (an empty perm or bias: none), n
+using Weight = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t>;
+
+static Int4 int4(const Weight& w) {
+  const auto& perm = std::get<3>(w);
+  const auto& bias = std::get<4>(w);
+  return {std::get<0>(w), std::get<1>(w), std::get<2>(w), perm.numel() ? perm : torch::Tensor(),
+          bias.numel() ? bias.to(torch::kFloat).contiguous() : torch::Tensor(), std::get<5>(w)};
+}
+
+static std::vector<Int4> int4s(const std::vector<Weight>& ws) {
+  std::vector<Int4> out;
+  for (const auto& w : ws) out.push_back(int4(w));
+  return out;
+}
+
+// Siblings that read the same input, their outputs side by side in y [M, ldy].
+static void int4_siblings(const float* x, int64_t M, const std::vector<Int4>& ws, float* y, int64_t ldy, std::vector<float>& scratch) {
+  int64_t offset = 0;
+  for (const auto& w : ws) { int4_linear(x, M, w, y + offset, ldy, scratch); offset += w.n; }
+}
+
+static int64_t width(const std::vector<Int4>& ws) {
+  int64_t n = 0;
+  for (const auto& w : ws) n += w.n;
+  return n;
+}
+
+// The decoder: embeddings, layers, final norm. The KV cache is the caller's ([layers, kv heads, capacity, head dim]
+// for keys and for values, one per runner): `forward` appends after `cached` positions.
+class LlamaW4 {
+ public:
+  LlamaW4(torch::Tensor embed, torch::Tensor final_norm, torch::Tensor cos, torch::Tensor sin, int64_t heads,
+          int64_t kv_heads, double eps, int64_t layers)
+      : embed_(embed.contiguous()), final_norm_(final_norm.contiguous()), cos_(cos.contiguous()), sin_(sin.contiguous()),
+        heads_(heads), kv_heads_(kv_heads), head_dim_(cos.size(1)), layers_wanted_(layers), eps_(static_cast<float>(eps)) {}
+
+  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, const std::vector<Weight>& qkv, const Weight& o,
+                 const std::vector<Weight>& gate_up, const Weight& down) {
+    TORCH_CHECK(static_cast<int64_t>(layers_.size()) < layers_wanted_, "add_layer: more layers than the model has");
+    layers_.push_back({input_norm.contiguous(), post_norm.contiguous(), int4s(qkv), int4s(gate_up), int4(o), int4(down)});
+  }
+
+  int64_t head_dim() const { return head_dim_; }
+
+  // ids [T] long after `cached` cached positions, positions [T] long (rotary), mask: none (causal) or additive
+  // float32 broadcastable to [1, heads, T, cached + T]. Returns the final-norm hidden states [T, hidden].
+  torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& positions, const c10::optional<torch::Tensor>& mask,
+                        int64_t cached, const torch::Tensor& keys, const torch::Tensor& values) {
+    const int64_t T = ids.numel(), H = embed_.size(1), L = cached + T;
+    TORCH_CHECK(static_cast<int64_t>(layers_.size()) == layers_wanted_, "forward: the model has not all its layers");
+    TORCH_CHECK(keys.dim() == 4 && keys.size(0) == layers_wanted_ && keys.size(1) == kv_heads_ && keys.size(3) == head_dim_ &&
+                keys.is_contiguous() && values.sizes() == keys.sizes() && values.is_contiguous() && keys.scalar_type() == torch::kFloat,
+                "forward: a float32 cache [layers, kv heads, capacity, head dim] for keys and for values");
+    TORCH_CHECK(L <= keys.size(2), "forward: ", L, " positions exceed the KV cache's capacity of ", keys.size(2));
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < cos_.size(0), "forward: position out of range");
+    auto h = embed_.index_select(0, ids.to(torch::kLong)).to(torch::kFloat).contiguous();
+    auto normed = torch::empty({T, H});
+    auto step = torch::empty({T, H});
+    std::vector<float> scratch, wide;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& layer = layers_[i];
+      rms_norm(h.data_ptr<float>(), T, H, layer.input_norm.data_ptr<float>(), eps_, normed.data_ptr<float>());
+      const auto attended = attention(static_cast<int64_t>(i), normed.data_ptr<float>(), T, pos, mask, cached, keys[i], values[i],
+                                      scratch, wide);
+      int4_linear(attended.data_ptr<float>(), T, layer.o, step.data_ptr<float>(), H, scratch);
+      h.add_(step);
+      rms_norm(h.data_ptr<float>(), T, H, layer.post_norm.data_ptr<float>(), eps_, normed.data_ptr<float>());
+      mlp(layer, normed.data_ptr<float>(), T, step.data_ptr<float>(), scratch, wide);
+      h.add_(step);
+    }
+    rms_norm(h.data_ptr<float>(), T, H, final_norm_.data_ptr<float>(), eps_, normed.data_ptr<float>());
+    return normed;
+  }
+
+ private:
+  // q/k/v of T rows, rotary, keys and values into the cache after `cached`, attention: [T, heads * head dim].
+  // Each layer's keys/values: [kv heads, capacity, head dim].
+  torch::Tensor attention(int64_t i, const float* x, int64_t T, const int64_t* pos, const c10::optional<torch::Tensor>& mask,
+                          int64_t cached, const torch::Tensor& keys, const torch::Tensor& values, std::vector<float>& scratch,
+                          std::vector<float>& qkv) {
+    const Layer& layer = layers_[i];
+    const int64_t D = head_dim_, Q = heads_ * D, KV = kv_heads_ * D, N = width(layer.qkv), cap = keys.size(1);
+    TORCH_CHECK(N == Q + 2 * KV, "attention: q/k/v widths do not match the heads");
+    qkv.resize(T * N);
+    int4_siblings(x, T, layer.qkv, qkv.data(), N, scratch);
+    float* kc = keys.data_ptr<float>();
+    float* vc = values.data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t) {
+      float* row = qkv.data() + t * N;
+      rotate(row, heads_ + kv_heads_, D, cos_.data_ptr<float>() + pos[t] * D, sin_.data_ptr<float>() + pos[t] * D);
+      for (int64_t h = 0; h < kv_heads_; ++h) {
+        std::copy(row + Q + h * D, row + Q + (h + 1) * D, kc + (h * cap + cached + t) * D);
+        std::copy(row + Q + KV + h * D, row + Q + KV + (h + 1) * D, vc + (h * cap + cached + t) * D);
+      }
+    }
+    const auto q = torch::from_blob(qkv.data(), {1, heads_, T, D}, {T * N, D, N, 1}, torch::kFloat);
+    const auto k = keys.narrow(1, 0, cached + T).unsqueeze(0);
+    const auto v = values.narrow(1, 0, cached + T).unsqueeze(0);
+    return attend(q, k, v, mask, 1.0 / std::sqrt(static_cast<double>(D)), !mask.has_value() && T > 1);
+  }
+
+  // down(silu(gate(x)) * up(x)) of T rows into y [T, hidden].
+  void mlp(const Layer& layer, const float* x, int64_t T, float* y, std::vector<float>& scratch, std::vector<float>& wide) {
+    const int64_t N = width(layer.gate_up), I = N / 2;
+    wide.resize(T * N);
+    int4_siblings(x, T, layer.gate_up, wide.data(), N, scratch);
+    for (int64_t t = 0; t < T; ++t) {  // silu(gate) * up, packed into the first I columns of each row's space
+      const float* g = wide.data() + t * N;
+      float* a = wide.data() + t * I;  // row t's output lies at or before its input: safe in this order
+      for (int64_t j = 0; j < I; ++j) { const float gj = g[j], uj = g[I + j]; a[j] = gj / (1.f + std::exp(-gj)) * uj; }
+    }
+    int4_linear(wide.data(), T, layer.down, y, embed_.size(1), scratch);
+  }
+
+  torch::Tensor embed_, final_norm_, cos_, sin_;
+  int64_t heads_, kv_heads_, head_dim_, layers_wanted_;
+  float eps_;
+  std::vector<Layer> layers_;
+};
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack_int4", &pack_int4, "codes [N, K], scales [N, G] -> panel words and scales");
+  m.def("pack_int8", &pack_int8, "int8 rows [N, K], scales [N] -> panel bytes and scales");
+  m.def("quant_mm", &quant_mm, "x W^T through a packed int4 or int8 weight");
+  m.def("lanes", [] { return kLanes; }, "outputs per panel (8: AVX2, 16: AVX-512)");
+  py::class_<LlamaW4>(m, "LlamaW4")
+      .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, double, int64_t>())
+      .def("add_layer", &LlamaW4::add_layer)
+      .def("head_dim", &LlamaW4::head_dim)
+      .def("forward", &LlamaW4::forward);
+}

@@ -1,0 +1,221 @@
+"""The native W4 Llama runner (decode/backends/cpu/llama.py): the same W4 model as GPTQModel's forward, the
+HF cache semantics a ModelLevel relies on (crop, keep a tree path, tree masks), row exactness, refusals.
+
+Fast tests quantize a tiny random Llama (hidden 192, head dim 48, grouped K/V heads) once per act order and
+compare with an fp32 Llama holding the dequantized W4 weights (the same model computed by HF, so only
+summation order differs); the slow test quantizes the real bundled model with reduced settings."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_quantize_w4 import chat_file, stage_config, tiny_source  # noqa: F401  (module fixtures reused)
+from transformers import LlamaForCausalLM
+
+from decode.backends.cpu.llama import NativeLlamaRunner, int4_parts, native_kernels, unsupported
+from decode.engine.runner import HFRunner
+from decode.engine.tree import Tree
+
+pytestmark = pytest.mark.skipif(native_kernels()[0] is None, reason="the native kernels do not build here")
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["act_order", "static"])
+def w4_folder(request, tiny_source, chat_file, tmp_path_factory):  # noqa: F811
+    from quantize.w4 import run
+
+    return run(stage_config(tiny_source, chat_file, tmp_path_factory.mktemp("run"), desc_act=request.param))
+
+
+@pytest.fixture
+def w4(w4_folder):
+    from data.models import load_model
+
+    return load_model(str(w4_folder))[0]
+
+
+def dequantized(model: torch.nn.Module) -> LlamaForCausalLM:
+    """An fp32 Llama with the weights GPTQModel's CPU kernel computes with: (code - 8) * bf16 scale."""
+    config = copy.deepcopy(model.config)
+    del config.quantization_config
+    plain = LlamaForCausalLM(config).eval()
+    plain.load_state_dict({k: v for k, v in model.state_dict().items() if k in plain.state_dict()}, strict=False)
+    for name, module in model.named_modules():
+        if type(module).__name__ == "TorchFusedLinear":
+            codes, scales, perm = int4_parts(module)
+            groups = torch.arange(codes.shape[1]) // module.group_size
+            weight = torch.empty(codes.shape)
+            weight[:, perm] = (codes.float() - 8) * scales[:, groups]
+            plain.get_submodule(name).weight.data.copy_(weight)
+    return plain
+
+
+def text(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 300, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_the_forward_is_the_dequantized_w4_model(w4, one_thread):
+    reference, runner, ids = HFRunner(dequantized(w4)), NativeLlamaRunner(w4, capacity=128), text(40)
+    for lo, hi in ((0, 30), (30, 31), (31, 40)):  # a prefill, one token, a verification
+        with torch.no_grad():
+            ours, theirs = runner.forward(ids[:, lo:hi], None, None), reference.forward(ids[:, lo:hi], None, None)
+        assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4), (lo, (ours - theirs).abs().max())
+    assert runner.cached() == 40
+
+
+def test_logits_agree_with_gptqmodels_forward(w4, one_thread):
+    """GPTQModel's CPU kernel rounds activations to bf16: logits within 0.1, argmax almost everywhere (a random
+    tiny model has near ties)."""
+    ids = text(60, seed=1)
+    with torch.no_grad():
+        theirs = w4(ids).logits
+    ours = w4.lm_head(NativeLlamaRunner(w4, capacity=128).forward(ids, None, None))
+    assert (ours - theirs).abs().max() < 0.1
+    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.9
+
+
+def test_a_forward_of_k_tokens_gives_the_bits_of_k_one_token_forwards(w4):
+    ids, runner = text(12, seed=2), NativeLlamaRunner(w4, capacity=64)
+    runner.forward(ids[:, :4], None, None)
+    together = runner.forward(ids[:, 4:], None, None)
+    runner.crop(4)
+    alone = torch.cat([runner.forward(ids[:, i:i + 1], None, None) for i in range(4, 12)], dim=1)
+    assert torch.equal(together, alone)
+    torch.set_num_threads(1)  # and whatever the thread count
+    runner.crop(4)
+    assert torch.equal(runner.forward(ids[:, 4:], None, None), together)
+
+
+def test_a_tree_then_its_accepted_path_like_an_hf_cache(w4, one_thread):
+    """What a ModelLevel does with its runner: a tree forward under a mask with tree positions, keeping the
+    accepted path, cropping, going on; the same as the engine's HFRunner on the dequantized model."""
+    reference, runner, ids = HFRunner(dequantized(w4)), NativeLlamaRunner(w4, capacity=64), text(16, seed=3)
+    tree = Tree()
+    a = tree.add(7, -1)
+    b = tree.add(8, a)
+    tree.add(9, a)
+    tree.add(10, b)
+    mask, positions = tree.attention_mask(16, 16, torch.float32), tree.position_ids(16, 16)
+    nodes, more = torch.tensor([tree.tokens]), text(3, seed=4)
+    results = []
+    for r in (runner, reference):
+        with torch.no_grad():
+            r.forward(ids, None, None)
+            on_tree = r.forward(nodes, mask, positions)
+            r.keep(torch.tensor([*range(16), 16, 17, 19]))  # context, then the path a -> b -> its child
+            r.crop(18)
+            results.append((on_tree, r.forward(more, None, None), r.cached()))
+    (tree_ours, after_ours, cached), (tree_theirs, after_theirs, cached_hf) = results
+    assert torch.allclose(tree_ours, tree_theirs, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(after_ours, after_theirs, atol=1e-4, rtol=1e-4) and cached == cached_hf == 21
+
+
+def test_the_int4_product_is_the_fp32_product_of_the_dequantized_weight_bit_for_bit(w4):
+    """One FMA chain per output over the act-ordered inputs, dequantization exact: the fp32 kernel's bits."""
+    from decode.backends.cpu.kernels import avx2_kernel
+
+    module = w4.model.layers[0].mlp.down_proj
+    codes, scales, perm = int4_parts(module)
+    kernels = native_kernels()[0]
+    words, panel_scales = kernels.pack_int4(codes, scales)
+    k = codes.shape[1]
+    bounds = torch.tensor([*range(0, k, module.group_size), k])
+    x = torch.randn(5, k)
+    ours = kernels.quant_mm(x, words, panel_scales, bounds, perm, codes.shape[0], None)
+    weight = (codes.float() - 8) * scales[:, torch.arange(k) // module.group_size]
+    fp32 = avx2_kernel()[0]
+    assert torch.equal(ours, fp32.linear(x[:, perm].contiguous(), fp32.pack(weight), weight.shape[0], None))
+
+
+def test_the_cache_capacity_is_checked(w4):
+    runner = NativeLlamaRunner(w4, capacity=8)
+    runner.forward(text(6), None, None)
+    with pytest.raises(ValueError, match="holds 8 positions"):
+        runner.forward(text(3), None, None)
+    with pytest.raises(IndexError):
+        runner.keep(torch.tensor([0, 6]))
+
+
+def test_unsupported_models_are_refused_with_a_reason(w4, tiny_llama):
+    assert unsupported(w4) is None
+    assert "not symmetric 4-bit" in unsupported(tiny_llama)
+    for key, value, says in (("hidden_act", "gelu", "activation"), ("model_type", "gpt2", "architecture"),
+                             ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "rope type")):
+        config = copy.deepcopy(w4.config)
+        setattr(config, key, value)
+        w4.config, original = config, w4.config
+        assert says in unsupported(w4)
+        w4.config = original
+    with pytest.raises(ValueError, match="cannot run this model"):
+        NativeLlamaRunner(tiny_llama)
+
+
+def test_the_native_int8_head_is_the_fp32_product_of_its_int8_rows(w4):
+    from decode.backends.cpu.llama import NativeInt8Head
+    from decode.backends.cpu.int8 import Int8RowLinear
+    from decode.backends.cpu.kernels import avx2_kernel
+
+    int8 = Int8RowLinear(w4.get_output_embeddings())
+    head, x = NativeInt8Head(int8), torch.randn(3, int8.in_features)
+    weight = int8.qweight.float() * int8.scales.float()[:, None]
+    fp32 = avx2_kernel()[0]
+    assert torch.equal(head(x), fp32.linear(x, fp32.pack(weight), weight.shape[0], None))
+    assert torch.allclose(head(x), int8(x), atol=0.05, rtol=0.02)  # aten's kernel rounds activations to bf16
+
+
+def real_text_agreement(model, tokenizer) -> tuple[float, float]:
+    """(share of positions where the native forward's argmax equals GPTQModel's, max |logit difference|) over
+    300 tokens of this repository's README, one forward each."""
+    from pathlib import Path
+
+    ids = torch.tensor([tokenizer(Path(__file__).parents[1].joinpath("README.md").read_text()).input_ids[:300]])
+    with torch.no_grad():
+        theirs = model(ids).logits
+        ours = model.lm_head(NativeLlamaRunner(model, capacity=512).forward(ids, None, None))
+    return (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item(), (ours - theirs).abs().max().item()
+
+
+@pytest.mark.slow
+def test_the_bundled_w4_model_agrees_with_gptqmodel_on_real_text(tmp_path):
+    """The real SmolLM2 quantized with reduced settings (a few minutes on 2 busy cores)."""
+    from data.models import DEFAULT_MODEL, load_model
+    from quantize.w4 import run
+
+    cfg = stage_config(DEFAULT_MODEL, tmp_path, tmp_path, **{
+        "calibration.samples": 8, "calibration.max_len": 128, "calibration.min_len": 64, "eval.ppl_conversations": 1,
+        "eval.agreement_prompts": 1, "eval.continuation_tokens": 8, "eval.timing_repeats": 1})
+    cfg.model.name = DEFAULT_MODEL
+    cfg.data = {"source": "bundled", "max_len": 1024, "held_out_fraction": 0.02, "max_conversations": None}
+    model, tokenizer = load_model(str(run(cfg)))
+    assert unsupported(model) is None
+    agreement, gap = real_text_agreement(model, tokenizer)
+    assert agreement >= 0.97 and gap < 1.0, (agreement, gap)
+
+
+@pytest.mark.parametrize("draft", [{"length": 4}, {"mode": "tree", "depth": 3, "top_k": 2, "total_tokens": 6}],
+                         ids=["chain", "tree"])
+def test_a_native_w4_drafter_keeps_decoding_lossless(w4, tiny_source, draft, one_thread):  # noqa: F811
+    """target <- W4 (native runner): the greedy tokens are the target's own."""
+    from decode_fixtures import greedy_equal
+
+    from decode.backends import runner
+    from decode.engine.chain import Chain
+    from decode.engine.levels import ModelLevel
+
+    target = LlamaForCausalLM.from_pretrained(tiny_source).eval()
+    chain = Chain([ModelLevel("t", target), ModelLevel("w4", w4, draft=draft, runner=runner(w4, "on"))])
+    assert isinstance(chain.levels[1].runner, NativeLlamaRunner)
+    for seed in range(2):
+        prompt = text(12, seed=10 + seed)[0].tolist()
+        ok, _ = greedy_equal(target, prompt, chain.generate(prompt, 30).tokens)
+        assert ok
+
+
+def test_decode_native_is_checked_before_anything_loads():
+    from omegaconf import OmegaConf
+
+    from decode.build import configured_builder
+    from decode.engine.errors import DecodeError
+
+    with pytest.raises(DecodeError, match="decode.native must be one of auto, on, off"):
+        configured_builder(OmegaConf.create({"decode": {"fast": True, "native": "yes"}}), None, None)
