@@ -1,23 +1,16 @@
-"""Shared test setup: no W&B network, a `slow` marker, and small fixtures every stage's tests use."""
+"""Shared test setup: no W&B network, and the models more than one package's tests use; each test folder's own
+fixtures are in its conftest.py."""
 from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 import pytest
 import torch
-
-
-@pytest.fixture
-def one_thread():
-    """Tiny models run ~8x faster on one thread than on two contended ones."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
@@ -41,18 +34,36 @@ def tiny_llama():
     return LlamaForCausalLM(config).eval()
 
 
-@pytest.fixture
-def sharegpt_file(tmp_path):
-    """A small ShareGPT-format JSON file with valid conversations only."""
+@pytest.fixture(scope="module")
+def tiny_source(tmp_path_factory) -> Path:
+    """A tiny random Llama folder (hidden 192, MLP 384) with its tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny_source")
+    from w4_fixtures import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=320, hidden_size=192, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True, initializer_range=0.08,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def chat_file(tmp_path_factory) -> Path:
+    words = "the cat sat on a mat while blue dogs ran over green hills and red foxes slept".split()
     records = [
-        {"id": f"conv{i}", "conversations": [
-            {"from": "human", "value": f"Question number {i}: what is {i} plus {i}?"},
-            {"from": "gpt", "value": f"{i} plus {i} is {2 * i}."},
-            {"from": "human", "value": "Thanks! And times two?"},
-            {"from": "gpt", "value": f"That is {4 * i}."},
+        {"id": f"c{i}", "conversations": [
+            {"from": "human", "value": " ".join(words[(i + j) % len(words)] for j in range(12))},
+            {"from": "gpt", "value": " ".join(words[(3 * i + j) % len(words)] for j in range(30))},
         ]}
-        for i in range(40)
+        for i in range(60)
     ]
-    path = tmp_path / "sharegpt.json"
+    path = tmp_path_factory.mktemp("chat") / "chat.json"
     path.write_text(json.dumps(records))
     return path

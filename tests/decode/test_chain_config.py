@@ -19,7 +19,7 @@ from decode.engine.errors import DecodeError
 from decode.engine.levels import EagleLevel, ModelLevel, NgramLevel
 from decode.engine.chain import read_features
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 VOCAB = 300
 
 

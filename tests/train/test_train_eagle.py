@@ -21,7 +21,7 @@ import train.examples as train_examples
 from data.models import load_tokenizer, weights_hash
 from decode.engine.head import EagleHead, HeadError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # Stages this one does not read (of quantize it reads the W4 model's folder, quantize.output); dropping them
 # keeps the test independent of their configs.
 UNUSED_GROUPS = ["~decode", "~eval"]

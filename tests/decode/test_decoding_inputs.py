@@ -18,7 +18,7 @@ from decode.generate import check_context, max_new_tokens, prompt_text, sampling
 from decode.engine.sampling import Sampling, SamplingError
 from decode_fixtures import tiny_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BAD_SAMPLING = [
     ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
     ({"top_p": 2.0}, r"top_p must be in \(0, 1\]"),

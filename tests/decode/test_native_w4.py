@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from test_quantize_w4 import chat_file, stage_config, tiny_source  # noqa: F401  (module fixtures reused)
+from w4_fixtures import stage_config
 from transformers import LlamaForCausalLM
 
 from decode.backends.cpu.llama import NativeLlamaRunner, int4_parts, native_kernels, unsupported
@@ -168,7 +168,7 @@ def real_text_agreement(model, tokenizer) -> tuple[float, float]:
     300 tokens of this repository's README, one forward each."""
     from pathlib import Path
 
-    ids = torch.tensor([tokenizer(Path(__file__).parents[1].joinpath("README.md").read_text()).input_ids[:300]])
+    ids = torch.tensor([tokenizer(Path(__file__).parents[2].joinpath("README.md").read_text()).input_ids[:300]])
     with torch.no_grad():
         theirs = model(ids).logits
         ours = model.lm_head(NativeLlamaRunner(model, capacity=512).forward(ids, None, None))

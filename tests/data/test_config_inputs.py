@@ -110,7 +110,7 @@ def quantize_config(tmp_path, **quantize):
 
     cfg = OmegaConf.create({
         "run_name": "t", "run_dir": str(tmp_path), "seed": 0, "model": {"name": str(tmp_path / "no-model"), "dtype": "float32"},
-        "quantize": OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "quantize" / "w4.yaml"),
+        "quantize": OmegaConf.load(Path(__file__).resolve().parents[2] / "conf" / "quantize" / "w4.yaml"),
     })
     cfg.quantize.output = str(tmp_path / "w4")
     for key, value in quantize.items():

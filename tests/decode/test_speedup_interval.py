@@ -22,7 +22,7 @@ from decode.evaluation.aggregate import time_speedup as pooled_time_speedup
 from decode.speedup import IntervalError, ratio, t_quantile, time_speedup
 from eval_fixtures import eval_cfg
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PASSING = [{"name": n, "passed": True, "reasons": [], "by_chain": {}} for n in ("lossless", "insertion", "agreement")]
 
 

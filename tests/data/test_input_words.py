@@ -18,7 +18,7 @@ from data.prompts import load_questions
 from data.records import DataError
 from data.sharegpt import load_conversations, normalise, read_records
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def record(i: int, *turns: tuple[str, str]) -> dict:

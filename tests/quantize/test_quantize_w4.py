@@ -11,84 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
+
+from w4_fixtures import stage_config
 
 from quantize.w4 import (
     QuantizeError, acceptance_lengths, dequantize, run, split_groups, storage_group_size,
 )
 
-REPO = Path(__file__).resolve().parents[1]
-TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def tiny_tokenizer():
-    """A byte-level tokenizer with ChatML markers: offsets and a chat template, no download."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {c: i for i, c in enumerate(alphabet)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|im_end|>")
-    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
-    fast.chat_template = TEMPLATE
-    return fast
-
-
-@pytest.fixture(scope="module")
-def tiny_source(tmp_path_factory) -> Path:
-    """A tiny random Llama folder (hidden 192, MLP 384) with its tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    folder = tmp_path_factory.mktemp("tiny_source")
-    tokenizer = tiny_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=320, hidden_size=192, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True, initializer_range=0.08,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def chat_file(tmp_path_factory) -> Path:
-    words = "the cat sat on a mat while blue dogs ran over green hills and red foxes slept".split()
-    records = [
-        {"id": f"c{i}", "conversations": [
-            {"from": "human", "value": " ".join(words[(i + j) % len(words)] for j in range(12))},
-            {"from": "gpt", "value": " ".join(words[(3 * i + j) % len(words)] for j in range(30))},
-        ]}
-        for i in range(60)
-    ]
-    path = tmp_path_factory.mktemp("chat") / "chat.json"
-    path.write_text(json.dumps(records))
-    return path
-
-
-def stage_config(source: Path, data: Path, run_dir: Path, **quantize):
-    base = OmegaConf.load(REPO / "conf" / "quantize" / "w4.yaml")
-    cfg = OmegaConf.create({
-        "run_name": "test", "run_dir": str(run_dir), "seed": 0,
-        "model": {"name": str(source), "dtype": "float32"},
-        "data": {"source": str(data), "max_len": 256, "held_out_fraction": 0.25, "max_conversations": None},
-        "wandb": {"mode": "disabled", "project": "polyspec", "entity": None, "group": "test", "dir": str(run_dir)},
-        "quantize": base,
-    })
-    small = {
-        "calibration.samples": 8, "calibration.min_len": 32, "calibration.batch_size": 4,
-        "eval.ppl_conversations": 4, "eval.agreement_prompts": 2, "eval.continuation_tokens": 16, "eval.timing_repeats": 1,
-    }
-    for key, value in {**small, **quantize}.items():
-        OmegaConf.update(cfg, f"quantize.{key}", value)
-    return cfg
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

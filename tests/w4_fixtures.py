@@ -1,0 +1,47 @@
+"""Helpers for the tests that quantize a tiny random Llama (tests/quantize, tests/decode's native W4 runner): its
+tokenizer and the quantize.w4 stage config; the models themselves are fixtures in tests/conftest.py."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+REPO = Path(__file__).resolve().parents[1]
+TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_tokenizer():
+    """A byte-level tokenizer with ChatML markers: offsets and a chat template, no download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|im_end|>")
+    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    fast.chat_template = TEMPLATE
+    return fast
+
+
+def stage_config(source: Path, data: Path, run_dir: Path, **quantize):
+    base = OmegaConf.load(REPO / "conf" / "quantize" / "w4.yaml")
+    cfg = OmegaConf.create({
+        "run_name": "test", "run_dir": str(run_dir), "seed": 0,
+        "model": {"name": str(source), "dtype": "float32"},
+        "data": {"source": str(data), "max_len": 256, "held_out_fraction": 0.25, "max_conversations": None},
+        "wandb": {"mode": "disabled", "project": "polyspec", "entity": None, "group": "test", "dir": str(run_dir)},
+        "quantize": base,
+    })
+    small = {
+        "calibration.samples": 8, "calibration.min_len": 32, "calibration.batch_size": 4,
+        "eval.ppl_conversations": 4, "eval.agreement_prompts": 2, "eval.continuation_tokens": 16, "eval.timing_repeats": 1,
+    }
+    for key, value in {**small, **quantize}.items():
+        OmegaConf.update(cfg, f"quantize.{key}", value)
+    return cfg
