@@ -56,7 +56,7 @@ def _features(model: PreTrainedModel, sequences: list[torch.Tensor], batch: int)
         attn = torch.zeros(len(group), width, dtype=torch.long)
         for row, i in enumerate(group):
             ids[row, :len(sequences[i])], attn[row, :len(sequences[i])] = sequences[i], 1
-        hidden = base(input_ids=ids, attention_mask=attn).last_hidden_state
+        hidden = base(input_ids=ids.to(model.device), attention_mask=attn.to(model.device)).last_hidden_state.cpu()  # the store lives in host memory
         for row, i in enumerate(group):
             out[i] = hidden[row, :len(sequences[i])]
     return out  # type: ignore[return-value]
