@@ -45,6 +45,6 @@ def synchronized_clock(device: torch.device | str | None = None) -> float:
         if torch.cuda.is_initialized():
             for index in range(torch.cuda.device_count()):
                 torch.cuda.synchronize(index)
-    elif torch.device(device).type == "cuda":
+    elif (device.type if isinstance(device, torch.device) else torch.device(device).type) == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
