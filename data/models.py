@@ -179,12 +179,14 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
 
 
 def load_model(
-    spec: str = DEFAULT_MODEL, dtype: str = "float32", device: str = "cpu"
+    spec: str = DEFAULT_MODEL, dtype: str = "float32", device: torch.device | str = "cpu"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer from a spec, in eval mode.
+    """Load a causal LM and its tokenizer from a spec, in eval mode, on `device` (resolved: data.device).
 
-    `dtype` applies to full-precision models; a quantized checkpoint keeps its own format.
+    `dtype` applies to full-precision models; a quantized checkpoint keeps its own format. The whole model goes on
+    the one device (no device map across GPUs: a model that does not fit one GPU is not supported yet).
     """
+    device = str(device)
     path = resolve_model_path(spec)
     tokenizer = _from_pretrained(spec, path, AutoTokenizer.from_pretrained)
     model = _from_pretrained(

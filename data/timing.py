@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Callable
+
+from data.device import synchronized_clock
 
 Step = Callable[[int], object]  # one forward of k new tokens on a fixed context
 
@@ -16,10 +17,10 @@ def median_ms(steps: dict[str, Step], ks: list[int], repeats: int, warmup: int =
         for k in ks:
             order = names[r % len(names):] + names[: r % len(names)]
             for name in order:
-                start = time.perf_counter()
+                start = synchronized_clock()
                 steps[name](k)
                 if r >= warmup:
-                    times[name][k].append((time.perf_counter() - start) * 1000)
+                    times[name][k].append((synchronized_clock() - start) * 1000)
     return {name: {k: statistics.median(ts) for k, ts in per.items()} for name, per in times.items()}
 
 
@@ -30,9 +31,9 @@ def cached_forward(model, context: list[int]) -> Step:
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
+    ids = torch.tensor([context], device=model.device)
     with torch.inference_mode():
-        model(torch.tensor([context]), past_key_values=cache, use_cache=True, logits_to_keep=1)
-    ids = torch.tensor([context])
+        model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
 
     def step(k: int) -> object:
         extra = cache.get_seq_length() - len(context)

@@ -9,6 +9,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
+from data.device import synchronized_clock
 from decode.engine.levels import Generation, GenerationStats, LevelStats
 
 from decode.engine.chain import decoding_settings
@@ -33,18 +34,20 @@ def autoregressive(
 ) -> Generation:  # the decoding call's sampling settings spelled out, as Chain.generate takes them
     """One token per forward with a KV cache, sampling with the same logits processing as the chain."""
     sampling = decoding_settings(max_new_tokens, temperature, top_k, top_p, seed)
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    device = model.device
+    gen = torch.Generator(device).manual_seed(seed) if seed is not None else None
     eos, stats = _eos_set(eos_token_id), LevelStats("target", "model")
     cache, new, ttft = DynamicCache(config=model.config), [], 0.0
     ids = list(prompt_ids)
     start = time.perf_counter()
     with torch.inference_mode():
         while len(new) < max_new_tokens and not (new and new[-1] in eos):
-            t0 = time.perf_counter()
-            logits = model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+            t0 = synchronized_clock(device)
+            logits = model(input_ids=torch.tensor([ids], device=device), past_key_values=cache, use_cache=True,
+                           logits_to_keep=1).logits[0, -1]
             if new:  # as in the chain, stats describe decoding steps; the prefill is time_to_first_token_s
                 stats.forward_calls += 1
-                stats.verify_time_s += time.perf_counter() - t0
+                stats.verify_time_s += synchronized_clock(device) - t0
             token = int(logits.argmax()) if sampling.greedy else sample(probabilities(logits, sampling), gen)
             new.append(token)
             ids = [token]
@@ -84,7 +87,7 @@ def _hf_generate(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, s
     start = time.perf_counter()
     clock = _FirstTokenClock(start)
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt_ids]), generation_config=config, streamer=clock,
+        out = model.generate(torch.tensor([prompt_ids], device=model.device), generation_config=config, streamer=clock,
                              **({"assistant_model": assistant_model} if assistant_model is not None else {}))
     wall = time.perf_counter() - start
     new = _truncate(out[0, len(prompt_ids):].tolist(), max_new_tokens, eos)

@@ -155,7 +155,7 @@ def run(cfg: DictConfig) -> dict:
           f"{torch.get_num_threads()} threads; medians (x AR = median per-prompt ratio; sb = Spec-Bench mean ratio; time x AR = "
           f"pooled seconds per token of AR over the method's, {confidence:.0%} paired interval over prompts, + shown faster, - shown slower)")
     print(table(summary, notes))
-    result = {"config": OmegaConf.to_container(b, resolve=True), "threads": torch.get_num_threads(),
+    result = {"config": OmegaConf.to_container(b, resolve=True), "device": str(target.device), "threads": torch.get_num_threads(),
               "notes": notes, "summary": summary}
     write_json_atomic(b.out, result)
     print(f"written {b.out}")

@@ -16,6 +16,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from data.layout import RunLayout
 from data.cli import flag
+from data.device import configured_device
 from data.models import ModelSourceError, load_model, same_vocabulary
 from decode import backends
 from decode.backends.cpu import pack
@@ -27,14 +28,14 @@ from decode.engine.spec import ChainSpec, LevelSpec
 from decode.engine.errors import DecodeError
 from decode.engine.levels import EagleLevel, Level, ModelLevel, NgramLevel
 
-def gemm_choice(cfg: Any) -> str:
-    """decode.gemm, checked: which packed product dense fp32 linears use (decode.backends.cpu.dense.gemm_for)."""
-    gemm = cfg.decode.get("gemm", "auto")
+def gemm_choice(cfg: Any) -> str | None:
+    """decode.gemm, checked: which packed product dense fp32 linears use (decode.backends.cpu.dense.gemm_for);
+    None off the CPU (`device`: nothing is packed there)."""
+    gemm, device = cfg.decode.get("gemm", "auto"), configured_device(cfg)
     try:
-        backends.gemm_choice(gemm, torch.device("cpu"))
+        return backends.gemm_choice(gemm, device)
     except (ValueError, RuntimeError) as err:  # an unknown name, or avx2 where it cannot run
         raise DecodeError(f"decode.{err}") from None
-    return gemm
 
 
 def onednn_target(cfg: Any, target: PreTrainedModel) -> PreTrainedModel | None:
@@ -47,10 +48,10 @@ def onednn_target(cfg: Any, target: PreTrainedModel) -> PreTrainedModel | None:
 
 
 def load_target(cfg: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The chain's target as configured: `model.name` in `model.dtype`, its linears packed when
-    `decode.fast` (decode.fast: the AR reference and every chain then share that same configuration)."""
+    """The chain's target as configured: `model.name` in `model.dtype` on `device`, its linears packed when
+    `decode.fast` on the CPU (decode.fast: the AR reference and every chain then share that same configuration)."""
     gemm = gemm_choice(cfg)
-    target, tokenizer = load_model(cfg.model.name, cfg.model.dtype)
+    target, tokenizer = load_model(cfg.model.name, cfg.model.dtype, configured_device(cfg))
     if cfg.decode.get("fast"):
         backends.prepare(target, gemm)
     return target, tokenizer
@@ -72,7 +73,7 @@ def reference_decoders(cfg: Any, target: PreTrainedModel, eos: Any, sampling: di
     kw = sampling or {}
     models = {"ar": target}
     if cfg.decode.get("fast"):
-        models["ar_eager"] = load_model(cfg.model.name, cfg.model.dtype)[0]
+        models["ar_eager"] = load_model(cfg.model.name, cfg.model.dtype, target.device)[0]
     if onednn and (other := onednn_target(cfg, target)) is not None:
         models["ar_onednn"] = other
     return {name: (lambda p, n, m=model: autoregressive(m, p, n, eos_token_id=eos, **kw)) for name, model in models.items()}
@@ -202,14 +203,14 @@ def _level_vocab(level: LevelSpec, heads: list[EagleHead], is_target: bool) -> t
 
 def level_model(level: LevelSpec, target: PreTrainedModel, tokenizer, artifacts: RunLayout, dtype: str) -> PreTrainedModel:
     """A model level's model: the target itself, or the model its `model:` names (checked against the
-    target's vocabulary), cut to its first `layers` layers if set."""
+    target's vocabulary) on the target's device, cut to its first `layers` layers if set."""
     spec, name = level.model, level.name
     if spec == "target":
         model = target
     else:
         spec = artifacts.model_spec(spec)  # a missing run artifact such as `w4` says "no such model folder"
         try:
-            model, level_tokenizer = load_model(spec, dtype=level.dtype or dtype)
+            model, level_tokenizer = load_model(spec, dtype=level.dtype or dtype, device=target.device)
         except ModelSourceError as err:
             raise DecodeError(f"level {name!r}: {err}") from None
         if not same_vocabulary(tokenizer, level_tokenizer):

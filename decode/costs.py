@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from transformers import DynamicCache
 
 from data.cli import check_writable, run_main
+from data.device import configured_device
 from data.layout import RunLayout
 from data.timing import Step, cached_forward, level_forward, median_ms
 
@@ -24,7 +25,7 @@ from data.timing import Step, cached_forward, level_forward, median_ms
 def head_forward(head, context: list[int], features: torch.Tensor) -> Step:
     """A step: one head forward of k new tokens (with k features) after a cached context."""
     cache = DynamicCache()
-    ids = torch.tensor([context])
+    ids = torch.tensor([context], device=features.device)
     with torch.inference_mode():
         head(ids[:, 1:], features[:, :-1], cache)
     n = cache.get_seq_length()
@@ -62,10 +63,11 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
     from decode.engine.head import EagleHead, vocabulary_rows
     from decode.engine.levels import ModelLevel
 
+    device = configured_device(cfg)
     _, held_out = load_split(cfg.data)  # the data before any model or kernel build: refused in seconds
     c, gemm = cfg.decode.costs, gemm_choice(cfg)
-    target, tokenizer = load_model(cfg.model.name, cfg.model.dtype)
-    fast_target, _ = load_model(cfg.model.name, cfg.model.dtype)
+    target, tokenizer = load_model(cfg.model.name, cfg.model.dtype, device)
+    fast_target, _ = load_model(cfg.model.name, cfg.model.dtype, device)
     backends.prepare(fast_target, gemm)
     context = context_ids(held_out, tokenizer, int(c.context))
     steps = {"target eager": cached_forward(target, context), "target": cached_forward(fast_target, context)}
@@ -78,17 +80,18 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
     artifacts = RunLayout.of(cfg)
     w4_dir = artifacts.output("w4")
     if (w4_dir / "config.json").is_file():
-        w4, _ = load_model(str(w4_dir), cfg.model.dtype)
+        w4, _ = load_model(str(w4_dir), cfg.model.dtype, device)
         backends.prepare(w4, gemm)
         steps["w4"] = level_forward(ModelLevel("w4", w4, runner=backends.runner(w4)), context)
         notes["w4"] = f"{w4_dir}, packed dense layers"
-        int8_head = Int8RowLinear(w4.get_output_embeddings())
-        steps["w4 int8 head"] = level_forward(ModelLevel("w4", w4, runner=backends.runner(w4), lm_head=int8_head), context)
-        notes["w4 int8 head"] = "the W4 level with lm_head: int8"
+        if backends.on_cpu(w4):  # lm_head: int8 is a CPU kernel
+            int8_head = Int8RowLinear(w4.get_output_embeddings())
+            steps["w4 int8 head"] = level_forward(ModelLevel("w4", w4, runner=backends.runner(w4), lm_head=int8_head), context)
+            notes["w4 int8 head"] = "the W4 level with lm_head: int8"
     else:
         print(f"costs: no W4 model in {w4_dir}; skipping it", file=sys.stderr)
     with torch.inference_mode():
-        features = target(torch.tensor([context]), output_hidden_states=True).hidden_states[-1]
+        features = target(torch.tensor([context], device=device), output_hidden_states=True).hidden_states[-1]
     head_dir = artifacts.output("eagle")
     heads = {}
     if (head_dir / "config.json").is_file():
@@ -127,7 +130,7 @@ def run(cfg: DictConfig) -> dict:
     print(f"{'level':<18}" + "".join(f"{f'k={k}':>15}" for k in ks) + "  note")
     for name, per in ms.items():
         print(f"{name:<18}" + "".join(f"{per[k]:8.1f} ({per[k] / base:4.2f})" for k in ks) + f"  {notes[name]}")
-    result = {"context": int(c.context), "threads": torch.get_num_threads(), "repeats": int(c.repeats), "notes": notes,
+    result = {"device": str(configured_device(cfg)), "context": int(c.context), "threads": torch.get_num_threads(), "repeats": int(c.repeats), "notes": notes,
               "ms": ms, "ratio_to_target_1": {n: {k: v / base for k, v in per.items()} for n, per in ms.items()}}
     write_json_atomic(c.out, result)
     print(f"written {c.out}")

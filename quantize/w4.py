@@ -34,6 +34,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from data.layout import RunLayout
 from data.cli import PolyspecError, check_writable, flag, run_main
+from data.device import configured_device
 from data.models import load_model, load_tokenizer, resolve_model_path, weights_hash
 from data.sharegpt import (
     Conversation, TokenizedConversation, chat_prompt_ids, load_split,
@@ -93,8 +94,9 @@ def cpu_recipe(qcfg: DictConfig) -> None:
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(qcfg.cpu_workers or os.cpu_count() or 1))
 
 
-def gptq_quantize(src: str, dst: Path, qcfg: DictConfig, calibration: list[list[int]]) -> None:
-    """Run GPTQModel on `src` and save the checkpoint into `dst` (which must not exist yet)."""
+def gptq_quantize(src: str, dst: Path, qcfg: DictConfig, calibration: list[list[int]], device: str = "cpu") -> None:
+    """Run GPTQModel on `src` on `device` (its CPU path, or its GPU path on cuda[:N]) and save the checkpoint into
+    `dst` (which must not exist yet); the checkpoint format is the same either way."""
     from gptqmodel import GPTQModel, QuantizeConfig
     from gptqmodel.looper import loop_processor
 
@@ -105,7 +107,7 @@ def gptq_quantize(src: str, dst: Path, qcfg: DictConfig, calibration: list[list[
         damp_auto_increment=qcfg.damp_auto_increment, mse=qcfg.mse, true_sequential=qcfg.true_sequential,
         offload_to_disk=False,  # disk offload: much slower here
     )
-    model = GPTQModel.load(src, config, device="cpu", dtype=getattr(torch, qcfg.calibration.dtype))
+    model = GPTQModel.load(src, config, device=device, dtype=getattr(torch, qcfg.calibration.dtype))
     model.quantize([{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in calibration], batch_size=qcfg.calibration.batch_size)
     model.save(str(dst))
 
@@ -208,8 +210,8 @@ def perplexity(model: PreTrainedModel, convs: list[TokenizedConversation]) -> fl
     """Perplexity on the assistant-reply tokens (what a chain level predicts when it decodes a reply)."""
     nll, count = 0.0, 0
     for conv in tqdm(convs, desc="perplexity", leave=False):
-        ids = torch.tensor([conv.input_ids])
-        mask = torch.tensor(conv.loss_mask[1:], dtype=torch.bool)
+        ids = torch.tensor([conv.input_ids], device=model.device)
+        mask = torch.tensor(conv.loss_mask[1:], dtype=torch.bool, device=model.device)
         logits = model(ids).logits[0, :-1].float()
         nll += F.cross_entropy(logits[mask], ids[0, 1:][mask], reduction="sum").item()
         count += int(mask.sum())
@@ -219,7 +221,8 @@ def perplexity(model: PreTrainedModel, convs: list[TokenizedConversation]) -> fl
 @torch.no_grad()
 def greedy_continuation(model: PreTrainedModel, prompt: list[int], n: int, eos: int | None) -> list[int]:
     out = model.generate(
-        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=n,
+        torch.tensor([prompt], device=model.device), attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device),
+        max_new_tokens=n,
         do_sample=False, eos_token_id=eos, pad_token_id=eos,
     )
     return out[0, len(prompt):].tolist()
@@ -228,8 +231,8 @@ def greedy_continuation(model: PreTrainedModel, prompt: list[int], n: int, eos: 
 @torch.no_grad()
 def teacher_forced_matches(model: PreTrainedModel, prompt: list[int], continuation: list[int]) -> list[bool]:
     """Whether `model`'s argmax equals the next token of `continuation`, at each of its positions."""
-    logits = model(torch.tensor([prompt + continuation])).logits[0, len(prompt) - 1 : -1]
-    return (logits.argmax(-1) == torch.tensor(continuation)).tolist()
+    logits = model(torch.tensor([prompt + continuation], device=model.device)).logits[0, len(prompt) - 1 : -1]
+    return (logits.argmax(-1) == torch.tensor(continuation, device=model.device)).tolist()
 
 
 def acceptance_lengths(matches: list[bool], depth: int) -> list[int]:
@@ -336,10 +339,11 @@ def run(cfg: DictConfig) -> Path:
     out = RunLayout.of(cfg).output("w4")
     check_output(out, overwrite or skip_if_valid)
     check_writable(out, "quantize.output", error=QuantizeError)  # fail now, not after minutes of GPTQ
+    device = configured_device(cfg)
     train, held_out = load_split(cfg.data)  # the data before any model: a bad source is refused in seconds
     src = source_model_path(cfg.model.name)
     tokenizer = load_tokenizer(src)
-    target, _ = load_model(src, dtype=cfg.model.dtype)
+    target, _ = load_model(src, dtype=cfg.model.dtype, device=device)
     settings = OmegaConf.to_container(qcfg, resolve=True)
     settings = {k: v for k, v in settings.items() if k not in ("output", "overwrite", "skip_if_valid", "eval", "cpu_workers")}
     meta: dict[str, Any] = {"source_model": cfg.model.name, "source_weights_hash": weights_hash(target), "settings": settings}
@@ -362,17 +366,17 @@ def run(cfg: DictConfig) -> Path:
     try:
         cpu_recipe(qcfg)
         start = time.perf_counter()
-        gptq_quantize(src, tmp, qcfg, calibration)
+        gptq_quantize(src, tmp, qcfg, calibration, str(device))
         quantize_s = time.perf_counter() - start
         groups = regroup_checkpoint(tmp, qcfg.group_size, qcfg.bits)
         meta["groups"] = groups
         print(f"w4: group size {qcfg.group_size}: {groups['description']}")
         write_metadata(tmp, meta, groups["stored_group_size"])
 
-        w4, _ = load_model(str(tmp), dtype=cfg.model.dtype)
+        w4, _ = load_model(str(tmp), dtype=cfg.model.dtype, device=device)
         metrics = evaluate(target, w4, tokenizer, held_out, qcfg.eval)
         metrics.update(
-            quantize_s=quantize_s, size_mb_target=folder_mb(src), size_mb_w4=folder_mb(tmp), group_handling=groups["description"],
+            quantize_s=quantize_s, device=str(device), size_mb_target=folder_mb(src), size_mb_w4=folder_mb(tmp), group_handling=groups["description"],
             calibration_samples=len(calibration), calibration_tokens=sum(map(len, calibration)),
             stored_group_size=groups["stored_group_size"], quantized_group_size=qcfg.group_size,
         )

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from train.distributed import collective_device
 from train.errors import TrainError
 
 CHECKPOINT_TAG = re.compile(r"step\d{7}")
@@ -66,7 +67,7 @@ class StopFlag:
 
     def agreed(self) -> bool:
         """Every rank stops at the same step: any rank's request stops all."""
-        flag = torch.tensor([int(self.requested)])
+        flag = torch.tensor([int(self.requested)], device=collective_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 

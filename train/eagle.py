@@ -11,9 +11,12 @@ learning curve (metrics.json, W&B, learning_curve.png in the head folder).
 `EagleRecipe` holds one run's state (setup, train, evaluate, save); data, held-out evaluation, checkpoints and the
 plot live in train/examples.py, train/evaluation.py, train/checkpoints.py and train/plot.py.
 
-Always runs through `deepspeed.initialize`: plain `python -m train.eagle` is a one-process gloo group;
-`torchrun --nproc_per_node=2 -m train.eagle` is data-parallel (each optimizer step's global batch is
-split across ranks, so the result does not depend on how many processes share it).
+Always runs through `deepspeed.initialize`: plain `python -m train.eagle` is a one-process group (gloo on the CPU,
+NCCL on a GPU: `device`, conf/config.yaml); `torchrun --nproc_per_node=2 -m train.eagle` is data-parallel (each
+optimizer step's global batch is split across ranks, so the result does not depend on how many processes share
+it; on GPUs each rank trains on its LOCAL_RANK's GPU). The verifiers load on the device in `model.dtype` (bfloat16
+there halves a large target's memory); the feature store stays in host memory and each micro batch's features go
+to the device as it is trained.
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ from data.tracking import Tracker
 from decode.engine.head import FORMAT_VERSION, EagleHead
 from train import store
 from train.checkpoints import Progress, StopFlag, checkpoint_fingerprint, resume_progress, save_checkpoint
+from train.distributed import backend_for, collective_device, training_device
 from train.errors import TrainError, TrainingInterrupted
 from train.evaluation import EvalSequence, evaluate, evaluate_on_rank0, prepare_eval, unroll
 from train.examples import draft_vocabulary, load_examples, pad, step_micro_batches
@@ -84,29 +88,36 @@ def validate(cfg: DictConfig) -> None:
             raise TrainError(f"train.{group}.{key}={t[group][key]!r}: must be a positive integer")
 
 
-def init_distributed() -> tuple[int, int]:
-    """(rank, world size): torchrun's environment, or a one-process gloo group set up here."""
+def init_distributed(device: torch.device) -> tuple[int, int]:
+    """(rank, world size): torchrun's environment, or a one-process group set up here (NCCL on a GPU, gloo on the
+    CPU). DeepSpeed places the head on LOCAL_RANK's accelerator: a single process on cuda:N says N, and a process
+    on the CPU of a GPU machine keeps DeepSpeed on the CPU (DS_ACCELERATOR, read when deepspeed is imported)."""
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if "RANK" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+                          LOCAL_RANK=str(device.index or 0))
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        deepspeed.init_distributed(dist_backend=backend_for(device), verbose=False)
     return dist.get_rank(), dist.get_world_size()
 
 
-def load_verifiers(cfg: DictConfig, layout: RunLayout) -> tuple[PreTrainedModel, Any, PreTrainedModel]:
+def load_verifiers(cfg: DictConfig, layout: RunLayout, device: torch.device) -> tuple[PreTrainedModel, Any, PreTrainedModel]:
     """(target, its tokenizer, the feature model): the target itself or the W4 model in quantize.output."""
-    target, tokenizer = load_model(cfg.model.name, cfg.model.dtype)
+    target, tokenizer = load_model(cfg.model.name, cfg.model.dtype, device)
     if cfg.train.feature_source == "target":
         return target, tokenizer, target
     w4_path = layout.output("w4")
     if not (w4_path / "config.json").is_file():
         raise TrainError(f"{w4_path}: no W4 model there (run `python -m quantize.w4` first, or use train.feature_source=target)")
-    w4, w4_tokenizer = load_model(str(w4_path), cfg.model.dtype)
+    w4, w4_tokenizer = load_model(str(w4_path), cfg.model.dtype, device)
     if not same_vocabulary(tokenizer, w4_tokenizer) or w4.config.hidden_size != target.config.hidden_size:
         raise TrainError(f"{w4_path}: the W4 model's vocabulary or hidden size differs from the target {cfg.model.name}")
     return target, tokenizer, w4
@@ -125,7 +136,8 @@ def micro_batch_loss(head: Any, feats: torch.Tensor, ids: torch.Tensor, loss_mas
     depth = t.unroll
     n = ids.shape[1] - 1 - depth
     noise = (torch.rand(feats[:, :n].shape, generator=torch.Generator().manual_seed(noise_seed)) - 0.5) * t.noise
-    loss, stats = torch.zeros(()), {"feature_loss": 0.0, "ce": 0.0}
+    noise = noise.to(feats.device)  # drawn on the CPU: the same noise on every device
+    loss, stats = torch.zeros((), device=feats.device), {"feature_loss": 0.0, "ce": 0.0}
     for j, hidden in enumerate(unroll(head, ids, feats[:, :n] + noise, depth), start=1):
         mask = loss_mask[:, j + 1:n + j + 1]
         hidden, feat_target = hidden[mask].float(), feats[:, j:n + j][mask].float()
@@ -212,14 +224,15 @@ class EagleRecipe:
 
     def setup(self) -> bool:
         """Everything the steps need; False (and nothing loaded beyond the target) when train.output is current."""
+        validate(self.cfg)
+        device = training_device(self.cfg)
+        self.rank, self.world = init_distributed(device)
         import deepspeed
 
-        validate(self.cfg)
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-        self.rank, self.world = init_distributed()
         torch.manual_seed(self.cfg.seed)
         split = load_split(self.cfg.data)  # the data before any model: a bad source is refused in seconds
-        self.target, self.tokenizer, feature_model = load_verifiers(self.cfg, self.layout)
+        self.target, self.tokenizer, feature_model = load_verifiers(self.cfg, self.layout, device)
         self.hashes = {"target": weights_hash(self.target)}
         if self.t.skip_if_valid and head_is_current(self.cfg, self.layout, self.hashes["target"]):
             return False
@@ -305,8 +318,8 @@ class EagleRecipe:
         engine.train()
         sums = {"loss": 0.0, "feature_loss": 0.0, "ce": 0.0, "correct": 0, "predicted": 0, "tokens": 0}
         for chunk, indices in step_micro_batches(self.progress.step, len(examples), cfg.train, cfg.seed, self.rank, self.world):
-            ids, feats, loss_mask = pad([examples[i] for i in indices], [self.features[i] for i in indices],
-                                        all_tokens=cfg.train.loss_tokens == "all")
+            ids, feats, loss_mask = (x.to(engine.device) for x in pad([examples[i] for i in indices], [self.features[i] for i in indices],
+                                                                      all_tokens=cfg.train.loss_tokens == "all"))
             loss, stats = micro_batch_loss(engine, feats, ids, loss_mask, cfg.train,
                                            noise_seed=cfg.seed * 1_000_003 + self.progress.step * 1_009 + chunk)
             engine.backward(loss)
@@ -314,7 +327,7 @@ class EagleRecipe:
             stats["tokens"] = sum(len(examples[i].input_ids) for i in indices)
             for k in sums:
                 sums[k] += stats[k]
-        totals = torch.tensor([sums[k] for k in sums], dtype=torch.float64)
+        totals = torch.tensor([sums[k] for k in sums], dtype=torch.float64, device=collective_device())
         dist.all_reduce(totals)
         return dict(zip(sums, totals.tolist()))
 

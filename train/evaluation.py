@@ -30,7 +30,7 @@ def prepare_eval(model: PreTrainedModel, tokenizer: Any, prompts: list[list[int]
     for i in range(0, len(prompts), batch):
         group = prompts[i: i + batch]
         for p, row in zip(group, replies.greedy_replies(model, tokenizer, group, gen_tokens)):
-            seq = torch.tensor([p + row])
+            seq = torch.tensor([p + row], device=model.device)
             features = getattr(model, model.base_model_prefix)(input_ids=seq).last_hidden_state
             greedy = model.get_output_embeddings()(features).argmax(-1)
             out.append(EvalSequence(seq[0], features[0], greedy[0], len(p)))
@@ -51,10 +51,10 @@ def unroll(head: Any, ids: torch.Tensor, features: torch.Tensor, depth: int) -> 
     dtype = (head.module if hasattr(head, "module") else head).fc.weight.dtype
     cache = DynamicCache()
     hidden, _, _ = head(ids[:, 1:n + 1], features[:, :n], cache, compute_logits=False)
-    hiddens, s = [hidden], torch.arange(n)
+    hiddens, s = [hidden], torch.arange(n, device=ids.device)
     for j in range(2, depth + 1):
         past = cache.get_seq_length()
-        allowed = torch.zeros(n, past + n, dtype=torch.bool)
+        allowed = torch.zeros(n, past + n, dtype=torch.bool, device=ids.device)
         allowed[:, :n] = s[None, :] <= s[:, None]
         for d in range(2, j + 1):  # this start's own drafts at depths 2..j, each depth n keys wide
             allowed[s, (d - 1) * n + s] = True
@@ -84,7 +84,7 @@ def evaluate(head: EagleHead, sequences: list[EvalSequence], depth: int) -> dict
         if n <= 0:
             continue
         drafts = chain_drafts(head, seq.ids, seq.features, depth)
-        hits = torch.stack([drafts[j - 1] == seq.greedy[j: n + j] for j in range(1, depth + 1)])  # [depth, n]
+        hits = torch.stack([drafts[j - 1] == seq.greedy[j: n + j] for j in range(1, depth + 1)]).cpu()  # [depth, n]
         hits = hits[:, torch.arange(n) >= seq.prompt_len - 2]  # drafts of generated tokens only
         hits_per_depth += hits.float().sum(1)
         accepted.append(hits.int().cumprod(0).sum(0))

@@ -40,7 +40,7 @@ def greedy_replies(model: PreTrainedModel, tokenizer, prompts: list[list[int]], 
     width = max(map(len, prompts))
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=False,
+    out = model.generate(input_ids=ids.to(model.device), attention_mask=attn.to(model.device), max_new_tokens=max_new_tokens, do_sample=False,
                          pad_token_id=pad, eos_token_id=eos)
     return [row[: row.index(eos) + 1] if eos in row else row for row in out[:, width:].tolist()]
 

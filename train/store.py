@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -56,7 +57,7 @@ def _features(model: PreTrainedModel, sequences: list[torch.Tensor], batch: int)
         attn = torch.zeros(len(group), width, dtype=torch.long)
         for row, i in enumerate(group):
             ids[row, :len(sequences[i])], attn[row, :len(sequences[i])] = sequences[i], 1
-        hidden = base(input_ids=ids, attention_mask=attn).last_hidden_state
+        hidden = base(input_ids=ids.to(model.device), attention_mask=attn.to(model.device)).last_hidden_state.cpu()  # the store lives in host memory
         for row, i in enumerate(group):
             out[i] = hidden[row, :len(sequences[i])]
     return out  # type: ignore[return-value]
@@ -86,6 +87,7 @@ def _build(model, sequences, root: Path, key: str, dtype: torch.dtype, batch: in
         print(f"feature store: {len(sequences):,} conversations, {tokens:,} tokens x {h} x {dtype} = "
               f"{tokens * h * dtype.itemsize / 2**20:,.1f} MiB in {root / key}")
     partial.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
     mine = [s for n, s in enumerate(shards) if n % world == rank]
     bar = tqdm(total=sum(len(t) for s in mine for t in sequences[s:s + SHARD_EXAMPLES]), unit="tok",
                desc="feature store", disable=rank != 0, dynamic_ncols=True)
@@ -101,8 +103,11 @@ def _build(model, sequences, root: Path, key: str, dtype: torch.dtype, batch: in
     if dist.is_initialized():
         dist.barrier()
     if rank == 0:
+        seconds = time.perf_counter() - started  # all ranks' shards done (the barrier); shards kept from before included
         meta = {"key": key, "conversations": len(sequences), "tokens": tokens, "hidden_size": h,
-                "dtype": str(dtype).removeprefix("torch."), "shard_examples": SHARD_EXAMPLES}
+                "dtype": str(dtype).removeprefix("torch."), "shard_examples": SHARD_EXAMPLES, "device": str(model.device),
+                "build_seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)}
+        print(f"feature store: built in {seconds:.1f} s on {model.device} ({tokens / max(seconds, 1e-9):,.0f} tokens/s)")
         (partial / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         partial.rename(root / key)
     if dist.is_initialized():

@@ -137,8 +137,8 @@ class EagleHead(nn.Module):
 
     @classmethod
     def for_target(cls, target_model: PreTrainedModel, draft_vocab: torch.Tensor | None = None) -> "EagleHead":
-        """An untrained head for a target (optionally with a draft vocabulary); its dtype follows the target's."""
-        return cls(target_model, draft_vocab=draft_vocab).to(next(target_model.parameters()).dtype)
+        """An untrained head for a target (optionally with a draft vocabulary); its dtype and device follow the target's."""
+        return _placed_like(cls(target_model, draft_vocab=draft_vocab), target_model)
 
     def forward(
         self,
@@ -250,7 +250,7 @@ class EagleHead(nn.Module):
         meta = _read_metadata(path)
         _check_target(path, meta, target_model, target_tokenizer)
         state = _read_weights(path / "model.safetensors")
-        head = cls(target_model, draft_vocab=_read_draft_vocab(path, meta)).to(next(target_model.parameters()).dtype)
+        head = _placed_like(cls(target_model, draft_vocab=_read_draft_vocab(path, meta)), target_model)
         try:
             missing, unexpected = head.load_state_dict(state, strict=False)
         except RuntimeError as err:  # shape mismatches
@@ -260,6 +260,12 @@ class EagleHead(nn.Module):
             raise HeadError(f"{path / 'model.safetensors'}: does not fit this target's head (missing {list(missing)[:3]}, unexpected {list(unexpected)[:3]})")
         head.feature_source = meta.get("feature_source", "target")
         return head.eval()
+
+
+def _placed_like(head: EagleHead, target: PreTrainedModel) -> EagleHead:
+    """The head in the target's dtype on the target's device (it reads the target's embeddings and LM head there)."""
+    weight = next(target.parameters())
+    return head.to(device=weight.device, dtype=weight.dtype)
 
 
 def _first_line(err: BaseException) -> str:

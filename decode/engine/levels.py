@@ -14,19 +14,13 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
+from data.device import synchronized_clock
 from decode.engine import tree as trees
 from decode.engine.errors import DecodeError
 from decode.engine.head import softcapped, spread, vocabulary_rows
 from decode.engine.runner import HFRunner, Runner
 from decode.engine.spec import Draft
 from decode.engine.sampling import Sampling, probabilities, sample, verify_greedy, verify_sampled
-
-
-def synchronized_clock(device: torch.device) -> float:
-    """time.perf_counter() once the device has finished its queued work (a forward's time on CUDA is not its launch)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 @dataclass

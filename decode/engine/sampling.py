@@ -107,7 +107,7 @@ def verify_sampled(
         tok = torch.tensor(draft, device=p.device)
         px = p[idx, tok]
         qx = q[idx, tok] if q is not None else torch.ones(k, device=p.device)
-        u = torch.rand(k, generator=generator)
+        u = torch.rand(k, generator=generator, device=p.device)  # the generator lives on p's device
         rejected = (u * qx > px).nonzero()
         if len(rejected):
             n = int(rejected[0])
@@ -125,7 +125,7 @@ def verify_children(
     which samples exactly from p.
     """
     for i, c in enumerate(children):
-        if float(torch.rand((), generator=generator)) < float(p[c]):
+        if float(torch.rand((), generator=generator, device=p.device)) < float(p[c]):
             return i, p
         p = residual(p, None, c)
     return None, p

@@ -42,7 +42,7 @@ class Check:
 def top2_margin(target, ids: list[int]) -> tuple[float, list[int]]:
     """Relative gap of the target's two largest next-token logits after `ids`, and those two tokens."""
     with torch.inference_mode():
-        logits = target(input_ids=torch.tensor([ids])).logits[0, -1].float()
+        logits = target(input_ids=torch.tensor([ids], device=target.device)).logits[0, -1].float()
     top = torch.topk(logits, 2)
     a, b = top.values.tolist()
     return (a - b) / max(abs(a), 1e-12), top.indices.tolist()

@@ -59,7 +59,7 @@ def greedy_equal(target, prompt: list[int], got: list[int], tol: float = 1e-4) -
     for i, (a, b) in enumerate(zip(ref, got)):
         if a != b:
             with torch.no_grad():
-                logits = target(torch.tensor([prompt + ref[:i]])).logits[0, -1].float()
+                logits = target(torch.tensor([prompt + ref[:i]], device=target.device)).logits[0, -1].float()
             top2 = logits.topk(2).values
             margin = float(top2[0] - top2[1])
             return margin <= tol * max(1.0, abs(float(top2[0]))), 1
