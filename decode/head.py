@@ -1,24 +1,26 @@
-"""The EAGLE-2 draft head (the chain's drafter M3): fc over [embed(token), feature] + one decoder layer.
+"""The EAGLE-2 draft head (the chain's drafter M3): exactly the function vLLM's EAGLE-1/2 model computes.
 
 Pairing (EAGLE): `features[:, t]` is the verifier's last hidden state at position t (after its final
 norm, i.e. `output_hidden_states[-1]`), `input_ids[:, t]` is the token at position t+1. The head
 returns `hidden[:, t]`, its prediction of the feature at position t+1, and `logits[:, t]`, its
 prediction of the token at position t+2.
 
-The decoder layer is the target's own layer class, built from a one-layer copy of the target's
-config through the public transformers API (Llama, Qwen2, Mistral, Gemma families). The target's
-final norm closes the layer: the predicted feature is `final_norm(layer_out)`, so it lives where the
-real features live, can be fed back as the next feature, and `logits = lm_head(hidden)` equals the
-target's logits whenever the feature is predicted exactly. The embedding, final norm and LM head are
-the target's, frozen, held by reference and never saved: `state_dict()` and `parameters()` hold the
-head's own weights only (fc and the decoder layer), which is also what DeepSpeed trains.
+The function is vLLM's `llama_eagle` (method "eagle"), which SGLang's `llama_eagle` and EAGLE's own
+cnets.py also compute: `x = fc(cat[embed(token), feature])` with no bias (SGLang's and cnets' fc may
+carry one), one decoder layer whose input norm is the identity, and its output (MLP output + residual)
+is the predicted feature, with no final norm; the logits are the target's LM head on it. The decoder
+layer is the target's own layer class, built from a one-layer copy of the target's config through the
+public transformers API (Llama, Qwen2, Mistral, Gemma families). The embedding and LM head are the
+target's, frozen, held by reference and never saved: `state_dict()` and `parameters()` hold the head's
+own weights only, under vLLM's names (`fc.weight`, `layers.0.*`), which is also what DeepSpeed trains.
 
 Draft vocabulary (FR-Spec / EAGLE-3): a head may carry `draft_vocab`, the sorted ids of the N tokens
 it can propose (the most frequent ones in the training replies). Its logits then cover those N tokens
 only, through the matching rows of the target's LM head: most of the head's cost on a small model is
 that LM head, so N = V/6 makes a draft step several times cheaper. It is lossless by construction: a
-token outside the subset has draft probability 0 and can only come from a verifier. The token map is
-saved in model.safetensors (buffer `draft_vocab`).
+token outside the subset has draft probability 0 and can only come from a verifier. It is a polyspec
+option only: the weights are the same, the token map is saved beside them (draft_vocab.json), and
+vLLM, which never reads it, drafts over the full vocabulary with the same weights.
 """
 from __future__ import annotations
 
@@ -38,7 +40,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from data.cli import PolyspecError
 from data.tracking import atomic_dir
 
-FORMAT_VERSION = 1
+FORMAT = "polyspec-eagle-head"
+FORMAT_VERSION = 2  # 1: the pre-vLLM function (input norm, fc bias, final norm) in a private layout
+DRAFT_VOCAB_FILE = "draft_vocab.json"  # not *.safetensors: vLLM loads every safetensors file of the folder
 
 
 class HeadError(PolyspecError, RuntimeError):
@@ -49,21 +53,21 @@ def _base_model(target: PreTrainedModel) -> nn.Module:
     return getattr(target, target.base_model_prefix, target)
 
 
-def _layer_parts(target: PreTrainedModel) -> tuple[type, type, nn.Module]:
-    """(decoder-layer class, rotary-embedding class, final norm) of a target, or a one-line HeadError."""
+def _layer_parts(target: PreTrainedModel) -> tuple[type, type]:
+    """(decoder-layer class, rotary-embedding class) of a target, or a one-line HeadError."""
     base = _base_model(target)
-    layers, rotary, norm = getattr(base, "layers", None), getattr(base, "rotary_emb", None), getattr(base, "norm", None)
+    layers, rotary = getattr(base, "layers", None), getattr(base, "rotary_emb", None)
     name = type(target).__name__
-    if not isinstance(layers, nn.ModuleList) or len(layers) == 0 or rotary is None or norm is None:
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0 or rotary is None:
         raise HeadError(
-            f"target {name} has no usable decoder-layer class (an EAGLE head needs <base>.layers[0], "
-            "<base>.rotary_emb and <base>.norm, as Llama/Qwen2/Mistral/Gemma models have)"
+            f"target {name} has no usable decoder-layer class (an EAGLE head needs <base>.layers[0] "
+            "and <base>.rotary_emb, as Llama/Qwen2/Mistral/Gemma models have)"
         )
     layer_cls = type(layers[0])
     params = inspect.signature(layer_cls.__init__).parameters
     if "config" not in params or "layer_idx" not in params:
         raise HeadError(f"target {name}: decoder layer {layer_cls.__name__} cannot be built from (config, layer_idx)")
-    return layer_cls, type(rotary), norm
+    return layer_cls, type(rotary)
 
 
 def head_config(target_config: Any) -> Any:
@@ -78,19 +82,23 @@ def head_config(target_config: Any) -> Any:
 
 
 class EagleHead(nn.Module):
-    """fc(2h -> h) over [embed(token_{t+1}), feature_t], the target's decoder layer, its final norm and LM head."""
+    """vLLM's EAGLE-1/2 function: fc(2h -> h, no bias) over [embed(token_{t+1}), feature_t], the target's
+    decoder layer with an identity input norm, no final norm, the target's LM head."""
 
     def __init__(self, target: PreTrainedModel, init_std: float | None = None, draft_vocab: torch.Tensor | None = None):
         super().__init__()
-        layer_cls, rotary_cls, norm = _layer_parts(target)
+        layer_cls, rotary_cls = _layer_parts(target)
         self.config = head_config(target.config)
         h = self.config.hidden_size
-        self.fc = nn.Linear(2 * h, h, bias=True)
+        self.fc = nn.Linear(2 * h, h, bias=False)
         try:
-            self.layer = layer_cls(self.config, layer_idx=0)
+            self.layers = nn.ModuleList([layer_cls(self.config, layer_idx=0)])
             self.rotary_emb = rotary_cls(config=self.config)
         except Exception as err:  # a layer class whose constructor needs more than its config
             raise HeadError(f"target {type(target).__name__}: cannot build {layer_cls.__name__} from its config ({err.__class__.__name__}: {err})") from None
+        if not isinstance(getattr(self.layer, "input_layernorm", None), nn.Module):
+            raise HeadError(f"target {type(target).__name__}: decoder layer {layer_cls.__name__} has no input_layernorm (the EAGLE head drops it)")
+        self.layer.input_layernorm = nn.Identity()
         self._rotary_takes_layer_type = "layer_type" in inspect.signature(self.rotary_emb.forward).parameters
         std = init_std if init_std is not None else getattr(self.config, "initializer_range", 0.02)
         for module in self.modules():
@@ -99,26 +107,28 @@ class EagleHead(nn.Module):
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
         # Shared with the target, frozen, deliberately not registered as submodules (not saved, not trained).
-        self._shared = {"embed": target.get_input_embeddings(), "norm": norm, "lm_head": target.get_output_embeddings()}
+        self._shared = {"embed": target.get_input_embeddings(), "lm_head": target.get_output_embeddings()}
         for module in self._shared.values():
             module.requires_grad_(False)
         self.target_name = str(getattr(target.config, "name_or_path", "") or type(target).__name__)
+        self.target_class = type(target).__name__
         if draft_vocab is not None:
             draft_vocab = torch.as_tensor(draft_vocab, dtype=torch.long).unique(sorted=True)
             if draft_vocab.numel() == 0 or draft_vocab[0] < 0 or draft_vocab[-1] >= self.config.vocab_size:
                 raise HeadError(f"draft vocabulary must be token ids in [0, {self.config.vocab_size}), got {draft_vocab.numel()} ids")
-            self.register_buffer("draft_vocab", draft_vocab)
+            self.register_buffer("draft_vocab", draft_vocab, persistent=False)  # saved beside the weights, not in them
         else:
             self.draft_vocab = None
         self._derived: dict[str, nn.Module] = {}  # the draft vocabulary's LM-head rows, built on first use (not saved)
 
     @property
-    def embed_tokens(self) -> nn.Module:
-        return self._shared["embed"]
+    def layer(self) -> nn.Module:
+        """The one decoder layer (`layers.0`, vLLM's name)."""
+        return self.layers[0]
 
     @property
-    def norm(self) -> nn.Module:
-        return self._shared["norm"]
+    def embed_tokens(self) -> nn.Module:
+        return self._shared["embed"]
 
     @property
     def lm_head(self) -> nn.Module:
@@ -161,9 +171,8 @@ class EagleHead(nn.Module):
             use_cache=past_key_values is not None,
             position_embeddings=position_embeddings,
         )
-        out = out[0] if isinstance(out, tuple) else out
-        shared_dtype = self.lm_head.weight.dtype
-        hidden = self.norm(out.to(shared_dtype))
+        out = out[0] if isinstance(out, tuple) else out  # MLP output + residual: the predicted feature, no final norm
+        hidden = out.to(self.lm_head.weight.dtype)
         return hidden, self.logits(hidden) if compute_logits else None, past_key_values
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -195,75 +204,121 @@ class EagleHead(nn.Module):
     def save_pretrained(self, path: str | Path, target_hash: str, tokenizer: PreTrainedTokenizerBase | None = None,
                         feature_source: str = "target", training: dict | None = None, metrics: dict | None = None,
                         files: dict[str, bytes] | None = None) -> Path:
-        """Write config.json, model.safetensors (head weights only), metrics.json and any extra `files`
-        (name -> bytes, e.g. a learning-curve PNG); atomic (temp dir + rename)."""
+        """Write the folder vLLM loads as an EAGLE head (config.json, model.safetensors: the head's weights under
+        vLLM's names), the draft vocabulary beside it (draft_vocab.json, if any), metrics.json and any extra
+        `files` (name -> bytes, e.g. a learning-curve PNG); atomic (temp dir + rename)."""
         path = Path(path)
+        polyspec = {
+            "format": FORMAT, "format_version": FORMAT_VERSION,
+            "target": {"name": self.target_name, "weights_hash": target_hash,
+                       "vocab_size": self.config.vocab_size, "hidden_size": self.config.hidden_size,
+                       "vocab_hash": vocab_hash(tokenizer) if tokenizer is not None else None},
+            "feature_source": feature_source,
+            "draft_vocab": None if self.draft_vocab is None else {"file": DRAFT_VOCAB_FILE, "size": len(self.draft_vocab)},
+            "training": training or {},
+        }
         with atomic_dir(path) as tmp:
-            config = {
-                "format": "polyspec-eagle-head",
-                "format_version": FORMAT_VERSION,
-                "architecture": {
-                    "fc": [2 * self.config.hidden_size, self.config.hidden_size],
-                    "decoder_layer": type(self.layer).__name__,
-                    "rotary_embedding": type(self.rotary_emb).__name__,
-                    "layer_config": self.config.to_dict(),
-                },
-                "target": {"name": self.target_name, "weights_hash": target_hash,
-                           "vocab_size": self.config.vocab_size, "hidden_size": self.config.hidden_size,
-                           "vocab_hash": vocab_hash(tokenizer) if tokenizer is not None else None},
-                "feature_source": feature_source,
-                "training": training or {},
-            }
-            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
-            save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(tmp / "model.safetensors"))
+            (tmp / "config.json").write_text(json.dumps(self.serving_config(polyspec), indent=2, sort_keys=True, default=str) + "\n")
+            save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(tmp / "model.safetensors"),
+                      metadata={"format": "pt"})
+            if self.draft_vocab is not None:
+                (tmp / DRAFT_VOCAB_FILE).write_text(json.dumps(self.draft_vocab.tolist()) + "\n")
             (tmp / "metrics.json").write_text(json.dumps(metrics or {}, indent=2, sort_keys=True, default=float) + "\n")
             for name, content in (files or {}).items():
                 (tmp / name).write_bytes(content)
         return path
 
+    def serving_config(self, polyspec: dict) -> dict:
+        """config.json: the target's config cut to one layer (vLLM reads the architecture and sizes from it; a
+        LlamaForCausalLM head becomes vLLM's EagleLlamaForCausalLM), the weights' dtype, and polyspec's own
+        metadata under `polyspec`, a key vLLM and transformers ignore."""
+        config = self.config.to_dict()
+        config.update(architectures=[self.target_class], num_hidden_layers=1,
+                      dtype=str(self.fc.weight.dtype).removeprefix("torch."), polyspec=polyspec)
+        config.pop("torch_dtype", None)
+        return config
+
     @classmethod
     def from_pretrained(cls, path: str | Path, target_model: PreTrainedModel,
                         target_tokenizer: PreTrainedTokenizerBase | None = None) -> "EagleHead":
-        """Load a saved head onto its target; refuses (HeadError) a head trained for other weights or vocabulary."""
-        from data.models import weights_hash
-
+        """Load a saved head onto its target; refuses (HeadError) a head trained for other weights or vocabulary,
+        or one written in the old format (its function differs: it must be retrained)."""
         path = Path(path)
         if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
             raise HeadError(f"{path}: not an EAGLE head folder (needs config.json and model.safetensors)")
-        try:
-            config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-            expected = config["target"]["weights_hash"]
-        except (ValueError, KeyError, TypeError, RecursionError, OSError) as err:  # ValueError: JSON, UTF-8
-            message = (str(err).splitlines() or [""])[0]
-            raise HeadError(f"{path}/config.json: not an EAGLE head config ({err.__class__.__name__}: {message})") from None
-        actual = weights_hash(target_model)
-        if actual != expected:
-            raise HeadError(f"{path}: head was trained for target weights {expected}, but the chain's target hashes to {actual}")
-        if config["target"].get("vocab_size") != target_model.config.vocab_size:
-            raise HeadError(f"{path}: head vocabulary size {config['target'].get('vocab_size')} != target's {target_model.config.vocab_size}")
-        saved_vocab = config["target"].get("vocab_hash")
-        if target_tokenizer is not None and saved_vocab is not None:
-            if saved_vocab != vocab_hash(target_tokenizer):
-                raise HeadError(f"{path}: head was trained with a different tokenizer vocabulary than the chain's target")
-        weights = path / "model.safetensors"
-        try:
-            state = load_file(str(weights))
-        except (SafetensorError, OSError) as err:  # truncated, empty or not a safetensors file
-            message = (str(err).splitlines() or [""])[0]
-            raise HeadError(f"{weights}: unreadable ({err.__class__.__name__}: {message}); retrain or restore the head") from None
-        bad = sorted(name for name, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all()))
-        if bad:
-            raise HeadError(f"{weights}: non-finite weights in {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} (NaN or inf: a diverged training run?)")
-        head = cls(target_model, draft_vocab=state.get("draft_vocab")).to(next(target_model.parameters()).dtype)
+        meta = _read_metadata(path)
+        _check_target(path, meta, target_model, target_tokenizer)
+        state = _read_weights(path / "model.safetensors")
+        head = cls(target_model, draft_vocab=_read_draft_vocab(path, meta)).to(next(target_model.parameters()).dtype)
         try:
             missing, unexpected = head.load_state_dict(state, strict=False)
         except RuntimeError as err:  # shape mismatches
             message = (str(err).splitlines() or [""])[-1].strip()
-            raise HeadError(f"{weights}: does not fit this target's head ({message})") from None
+            raise HeadError(f"{path / 'model.safetensors'}: does not fit this target's head ({message})") from None
         if missing or unexpected:
-            raise HeadError(f"{weights}: does not fit this target's head (missing {list(missing)[:3]}, unexpected {list(unexpected)[:3]})")
-        head.feature_source = config.get("feature_source", "target")
+            raise HeadError(f"{path / 'model.safetensors'}: does not fit this target's head (missing {list(missing)[:3]}, unexpected {list(unexpected)[:3]})")
+        head.feature_source = meta.get("feature_source", "target")
         return head.eval()
+
+
+def _first_line(err: BaseException) -> str:
+    return f"{err.__class__.__name__}: {(str(err).splitlines() or [''])[0]}"
+
+
+def _read_metadata(path: Path) -> dict:
+    """The `polyspec` section of a head's config.json; a one-line HeadError for anything else (an old-format head included)."""
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        old = config.get("format") == FORMAT
+        meta = config["polyspec"] if not old else config
+        str(meta["target"]["weights_hash"])
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OSError) as err:  # ValueError: JSON, UTF-8
+        raise HeadError(f"{path}/config.json: not an EAGLE head config ({_first_line(err)})") from None
+    if old or meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+        raise HeadError(f"{path}: a {meta.get('format')} v{meta.get('format_version')} head, which computes another function than "
+                        f"this version's (v{FORMAT_VERSION}, vLLM's EAGLE head); retrain it with `python -m train.eagle`")
+    return meta
+
+
+def _check_target(path: Path, meta: dict, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> None:
+    """Refuse a head trained for other target weights, vocabulary size or tokenizer vocabulary."""
+    from data.models import weights_hash
+
+    expected, actual = meta["target"]["weights_hash"], weights_hash(target)
+    if actual != expected:
+        raise HeadError(f"{path}: head was trained for target weights {expected}, but the chain's target hashes to {actual}")
+    if meta["target"].get("vocab_size") != target.config.vocab_size:
+        raise HeadError(f"{path}: head vocabulary size {meta['target'].get('vocab_size')} != target's {target.config.vocab_size}")
+    saved_vocab = meta["target"].get("vocab_hash")
+    if tokenizer is not None and saved_vocab is not None and saved_vocab != vocab_hash(tokenizer):
+        raise HeadError(f"{path}: head was trained with a different tokenizer vocabulary than the chain's target")
+
+
+def _read_weights(weights: Path) -> dict[str, torch.Tensor]:
+    """model.safetensors' tensors, all finite; a one-line HeadError otherwise."""
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError) as err:  # truncated, empty or not a safetensors file
+        raise HeadError(f"{weights}: unreadable ({_first_line(err)}); retrain or restore the head") from None
+    bad = sorted(name for name, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all()))
+    if bad:
+        raise HeadError(f"{weights}: non-finite weights in {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} (NaN or inf: a diverged training run?)")
+    return state
+
+
+def _read_draft_vocab(path: Path, meta: dict) -> torch.Tensor | None:
+    """The saved draft vocabulary (sorted token ids), or None for a full-vocabulary head."""
+    if meta.get("draft_vocab") is None:
+        return None
+    file = path / DRAFT_VOCAB_FILE
+    try:
+        ids = json.loads(file.read_text(encoding="utf-8"))
+        vocab = torch.tensor(ids, dtype=torch.long)
+        if vocab.dim() != 1 or len(vocab) != meta["draft_vocab"]["size"]:
+            raise ValueError(f"{len(vocab)} ids, config.json says {meta['draft_vocab']['size']}")
+    except (ValueError, KeyError, TypeError, RuntimeError, RecursionError, OSError) as err:
+        raise HeadError(f"{file}: unreadable draft vocabulary ({_first_line(err)})") from None
+    return vocab
 
 
 def softcapped(logits: torch.Tensor, config: Any) -> torch.Tensor:

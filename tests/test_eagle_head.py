@@ -81,7 +81,7 @@ def test_head_holds_only_its_own_weights_and_shares_the_targets():
     target = tiny_target("llama")
     head = EagleHead.for_target(target)
     names = set(head.state_dict())
-    assert names and all(n.startswith(("fc.", "layer.")) for n in names)
+    assert names and all(n.startswith(("fc.", "layers.0.")) for n in names)
     assert head.lm_head is target.lm_head and head.embed_tokens is target.model.embed_tokens
     assert all(p.requires_grad for p in head.parameters())
     assert not any(p.requires_grad for p in target.lm_head.parameters())
@@ -100,7 +100,7 @@ def test_save_and_load_roundtrip_and_refusals(tmp_path):
     head = EagleHead.for_target(target)
     out = head.save_pretrained(tmp_path / "eagle", target_hash=weights_hash(target), metrics={"acc": 0.5})
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "metrics.json", "model.safetensors"]
-    config = json.loads((out / "config.json").read_text())
+    config = json.loads((out / "config.json").read_text())["polyspec"]
     assert config["target"]["weights_hash"] == weights_hash(target) and config["feature_source"] == "target"
     loaded = EagleHead.from_pretrained(out, target)
     ids, feats = head_inputs(target)

@@ -43,7 +43,7 @@ from data.sharegpt import (chat_prompt_ids, load_conversations, split_conversati
                            warn_truncated)
 from data.tracking import Tracker
 from data.vocab import assistant_token_counts, coverage, top_tokens
-from decode.head import EagleHead, additive_mask
+from decode.head import FORMAT_VERSION, EagleHead, additive_mask
 from train import replies, store
 
 FEATURE_SOURCES = ("target", "w4")
@@ -419,15 +419,15 @@ def head_is_current(cfg: DictConfig, target_hash: str) -> bool:
     """True when train.output holds a finished head for this target and this training config."""
     out_dir = Artifacts.of(cfg).output("eagle")
     try:
-        saved = json.loads((out_dir / "config.json").read_text())
+        saved = json.loads((out_dir / "config.json").read_text()).get("polyspec", {})
         json.loads((out_dir / "metrics.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):
         return False
     wanted = {**OmegaConf.to_container(cfg.train, resolve=True), "seed": cfg.seed,
               "data": OmegaConf.to_container(cfg.data, resolve=True)}
     trained = saved.get("training", {})
     same = all(trained.get(k) == v for k, v in wanted.items() if k not in (*RUN_CONTROL_KEYS, "output"))  # where, not what
-    return same and saved.get("target", {}).get("weights_hash") == target_hash
+    return same and saved.get("format_version") == FORMAT_VERSION and saved.get("target", {}).get("weights_hash") == target_hash
 
 
 @dataclass
@@ -458,7 +458,8 @@ def new_head(cfg: DictConfig, target: PreTrainedModel, vocab: torch.Tensor | Non
     the target's last layer and fc passing the feature half through unchanged."""
     head = EagleHead(target, draft_vocab=vocab)
     if cfg.train.init == "target_last_layer":
-        head.layer.load_state_dict(getattr(target, target.base_model_prefix).layers[-1].state_dict())
+        last = getattr(target, target.base_model_prefix).layers[-1].state_dict()
+        head.layer.load_state_dict({k: v for k, v in last.items() if not k.startswith("input_layernorm.")})
         h = head.config.hidden_size
         with torch.no_grad():
             head.fc.weight[:, h:].copy_(torch.eye(h))
