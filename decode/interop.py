@@ -2,7 +2,8 @@
 
 The published head and the W4 model are meant to be served by engines that compute them natively, so this
 check runs the consumer itself: vLLM in its own venv (decode/vllm_venv.py; created on first use), one engine
-per process (decode/vllm_run.py). On the default prompts' first turns, greedy, single stream, same threads:
+per job, all in one process (decode/vllm_run.py). On the default prompts' first turns, greedy, single stream,
+same threads:
 
   (a) vLLM's output with the head as its EAGLE drafter equals its output without (lossless in vLLM too);
   (b) vLLM's mean acceptance length with the head (k drafted tokens) is within a tolerance of polyspec's own
@@ -154,24 +155,24 @@ def vllm_jobs(icfg: Any, target: str, head: Path, w4: Path, prompts: list[list[i
     }
 
 
-def run_engine(python: Path, venv: Path, name: str, job: dict, threads: int, logs: Path) -> dict[str, Any]:
-    """Run one job in the venv; a failure (vLLM refusing a checkpoint, a crash) is returned, not raised: it is
-    what the checks are for. The engine's output goes to logs/<name>.log."""
+def run_engines(python: Path, venv: Path, jobs: dict[str, dict], threads: int, log: Path) -> dict[str, dict]:
+    """Run the jobs in the venv (decode/vllm_run.py), vLLM's output into `log`. A failure (vLLM refusing a
+    checkpoint, a crash) is returned as the job's `error`, not raised: it is what the checks are for."""
     from decode.vllm_venv import engine_env
 
     script = Path(__file__).with_name("vllm_run.py")
+    env = engine_env(venv, threads) | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     with tempfile.TemporaryDirectory(prefix="polyspec-vllm-") as tmp:
-        job_file, out_file = Path(tmp) / "job.json", Path(tmp) / "result.json"
-        job_file.write_text(json.dumps({"name": name, **job}))
-        log = logs / f"{name}.log"
-        print(f"interop: vLLM {name} ...", file=sys.stderr)
+        jobs_file, out_file = Path(tmp) / "jobs.json", Path(tmp) / "results.json"
+        jobs_file.write_text(json.dumps({"jobs": [{"name": name, **job} for name, job in jobs.items()]}))
+        print(f"interop: vLLM runs {', '.join(jobs)} (log {log}) ...", file=sys.stderr)
         with log.open("w") as fh:
-            done = subprocess.run([str(python), str(script), str(job_file), str(out_file)], stdout=fh, stderr=subprocess.STDOUT,
-                                  env=engine_env(venv, threads), cwd=tmp)
-        if done.returncode or not out_file.exists():
-            lines = [l for l in log.read_text().splitlines() if l.strip()]
-            return {"name": name, "error": (lines[-1] if lines else f"exit {done.returncode}")[:300], "log": str(log)}
-        return json.loads(out_file.read_text()) | {"log": str(log)}
+            done = subprocess.run([str(python), str(script), str(jobs_file), str(out_file)], stdout=fh,
+                                  stderr=subprocess.STDOUT, env=env, cwd=tmp)
+        results = json.loads(out_file.read_text()) if out_file.exists() else {}
+    lines = [l for l in log.read_text().splitlines() if l.strip()]
+    crash = f"vLLM exited {done.returncode}: {lines[-1] if lines else ''}"[:300]
+    return {name: results.get(name, {"name": name, "error": crash}) for name in jobs}
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -287,10 +288,9 @@ def run(cfg: DictConfig) -> int:
     torch.set_num_threads(int(icfg.threads))
     prompts = prompts_of(icfg, load_tokenizer(target))
     poly = polyspec_side(cfg, head, w4, prompts)
-    logs = Path(icfg.out).parent / "vllm-logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    jobs = vllm_jobs(icfg, target, head, w4, prompts, poly["ar"]["tokens"])
-    vllm = {name: run_engine(python, venv, name, job, int(icfg.threads), logs) for name, job in jobs.items()}
+    log = Path(icfg.out).with_name("vllm.log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    vllm = run_engines(python, venv, vllm_jobs(icfg, target, head, w4, prompts, poly["ar"]["tokens"]), int(icfg.threads), log)
     found, rows = checks(icfg, vllm, poly), table(vllm, poly, int(icfg.num_speculative_tokens))
     print(f"\n{len(prompts)} prompts, {icfg.max_new_tokens} new tokens, greedy, single stream, {icfg.threads} threads "
           f"({platform.processor() or platform.machine()}); vLLM: {icfg.dtype} target, {icfg.w4_dtype} W4")

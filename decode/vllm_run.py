@@ -1,6 +1,6 @@
 """One vLLM engine, one job: run by decode.interop with the vLLM venv's python, never imported by polyspec.
 
-    <venv>/bin/python decode/vllm_run.py job.json result.json
+    <venv>/bin/python decode/vllm_run.py jobs.json results.json
 
 It imports only vLLM and the standard library (vLLM pins its own torch and transformers, so it lives in its
 own venv). The job names the `LLM(...)` keyword arguments, the prompts as token ids (tokenized by polyspec,
@@ -8,7 +8,7 @@ so both engines read the same tokens), and what to do: decode them greedily one 
 timed after an untimed warm-up), and optionally score teacher-forced continuations (whether the engine's
 argmax is the continuation's next token at each position). The result: tokens, seconds per prompt, load
 time, the speculative-decoding counters of `llm.get_metrics()` over the timed decodes, and the matches.
-One engine per process: vLLM runs it in a child process that is only reliably released at exit.
+Several jobs, one engine each, in turn in this one process.
 """
 from __future__ import annotations
 
@@ -69,20 +69,44 @@ def teacher_forced(llm, pairs: list) -> list:
     return matches
 
 
-def main(job_path: str, result_path: str) -> None:
+def run_job(job: dict) -> dict:
+    """One engine: load it (timed), decode and score as the job says, shut it down."""
+    import gc
+
     from vllm import LLM
 
-    job = json.load(open(job_path))
     start = time.perf_counter()
-    llm = LLM(**job["llm"])
+    llm = LLM(**job["llm"], distributed_executor_backend="uni")  # the worker in this process (see main)
     result = {"name": job["name"], "load_s": time.perf_counter() - start}
-    if job.get("prompts"):
-        result |= decode(llm, job["prompts"], job["max_tokens"], job.get("warmup_tokens", 0))
-    if job.get("teacher_forced"):
-        result["teacher_forced"] = teacher_forced(llm, job["teacher_forced"])
-    with open(result_path, "w") as fh:
-        json.dump(result, fh)
+    try:
+        if job.get("prompts"):
+            result |= decode(llm, job["prompts"], job["max_tokens"], job.get("warmup_tokens", 0))
+        if job.get("teacher_forced"):
+            result["teacher_forced"] = teacher_forced(llm, job["teacher_forced"])
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    return result
 
 
-if __name__ == "__main__":  # vLLM spawns its engine process: the LLM must be made under this guard
+def main(jobs_path: str, results_path: str) -> None:
+    """Every job in turn in this one process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by decode.interop: one vLLM
+    import instead of three per engine, minutes on shared cores). A job that fails is recorded with its error and
+    the next one runs; the results file is rewritten after every job, so a crash keeps what finished."""
+    import traceback
+
+    results = {}
+    for job in json.load(open(jobs_path))["jobs"]:
+        print(f"=== vLLM job {job['name']}", flush=True)
+        try:
+            results[job["name"]] = run_job(job)
+        except Exception as err:  # the check reports it: vLLM refusing a checkpoint is a finding, not a crash
+            traceback.print_exc()
+            results[job["name"]] = {"name": job["name"], "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]}
+        with open(results_path, "w") as fh:
+            json.dump(results, fh)
+
+
+if __name__ == "__main__":  # vLLM may spawn processes: the LLM must be made under this guard
     main(*sys.argv[1:3])
