@@ -2,7 +2,7 @@
 
 The published head and the W4 model are meant to be served by engines that compute them natively, so this
 check runs the consumer itself: vLLM in its own venv (decode/vllm_venv.py; created on first use), one engine
-per job, all in one process (decode/vllm_run.py). On the default prompts' first turns, greedy, single stream,
+per process (decode/vllm_run.py). On the default prompts' first turns, greedy, single stream,
 same threads:
 
   (a) vLLM's output with the head as its EAGLE drafter equals its output without (lossless in vLLM too);
@@ -155,24 +155,28 @@ def vllm_jobs(icfg: Any, target: str, head: Path, w4: Path, prompts: list[list[i
     }
 
 
-def run_engines(python: Path, venv: Path, jobs: dict[str, dict], threads: int, log: Path) -> dict[str, dict]:
-    """Run the jobs in the venv (decode/vllm_run.py), vLLM's output into `log`. A failure (vLLM refusing a
-    checkpoint, a crash) is returned as the job's `error`, not raised: it is what the checks are for."""
+def run_engine(python: Path, venv: Path, name: str, job: dict, threads: int, log: Path) -> dict[str, Any]:
+    """Run one job in the venv (decode/vllm_run.py), vLLM's output appended to `log`. A failure (vLLM refusing a
+    checkpoint, a crash) is returned as the job's `error`, not raised: it is what the checks are for.
+
+    One process per engine (a second engine in one process fails in vLLM 0.32's CPU kernel registration), but
+    its engine core and worker inside it (VLLM_ENABLE_V1_MULTIPROCESSING=0): one vLLM import per engine, not three."""
     from decode.vllm_venv import engine_env
 
     script = Path(__file__).with_name("vllm_run.py")
     env = engine_env(venv, threads) | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     with tempfile.TemporaryDirectory(prefix="polyspec-vllm-") as tmp:
         jobs_file, out_file = Path(tmp) / "jobs.json", Path(tmp) / "results.json"
-        jobs_file.write_text(json.dumps({"jobs": [{"name": name, **job} for name, job in jobs.items()]}))
-        print(f"interop: vLLM runs {', '.join(jobs)} (log {log}) ...", file=sys.stderr)
-        with log.open("w") as fh:
+        jobs_file.write_text(json.dumps({"jobs": [{"name": name, **job}]}))
+        print(f"interop: vLLM {name} (log {log}) ...", file=sys.stderr)
+        with log.open("a") as fh:
             done = subprocess.run([str(python), str(script), str(jobs_file), str(out_file)], stdout=fh,
                                   stderr=subprocess.STDOUT, env=env, cwd=tmp)
         results = json.loads(out_file.read_text()) if out_file.exists() else {}
+    if name in results:
+        return results[name]
     lines = [l for l in log.read_text().splitlines() if l.strip()]
-    crash = f"vLLM exited {done.returncode}: {lines[-1] if lines else ''}"[:300]
-    return {name: results.get(name, {"name": name, "error": crash}) for name in jobs}
+    return {"name": name, "error": f"vLLM exited {done.returncode}: {lines[-1] if lines else ''}"[:300]}
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -290,14 +294,18 @@ def run(cfg: DictConfig) -> int:
     poly = polyspec_side(cfg, head, w4, prompts)
     log = Path(icfg.out).with_name("vllm.log")
     log.parent.mkdir(parents=True, exist_ok=True)
-    vllm = run_engines(python, venv, vllm_jobs(icfg, target, head, w4, prompts, poly["ar"]["tokens"]), int(icfg.threads), log)
+    log.write_text("")
+    jobs = vllm_jobs(icfg, target, head, w4, prompts, poly["ar"]["tokens"])
+    vllm = {name: run_engine(python, venv, name, job, int(icfg.threads), log) for name, job in jobs.items()}
     found, rows = checks(icfg, vllm, poly), table(vllm, poly, int(icfg.num_speculative_tokens))
     print(f"\n{len(prompts)} prompts, {icfg.max_new_tokens} new tokens, greedy, single stream, {icfg.threads} threads "
           f"({platform.processor() or platform.machine()}); vLLM: {icfg.dtype} target, {icfg.w4_dtype} W4")
     print(render(rows, found, len(prompts)))
+    same = "failed" if "error" in vllm["ar"] else sum(a == b for a, b in zip(vllm["ar"]["tokens"], poly["ar"]["tokens"]))
+    print(f"vLLM's AR output = polyspec's AR output on {same}/{len(prompts)} prompts ({icfg.dtype} vs {cfg.model.dtype}; informational)")
     record = {"created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "target": target, "head": str(head),
               "w4": str(w4), "w4_layout": layout, "config": OmegaConf.to_container(icfg, resolve=True),
-              "checks": found, "table": rows, "polyspec": poly, "vllm": vllm}
+              "checks": found, "table": rows, "vllm_ar_equals_polyspec_ar": same, "polyspec": poly, "vllm": vllm}
     write_json_atomic(icfg.out, record)
     print(f"written {icfg.out}")
     return EXIT_CHECK_FAILED if any(c["passed"] is False for c in found) else 0

@@ -8,7 +8,7 @@ so both engines read the same tokens), and what to do: decode them greedily one 
 timed after an untimed warm-up), and optionally score teacher-forced continuations (whether the engine's
 argmax is the continuation's next token at each position). The result: tokens, seconds per prompt, load
 time, the speculative-decoding counters of `llm.get_metrics()` over the timed decodes, and the matches.
-Several jobs, one engine each, in turn in this one process.
+One engine per job, in turn.
 """
 from __future__ import annotations
 
@@ -91,9 +91,9 @@ def run_job(job: dict) -> dict:
 
 
 def main(jobs_path: str, results_path: str) -> None:
-    """Every job in turn in this one process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by decode.interop: one vLLM
-    import instead of three per engine, minutes on shared cores). A job that fails is recorded with its error and
-    the next one runs; the results file is rewritten after every job, so a crash keeps what finished."""
+    """Every job in turn (decode.interop sends one per process and sets VLLM_ENABLE_V1_MULTIPROCESSING=0: one
+    vLLM import per engine instead of three, minutes on shared cores). A job that fails is recorded with its
+    error and the next one runs; the results file is rewritten after every job, so a crash keeps what finished."""
     import traceback
 
     results = {}

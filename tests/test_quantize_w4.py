@@ -305,8 +305,9 @@ def test_packed_int4_forward_matches_gptqmodels_own(quantized):
         assert pack(model) >= len(int4) > 0
         assert all("forward" in vars(m) for m in int4)
         siblings = [m for n, m in model.named_modules() if m in int4 and not n.endswith(("o_proj", "down_proj"))]
-        assert siblings and all(m.sibling is not None for m in siblings), \
-            "q/k/v and gate/up share an act-order index: each set should run as one int4 product"
+        # q/k/v and gate/up share one gather index and fuse, kept only where the stacked product is bit-identical
+        # (decode.fast.fuse_siblings): the static-group tiny model's are not on every CPU, SmolLM2's are
+        assert siblings and len({m.sibling is None for m in siblings}) == 1
         lean = model(ids).logits
         cache = DynamicCache(config=model.config)
         model(ids[:, :20], past_key_values=cache, use_cache=True)
