@@ -109,6 +109,18 @@ def test_unroll_3_trains_a_loadable_head(tiny_setup, tmp_path):
     EagleHead.from_pretrained(tmp_path / "eagle", target, load_tokenizer(str(tiny_setup / "target")))
 
 
+def test_target_last_layer_init_copies_the_layer_but_its_input_norm():
+    """The head's layer has no input norm (vLLM's function): init copies every other weight of the target's last layer."""
+    from omegaconf import OmegaConf
+
+    target = tiny_llama(1)
+    head = eagle.new_head(OmegaConf.create({"train": {"init": "target_last_layer"}}), target, None)
+    last, own = target.model.layers[-1].state_dict(), head.layer.state_dict()
+    assert set(last) - set(own) == {"input_layernorm.weight"} and set(own) <= set(last)
+    assert all(torch.equal(own[k], last[k]) for k in own)
+    assert torch.equal(head.fc.weight[:, 32:], torch.eye(32)) and head.fc.bias is None
+
+
 def test_config_errors_are_one_line(tiny_setup, tmp_path):
     with pytest.raises(eagle.TrainError, match=r"train.feature_source='bogus': must be one of target, w4"):
         eagle.validate(compose(tiny_setup, tmp_path, "train.feature_source=bogus"))
@@ -134,9 +146,10 @@ def test_target_without_decoder_layer_class_is_refused(tiny_setup, tmp_path):
 def test_training_writes_a_loadable_head_folder(tiny_setup, tmp_path):
     metrics = eagle.train(compose(tiny_setup, tmp_path, "train.lr=3e-3"))
     out = tmp_path / "eagle"
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "learning_curve.png", "metrics.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "draft_vocab.json", "learning_curve.png", "metrics.json",
+                                                     "model.safetensors"]
     assert (out / "learning_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    config = json.loads((out / "config.json").read_text())
+    config = json.loads((out / "config.json").read_text())["polyspec"]
     assert config["target"]["weights_hash"] == weights_hash(tiny_llama(0))
     assert config["feature_source"] == "target" and config["training"]["lr"] == 3e-3
     assert json.loads((out / "metrics.json").read_text())["train/steps"] == metrics["train/steps"] == 8
@@ -210,7 +223,7 @@ def test_feature_source_w4_trains_on_the_w4_models_features(tiny_setup, tmp_path
     load_tokenizer(str(tiny_setup / "target")).save_pretrained(tmp_path / "quantized")
     metrics = eagle.train(compose(tiny_setup, tmp_path, "train.feature_source=w4", "train.epochs=1", *moved))
     assert not (tmp_path / "eagle").exists()
-    config = json.loads((tmp_path / "heads" / "w4_features" / "config.json").read_text())
+    config = json.loads((tmp_path / "heads" / "w4_features" / "config.json").read_text())["polyspec"]
     assert config["feature_source"] == "w4"
     assert config["training"]["feature_model_hash"] == weights_hash(w4) != config["target"]["weights_hash"]
     target_metrics = eagle.train(compose(tiny_setup, tmp_path / "t", "train.epochs=1"))
@@ -341,8 +354,9 @@ def test_two_process_torchrun_matches_one_process_with_the_same_global_batch(tin
 def test_bf16_training_keeps_bf16_head_weights(tiny_setup, tmp_path):
     eagle.train(compose(tiny_setup, tmp_path, "train.precision=bf16", "train.zero_stage=1", "train.epochs=1"))
     weights = head_weights(tmp_path)
-    assert weights.pop("draft_vocab").dtype == torch.int64  # the token map, not a weight
+    assert "draft_vocab" not in weights and (tmp_path / "eagle" / "draft_vocab.json").is_file()  # the token map, not a weight
     assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "eagle" / "config.json").read_text())["dtype"] == "bfloat16"
 
 
 @pytest.mark.slow
