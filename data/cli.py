@@ -3,7 +3,8 @@ strictly typed config flags, an output folder checked writable before any work.
 
 Exit codes of every stage (README, "Exit codes"): 0 done; 1 a crash, i.e. a bug (Python's or Hydra's
 traceback; Hydra's own command-line errors exit 1 too); 2 a PolyspecError, one line on stderr (bad config or
-input, a missing or damaged artifact); 3 decode.eval published nothing (no chain admissible); 130 interrupted
+input, a missing or damaged artifact); 3 decode.eval published nothing (no chain admissible); 4 decode.interop: a
+check of the published artifacts in vLLM failed; 130 interrupted
 (Ctrl-C; train.eagle writes a checkpoint first, also on SIGTERM).
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from data.errors import ConfigError, Interrupted, PolyspecError
 _MISSING = object()
 EXIT_USER_ERROR = 2
 EXIT_NOT_PUBLISHED = 3  # decode.eval: every chain was ruled out, nothing published
+EXIT_CHECK_FAILED = 4  # decode.interop: vLLM refused or disagreed with what polyspec publishes
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 

@@ -189,6 +189,18 @@ def regroup_checkpoint(folder: Path, group_size: int, bits: int) -> dict[str, An
     return info
 
 
+def static_groups(folder: Path, stored_group_size: int) -> bool:
+    """Whether every stored g_idx is the static layout (column i in group i // size): what loaders that drop
+    g_idx (vLLM with desc_act=false) assume. Activation order (desc_act) permutes it; act_group_aware does not."""
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(f, "pt") as handle:
+            for key in (k for k in handle.keys() if k.endswith(".g_idx")):
+                g_idx = handle.get_tensor(key)
+                if not torch.equal(g_idx, torch.arange(g_idx.numel(), dtype=g_idx.dtype) // stored_group_size):
+                    return False
+    return True
+
+
 def write_metadata(folder: Path, meta: dict[str, Any], stored_group_size: int) -> None:
     """Stored group size into the configs every loader reads; our provenance under meta.polyspec."""
     for name, key in (("config.json", "quantization_config"), ("quantize_config.json", None)):
@@ -369,6 +381,9 @@ def run(cfg: DictConfig) -> Path:
         gptq_quantize(src, tmp, qcfg, calibration, str(device))
         quantize_s = time.perf_counter() - start
         groups = regroup_checkpoint(tmp, qcfg.group_size, qcfg.bits)
+        groups["static_g_idx"] = static_groups(tmp, groups["stored_group_size"])
+        if not qcfg.desc_act and not groups["static_g_idx"]:
+            raise QuantizeError("desc_act=false produced a permuted g_idx: loaders that assume static groups (vLLM) would misread it")
         meta["groups"] = groups
         print(f"w4: group size {qcfg.group_size}: {groups['description']}")
         write_metadata(tmp, meta, groups["stored_group_size"])

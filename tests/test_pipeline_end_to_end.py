@@ -1,10 +1,12 @@
 """The main job on the real default (bundled SmolLM2 + ShareGPT), shrunk to minutes: every stage runs,
-reads the previous stage's output from one run directory, and a re-run skips what is done."""
+reads the previous stage's output from one run directory, and a re-run skips what is done; then a real vLLM
+(decode.interop, its venv installed if missing) loads what the pipeline made."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -54,3 +56,25 @@ def test_pipeline_runs_every_stage_and_resumes(tmp_path):
     assert second.returncode in (0, 3) and second_published == (second.returncode == 0), (second.stdout + second.stderr)[-3000:]
     assert (run_dir / "eagle" / "model.safetensors").stat().st_mtime == head_mtime
     assert (run_dir / "w4" / "config.json").stat().st_mtime == w4_mtime
+    check_in_vllm(run_dir, prompts)
+
+
+def check_in_vllm(run_dir: Path, prompts: Path) -> None:
+    """decode.interop on the pipeline's head and W4 model (the published bundle's head when it has one): vLLM
+    loads both, its output with the head equals its output without, and its W4 model agrees with polyspec's.
+    The 3-step head accepts next to nothing, so acceptance lengths (check b) are not compared here."""
+    manifest = run_dir / "publish" / "chain.json"
+    drafter = json.loads(manifest.read_text())["serve"]["llm_kwargs"].get("speculative_config") if manifest.exists() else None
+    head = [] if drafter and drafter["method"] == "eagle" else [f"interop.head={run_dir / 'eagle'}"]
+    args = [f"run_dir={run_dir}", f"interop.prompts={prompts}", "interop.max_new_tokens=16", "interop.warmup_tokens=4",
+            "interop.checks.acceptance=false", *head]
+    env = dict(os.environ, WANDB_MODE="disabled")
+    done = subprocess.run([sys.executable, "-m", "decode.interop", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=2400)
+    log = (done.stdout + done.stderr)[-3000:]
+    record = json.loads((run_dir / "interop" / "interop.json").read_text())
+    checks = {c["name"]: c for c in record["checks"]}
+    assert checks["head_lossless"]["passed"] and checks["w4_loads"]["passed"] and checks["acceptance"]["passed"] is None, log
+    assert done.returncode == 0, log
+    assert record["w4_layout"]["desc_act"] is False and record["w4_layout"]["group_size"] == 64, record["w4_layout"]
+    assert all(row["tokens_per_s"] > 0 for row in record["table"]), record["table"]

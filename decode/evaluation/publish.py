@@ -105,8 +105,24 @@ def chain_manifest(
                   | {"faster_than_ar": paired.Interval.from_dict(result["time_speedup_interval"]).above_one},
         "forced": decision["forced"], "rejected": decision["rejected"], "failed_checks": decision["failures"],
         "versions": library_versions(), "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "serve": serve_of(cfg, levels),
     }
     return manifest, folders
+
+
+def serve_of(cfg: DictConfig, levels: list[dict[str, Any]]) -> dict[str, Any]:
+    """chain.json's `serve` (decode.serving) for the published bundle's target, drafter and W4 level, by their
+    paths once published."""
+    from data.models import ModelSourceError, resolve_model_path
+    from decode.serving import serve_section
+
+    bundle = Path(cfg.eval.publish.dir).resolve()
+    where = [str(bundle / l["bundled_as"]) if "bundled_as" in l else None for l in levels]
+    try:
+        target = resolve_model_path(cfg.model.name)  # the folder a bundled target was converted into
+    except ModelSourceError:
+        target = cfg.model.name
+    return serve_section(target, cfg.model.dtype, levels[-1]["config"], where[-1], next(filter(None, where[1:-1]), None))
 
 
 def gate(checks: list[dict[str, Any]], speedups: dict[str, paired.Interval], choice: str = "best",

@@ -93,6 +93,9 @@ def test_rejected_w4_level_still_publishes_target_head(models, tmp_path, capsys)
     assert interval["low"] > 1 and interval["text"].endswith(": shown faster") and interval["turns"] == 8
     assert [lvl["config"]["name"] for lvl in manifest["levels"]] == ["target", "draft"]
     assert manifest["levels"][0]["content_hash"] == "hash" and manifest["forced"] is False
+    serve = manifest["serve"]  # vLLM has no early-exit drafter: the target alone, and says so
+    assert serve["llm_kwargs"] == {"model": "tiny", "dtype": "float32"} and "drafter_not_served" in serve
+    assert serve["vllm_serve"] == "vllm serve tiny --dtype float32" and "two levels" in serve["note"]
     assert manifest["checks"] == {"lossless": True, "insertion": True, "agreement": True, "faster_than_ar": True}
     assert any(r.startswith("insertion: w4 between") for r in manifest["rejected"]["polybasic"])
     md = (tmp_path / "eval" / "report.md").read_text()

@@ -52,6 +52,7 @@ def test_ragged_group_handling_is_recorded_in_the_checkpoint(quantized):
     assert groups["handling"] == "ragged last group"
     assert groups["ragged_modules"] == 12 and groups["quantized_modules"] == 14  # q,k,v,o,gate,up of 2 layers
     assert json.loads((quantized / "quantize_config.json").read_text())["group_size"] == 64
+    assert quant["desc_act"] is False and groups["static_g_idx"] is True  # the default layout vLLM loads (g_idx dropped)
     assert "ragged last group" in json.loads((quantized / "metrics.json").read_text())["group_handling"]
 
 
@@ -172,6 +173,18 @@ def test_split_groups_is_lossless_for_activation_order_and_ragged_tails():
     assert torch.equal(before, dequantize(qweight, qzeros[rows], scales[rows], new, bits))
 
 
+def test_static_groups_tells_activation_order_from_the_static_layout(tmp_path):
+    from safetensors.torch import save_file
+
+    from quantize.w4 import static_groups
+
+    static = torch.arange(192, dtype=torch.int32) // 64
+    save_file({"a.g_idx": static, "b.g_idx": static[:128].clone()}, tmp_path / "model.safetensors")
+    assert static_groups(tmp_path, 64) and not static_groups(tmp_path, 32)
+    save_file({"a.g_idx": static[torch.randperm(192)]}, tmp_path / "model-2.safetensors")
+    assert not static_groups(tmp_path, 64)
+
+
 def test_storage_group_size():
     assert storage_group_size(128, [576, 576, 1536]) == 64
     assert storage_group_size(128, [1536, 256]) == 128
@@ -200,6 +213,7 @@ def test_bundled_model_quantizes_and_the_w4_level_is_close(tmp_path):
     quant = json.loads((out / "config.json").read_text())["quantization_config"]
     assert quant["meta"]["polyspec"]["groups"]["ragged_modules"] == 30 * 6  # every module with a 576-wide input
     assert quant["group_size"] == 64 and quant["meta"]["polyspec"]["groups"]["quantized_group_size"] == 128
+    assert quant["desc_act"] is False and quant["meta"]["polyspec"]["groups"]["static_g_idx"] is True
     assert metrics["ppl_ratio"] < 1.5  # 4 bits on a 135M model: a loose sanity bound, the full run reports the real figure
     assert metrics["greedy_agreement"] > 0.5
     assert metrics["size_mb_w4"] < 0.5 * metrics["size_mb_target"]

@@ -1,0 +1,320 @@
+"""`python -m decode.interop`: what polyspec publishes, loaded and decoded by a real serving engine (vLLM, CPU).
+
+The published head and the W4 model are meant to be served by engines that compute them natively, so this
+check runs the consumer itself: vLLM in its own venv (decode/vllm_venv.py; created on first use), one engine
+per process (decode/vllm_run.py). On the default prompts' first turns, greedy, single stream,
+same threads:
+
+  (a) vLLM's output with the head as its EAGLE drafter equals its output without (lossless in vLLM too);
+  (b) vLLM's mean acceptance length with the head (k drafted tokens) is within a tolerance of polyspec's own
+      for the same target, head and a chain draft of k tokens;
+  (c) vLLM loads the W4 model, and its teacher-forced greedy agreement with the target's continuations
+      matches polyspec's W4 level's on the same continuations.
+
+It prints those and a tokens/s table: polyspec's AR and dualistic chain next to vLLM's AR, n-gram and head
+(and its W4 AR), and writes everything to interop.out. Exit 0 when every check passed, 4 when one failed.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from data.artifacts import Artifacts
+from data.cli import EXIT_CHECK_FAILED, PolyspecError, check_writable, flag, run_main
+from data.models import cache_dir, resolve_model_path
+
+VLLM_GROUP_SIZES = (-1, 32, 64, 128)  # what vLLM's CPU GPTQ kernel takes (and only if it divides every input width)
+
+
+class InteropError(PolyspecError, RuntimeError):
+    """Bad input to decode.interop; the message is one line, meant for the user."""
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+
+
+def bundle_levels(bundle: Path) -> list[dict[str, Any]]:
+    """chain.json's levels, each with the folder it was bundled as (None for the target and model-free levels)."""
+    manifest = bundle / "chain.json"
+    if not manifest.exists():
+        return []
+    try:
+        levels = json.loads(manifest.read_text())["levels"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise InteropError(f"{manifest}: not a chain.json of decode.eval") from None
+    return [{**level, "folder": bundle / level["bundled_as"] if level.get("bundled_as") else None} for level in levels]
+
+
+def head_folder(icfg: Any, levels: list[dict[str, Any]]) -> Path:
+    """interop.head, else the published chain's EAGLE head."""
+    found = [l["folder"] for l in levels if l["config"].get("kind") == "eagle" and l["folder"]]
+    folder = Path(icfg.head) if icfg.head else (found[0] if found else None)
+    if folder is None:
+        raise InteropError(f"no head to check: {icfg.bundle} has no published chain with an EAGLE head; pass interop.head=<folder>")
+    if not (folder / "config.json").exists():
+        raise InteropError(f"interop.head={folder}: not a head folder (no config.json)")
+    return folder
+
+
+def w4_folder(cfg: DictConfig, levels: list[dict[str, Any]]) -> Path:
+    """interop.w4, else the published chain's quantized level, else the run's quantize.output."""
+    icfg = cfg.interop
+    found = [l["folder"] for l in levels if l["config"].get("kind", "model") == "model" and l["folder"]]
+    folder = Path(icfg.w4) if icfg.w4 else (found[0] if found else Artifacts.of(cfg).output("w4"))
+    if not (folder / "config.json").exists():
+        raise InteropError(f"no W4 model at {folder}: run python -m quantize.w4 or pass interop.w4=<folder>")
+    return folder
+
+
+def check_w4_layout(folder: Path) -> dict[str, Any]:
+    """The checkpoint's quantization_config, refused up front where vLLM would refuse it (one line each)."""
+    config = json.loads((folder / "config.json").read_text())
+    quant = config.get("quantization_config") or {}
+    if quant.get("quant_method") != "gptq" or quant.get("bits") != 4 or not quant.get("sym"):
+        raise InteropError(f"{folder}: vLLM's CPU GPTQ kernel needs a 4-bit symmetric GPTQ checkpoint; this is {quant.get('quant_method')}, bits {quant.get('bits')}, sym {quant.get('sym')}")
+    group = quant.get("group_size")
+    if quant.get("desc_act") and group != -1:
+        raise InteropError(f"{folder}: desc_act=true with groups (activation order), which vLLM refuses; re-quantize with quantize.desc_act=false")
+    widths = (config["hidden_size"], config["intermediate_size"])
+    if group not in VLLM_GROUP_SIZES or (group != -1 and any(w % group for w in widths)):
+        raise InteropError(f"{folder}: group_size {group} is not one vLLM's CPU kernel takes on input widths {widths} ({VLLM_GROUP_SIZES}, dividing them)")
+    return {k: quant.get(k) for k in ("bits", "group_size", "sym", "desc_act", "act_group_aware")} | {
+        "quantized_group_size": (quant.get("meta") or {}).get("polyspec", {}).get("groups", {}).get("quantized_group_size", group)}
+
+
+def prompts_of(icfg: Any, tokenizer) -> list[list[int]]:
+    from data.prompts import load_questions
+    from data.sharegpt import chat_prompt_ids
+
+    questions = load_questions(icfg.prompts, per_category=icfg.per_category)
+    return [chat_prompt_ids(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]
+
+
+# -------------------------------------------------------------------------------------------- polyspec
+
+
+def polyspec_side(cfg: DictConfig, head: Path, w4: Path, prompts: list[list[int]]) -> dict[str, Any]:
+    """AR and the dualistic chain (chain draft of k tokens), interleaved per prompt; then polyspec's W4 level's
+    teacher-forced agreement with AR's continuations."""
+    from data.models import load_model
+    from decode.baselines import autoregressive
+    from decode.build import configured_chain, load_target
+    from decode.eval import eos_of
+    from quantize.w4 import teacher_forced_matches
+
+    icfg = cfg.interop
+    target, tokenizer = load_target(cfg)
+    eos = eos_of(target, tokenizer)
+    levels = [{"kind": "model", "name": "target", "model": "target"},
+              {"kind": "eagle", "name": "head", "path": str(head.resolve()), "features": "nearest",
+               "draft": {"mode": "chain", "length": int(icfg.num_speculative_tokens)}}]
+    chain = configured_chain(cfg, levels, target, tokenizer)
+    decoders = {"ar": lambda p, n: autoregressive(target, p, n, eos_token_id=eos),
+                "chain": lambda p, n: chain.generate(p, n, eos_token_id=eos)}
+    runs: dict[str, list] = {name: [] for name in decoders}
+    for name, decode in decoders.items():
+        decode(prompts[0], int(icfg.warmup_tokens))
+    for prompt in prompts:
+        for name, decode in decoders.items():
+            runs[name].append(decode(prompt, int(icfg.max_new_tokens)))
+    result = {name: {"tokens": [g.tokens for g in gens], "seconds": [g.stats.wall_time_s for g in gens]} for name, gens in runs.items()}
+    rounds = [n for g in runs["chain"] for n in g.stats.levels[0].acceptance_lengths]
+    result["chain"]["acceptance_length"] = sum(rounds) / max(len(rounds), 1)
+    result["chain"]["levels"] = levels
+    w4_model = load_model(str(w4), dtype=cfg.model.dtype)[0]
+    result["w4_teacher_forced"] = [teacher_forced_matches(w4_model, p, t) for p, t in zip(prompts, result["ar"]["tokens"])]
+    return result
+
+
+# ------------------------------------------------------------------------------------------------ vLLM
+
+
+def vllm_jobs(icfg: Any, target: str, head: Path, w4: Path, prompts: list[list[int]], ar_tokens: list[list[int]]) -> dict[str, dict]:
+    """One job per engine: vLLM's AR, n-gram and head-drafted decoding of the target, and its W4 model."""
+    k = int(icfg.num_speculative_tokens)
+    llm = {"model": target, "dtype": icfg.dtype, "max_model_len": int(icfg.max_model_len), "enforce_eager": True,
+           "seed": 0, "disable_log_stats": False}
+    decode = {"prompts": prompts, "max_tokens": int(icfg.max_new_tokens), "warmup_tokens": int(icfg.warmup_tokens)}
+    ngram = {"method": "ngram", "num_speculative_tokens": k, **OmegaConf.to_container(icfg.ngram, resolve=True)}
+    return {
+        "ar": {"llm": llm, **decode},
+        "ngram": {"llm": llm | {"speculative_config": ngram}, **decode},
+        "eagle": {"llm": llm | {"speculative_config": {"method": "eagle", "model": str(head.resolve()), "num_speculative_tokens": k}}, **decode},
+        "w4": {"llm": llm | {"model": str(w4.resolve()), "dtype": icfg.w4_dtype}, **decode,
+               "teacher_forced": [[p, t] for p, t in zip(prompts, ar_tokens)]},
+    }
+
+
+def run_engine(python: Path, venv: Path, name: str, job: dict, threads: int, log: Path) -> dict[str, Any]:
+    """Run one job in the venv (decode/vllm_run.py), vLLM's output appended to `log`. A failure (vLLM refusing a
+    checkpoint, a crash) is returned as the job's `error`, not raised: it is what the checks are for.
+
+    One process per engine (a second engine in one process fails in vLLM 0.32's CPU kernel registration), but
+    its engine core and worker inside it (VLLM_ENABLE_V1_MULTIPROCESSING=0): one vLLM import per engine, not three."""
+    from decode.vllm_venv import engine_env
+
+    script = Path(__file__).with_name("vllm_run.py")
+    env = engine_env(venv, threads) | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    with tempfile.TemporaryDirectory(prefix="polyspec-vllm-") as tmp:
+        jobs_file, out_file = Path(tmp) / "jobs.json", Path(tmp) / "results.json"
+        jobs_file.write_text(json.dumps({"jobs": [{"name": name, **job}]}))
+        print(f"interop: vLLM {name} (log {log}) ...", file=sys.stderr)
+        with log.open("a") as fh:
+            done = subprocess.run([str(python), str(script), str(jobs_file), str(out_file)], stdout=fh,
+                                  stderr=subprocess.STDOUT, env=env, cwd=tmp)
+        results = json.loads(out_file.read_text()) if out_file.exists() else {}
+    if name in results:
+        return results[name]
+    lines = [l for l in log.read_text().splitlines() if l.strip()]
+    return {"name": name, "error": f"vLLM exited {done.returncode}: {lines[-1] if lines else ''}"[:300]}
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+
+def tokens_per_s(run: dict[str, Any]) -> float:
+    return sum(map(len, run["tokens"])) / max(sum(run["seconds"]), 1e-9)
+
+
+def vllm_acceptance_length(run: dict[str, Any]) -> float:
+    """Tokens per target forward in vLLM's speculative decoding: 1 + accepted drafts per draft round."""
+    spec = run.get("spec") or {}
+    return 1 + spec.get("num_accepted_tokens", 0) / max(spec.get("num_drafts", 0), 1)
+
+
+def agreement(matches: list[list[bool]]) -> float:
+    flat = [m for row in matches for m in row]
+    return sum(flat) / max(len(flat), 1)
+
+
+def check(name: str, passed: bool | None, detail: str) -> dict[str, Any]:
+    return {"name": name, "passed": passed, "detail": detail}
+
+
+def checks(icfg: Any, vllm: dict[str, dict], poly: dict[str, Any]) -> list[dict[str, Any]]:
+    """(a) output with the head = without, (b) acceptance length vs polyspec's, (c) the W4 model loads and agrees."""
+    ar, eagle, w4 = vllm["ar"], vllm["eagle"], vllm["w4"]
+    found = []
+    if "error" in ar or "error" in eagle:
+        found.append(check("head_lossless", False, f"vLLM failed: {(ar if 'error' in ar else eagle)['error']}"))
+    else:
+        same = sum(a == b for a, b in zip(ar["tokens"], eagle["tokens"]))
+        found.append(check("head_lossless", same == len(ar["tokens"]), f"{same}/{len(ar['tokens'])} prompts identical with and without the head"))
+    if not flag(icfg.checks, "acceptance", error=InteropError):
+        found.append(check("acceptance", None, "skipped (interop.checks.acceptance=false)"))
+    elif "error" not in eagle:
+        ours, theirs = poly["chain"]["acceptance_length"], vllm_acceptance_length(eagle)
+        ratio, tol = theirs / ours, float(icfg.checks.acceptance_tolerance)
+        found.append(check("acceptance", abs(ratio - 1) <= tol, f"vLLM L {theirs:.3f} vs polyspec L {ours:.3f} (ratio {ratio:.3f}, tolerance {tol:.0%})"))
+    if "error" in w4:
+        found.append(check("w4_loads", False, f"vLLM failed on the W4 model: {w4['error']}"))
+    else:
+        ours, theirs = agreement(poly["w4_teacher_forced"]), agreement(w4["teacher_forced"])
+        tol = float(icfg.checks.agreement_tolerance)
+        found.append(check("w4_loads", abs(theirs - ours) <= tol, f"teacher-forced greedy agreement with the target: vLLM W4 {theirs:.3f} vs polyspec W4 {ours:.3f} (tolerance {tol})"))
+    return found
+
+
+def table(vllm: dict[str, dict], poly: dict[str, Any], k: int) -> list[dict[str, Any]]:
+    """tokens/s per engine and method, with the ratio to the same engine's AR and the acceptance length."""
+    rows = [{"engine": "polyspec", "method": "AR", "run": poly["ar"], "reference": poly["ar"]},
+            {"engine": "polyspec", "method": f"dualistic, head chain draft k={k}", "run": poly["chain"], "reference": poly["ar"],
+             "L": poly["chain"]["acceptance_length"]},
+            {"engine": "vLLM", "method": "AR", "run": vllm["ar"], "reference": vllm["ar"]},
+            {"engine": "vLLM", "method": f"ngram k={k}", "run": vllm["ngram"], "reference": vllm["ar"]},
+            {"engine": "vLLM", "method": f"eagle head k={k}", "run": vllm["eagle"], "reference": vllm["ar"]},
+            {"engine": "vLLM", "method": "W4 AR", "run": vllm["w4"], "reference": vllm["ar"]}]
+    out = []
+    for row in rows:
+        run, ref = row.pop("run"), row.pop("reference")
+        if "error" in run or "error" in ref:
+            out.append(row | {"tokens_per_s": None, "x_ar": None, "error": run.get("error") or ref.get("error")})
+            continue
+        tps = tokens_per_s(run)
+        row |= {"tokens_per_s": tps, "x_ar": tps / tokens_per_s(ref), "tokens": sum(map(len, run["tokens"])),
+                "same_as_ar": sum(a == b for a, b in zip(run["tokens"], ref["tokens"]))}
+        if row["engine"] == "vLLM" and "spec" in run and run["spec"]:
+            row["L"] = vllm_acceptance_length(run)
+        out.append(row)
+    return out
+
+
+def render(rows: list[dict[str, Any]], found: list[dict[str, Any]], prompts: int) -> str:
+    lines = [f"{'engine':<9} {'method':<34} {'tok/s':>7} {'x AR':>6} {'L':>6} {'same as AR':>11}"]
+    for r in rows:
+        if r.get("error"):
+            lines.append(f"{r['engine']:<9} {r['method']:<34} failed: {r['error']}")
+            continue
+        L = f"{r['L']:.2f}" if "L" in r else "-"
+        lines.append(f"{r['engine']:<9} {r['method']:<34} {r['tokens_per_s']:>7.2f} {r['x_ar']:>6.2f} {L:>6} {r['same_as_ar']:>7}/{prompts}")
+    mark = {True: "pass", False: "FAIL", None: "skip"}
+    lines += [f"check {c['name']}: {mark[c['passed']]}: {c['detail']}" for c in found]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- the app
+
+
+def validate(icfg: Any) -> None:
+    for key, least in (("num_speculative_tokens", 1), ("max_new_tokens", 1), ("warmup_tokens", 0), ("threads", 1), ("per_category", 1)):
+        value = icfg.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise InteropError(f"interop.{key} must be an integer >= {least}, got {value!r}")
+    flag(icfg.checks, "acceptance", error=InteropError)
+    check_writable(icfg.out, "interop.out", kind="file", error=InteropError)
+
+
+def run(cfg: DictConfig) -> int:
+    from data.models import load_tokenizer
+    from data.tracking import write_json_atomic
+    from decode.vllm_venv import ensure_venv
+
+    icfg = cfg.interop
+    validate(icfg)
+    levels = bundle_levels(Path(icfg.bundle))
+    head, w4 = head_folder(icfg, levels), w4_folder(cfg, levels)
+    layout = check_w4_layout(w4)
+    target = resolve_model_path(cfg.model.name)
+    if not Path(target).is_dir():
+        raise InteropError(f"model.name={cfg.model.name}: vLLM needs the target as a local folder")
+    venv = Path(icfg.venv).expanduser() if icfg.venv else cache_dir() / "vllm-venv"
+    python = ensure_venv(venv)
+    torch.set_num_threads(int(icfg.threads))
+    prompts = prompts_of(icfg, load_tokenizer(target))
+    poly = polyspec_side(cfg, head, w4, prompts)
+    log = Path(icfg.out).with_name("vllm.log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("")
+    jobs = vllm_jobs(icfg, target, head, w4, prompts, poly["ar"]["tokens"])
+    vllm = {name: run_engine(python, venv, name, job, int(icfg.threads), log) for name, job in jobs.items()}
+    found, rows = checks(icfg, vllm, poly), table(vllm, poly, int(icfg.num_speculative_tokens))
+    print(f"\n{len(prompts)} prompts, {icfg.max_new_tokens} new tokens, greedy, single stream, {icfg.threads} threads "
+          f"({platform.processor() or platform.machine()}); vLLM: {icfg.dtype} target, {icfg.w4_dtype} W4")
+    print(render(rows, found, len(prompts)))
+    same = "failed" if "error" in vllm["ar"] else sum(a == b for a, b in zip(vllm["ar"]["tokens"], poly["ar"]["tokens"]))
+    print(f"vLLM's AR output = polyspec's AR output on {same}/{len(prompts)} prompts ({icfg.dtype} vs {cfg.model.dtype}; informational)")
+    record = {"created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "target": target, "head": str(head),
+              "w4": str(w4), "w4_layout": layout, "config": OmegaConf.to_container(icfg, resolve=True),
+              "checks": found, "table": rows, "vllm_ar_equals_polyspec_ar": same, "polyspec": poly, "vllm": vllm}
+    write_json_atomic(icfg.out, record)
+    print(f"written {icfg.out}")
+    return EXIT_CHECK_FAILED if any(c["passed"] is False for c in found) else 0
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    run_main(run, cfg)
+
+
+if __name__ == "__main__":
+    main()

