@@ -29,7 +29,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from data.artifacts import Artifacts
+from data.layout import RunLayout
 from data.cli import EXIT_CHECK_FAILED, PolyspecError, check_writable, flag, run_main
 from data.models import cache_dir, resolve_model_path
 
@@ -70,7 +70,7 @@ def w4_folder(cfg: DictConfig, levels: list[dict[str, Any]]) -> Path:
     """interop.w4, else the published chain's quantized level, else the run's quantize.output."""
     icfg = cfg.interop
     found = [l["folder"] for l in levels if l["config"].get("kind", "model") == "model" and l["folder"]]
-    folder = Path(icfg.w4) if icfg.w4 else (found[0] if found else Artifacts.of(cfg).output("w4"))
+    folder = Path(icfg.w4) if icfg.w4 else (found[0] if found else RunLayout.of(cfg).output("w4"))
     if not (folder / "config.json").exists():
         raise InteropError(f"no W4 model at {folder}: run python -m quantize.w4 or pass interop.w4=<folder>")
     return folder
@@ -108,8 +108,7 @@ def polyspec_side(cfg: DictConfig, head: Path, w4: Path, prompts: list[list[int]
     teacher-forced agreement with AR's continuations."""
     from data.models import load_model
     from decode.baselines import autoregressive
-    from decode.build import configured_chain, load_target
-    from decode.eval import eos_of
+    from decode.build import configured_chain, eos_of, load_target
     from quantize.w4 import teacher_forced_matches
 
     icfg = cfg.interop

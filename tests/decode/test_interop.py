@@ -14,7 +14,7 @@ import pytest
 from decode.interop import InteropError, check_w4_layout
 from decode.serving import TWO_LEVELS, serve_section
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_serve_section_maps_a_head_chain_draft_to_vllm_eagle():

@@ -1,0 +1,57 @@
+"""train.eagle on CUDA: NCCL on one GPU, and torchrun over two equal to one GPU at the same global batch. Marked
+`gpu`; skipped without CUDA."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_train_eagle import REPO, compose, head_weights, overrides, tiny_setup  # noqa: F401,F811 (a fixture)
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")]
+
+
+def test_train_eagle_on_cuda_writes_a_loadable_head(tiny_setup, tmp_path):  # noqa: F811
+    """One GPU, NCCL, bf16 head weights: a head that the chain loads on the GPU and drafts with."""
+    import train.eagle as eagle
+    from decode.engine.head import EagleHead
+    from data.models import load_model
+
+    metrics = eagle.train(compose(tiny_setup, tmp_path, "device=cuda", "train.epochs=1", "train.precision=bf16"))
+    assert metrics["train/steps"] > 0 and metrics["train/tokens_per_s"] > 0
+    assert {t.dtype for t in head_weights(tmp_path).values()} == {torch.bfloat16}
+    target, tokenizer = load_model(str(tiny_setup / "target"), "float32", "cuda")
+    head = EagleHead.from_pretrained(tmp_path / "eagle", target, tokenizer)
+    assert next(head.parameters()).device.type == "cuda"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_two_gpu_torchrun_matches_one_gpu_with_the_same_global_batch(tiny_setup, tmp_path):  # noqa: F811
+    """As the gloo test in test_train_eagle.py, over NCCL: 2 GPUs x accum 1 vs 1 GPU x accum 2."""
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    common = ["device=cuda", "train.epochs=1", "train.max_conversations=24", "train.zero_stage=2"]
+    single = subprocess.run([sys.executable, "-m", "train.eagle", *overrides(tiny_setup, tmp_path / "one", *common, "train.grad_accum=2")],
+                            cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert single.returncode == 0, single.stderr[-2000:]
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    double = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}", "-m", "train.eagle",
+         *overrides(tiny_setup, tmp_path / "two", *common, "train.grad_accum=1")],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert double.returncode == 0, double.stderr[-2000:]
+    one = json.loads((tmp_path / "one" / "eagle" / "metrics.json").read_text())
+    two = json.loads((tmp_path / "two" / "eagle" / "metrics.json").read_text())
+    assert one["train/steps"] == two["train/steps"] and two["train/world_size"] == 2
+    assert two["train/loss"] == pytest.approx(one["train/loss"], rel=1e-3)
+    w1, w2 = head_weights(tmp_path / "one"), head_weights(tmp_path / "two")
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=1e-3)
+
+
