@@ -55,12 +55,12 @@ def bundle_levels(bundle: Path) -> list[dict[str, Any]]:
     return [{**level, "folder": bundle / level["bundled_as"] if level.get("bundled_as") else None} for level in levels]
 
 
-def head_folder(icfg: Any, levels: list[dict[str, Any]]) -> Path:
+def head_folder(icfg: Any, levels: list[dict[str, Any]], bundle: Path) -> Path:
     """interop.head, else the published chain's EAGLE head."""
     found = [l["folder"] for l in levels if l["config"].get("kind") == "eagle" and l["folder"]]
     folder = Path(icfg.head) if icfg.head else (found[0] if found else None)
     if folder is None:
-        raise InteropError(f"no head to check: {icfg.bundle} has no published chain with an EAGLE head; pass interop.head=<folder>")
+        raise InteropError(f"no head to check: {bundle} has no published chain with an EAGLE head; pass interop.head=<folder>")
     if not (folder / "config.json").exists():
         raise InteropError(f"interop.head={folder}: not a head folder (no config.json)")
     return folder
@@ -280,8 +280,9 @@ def run(cfg: DictConfig) -> int:
 
     icfg = cfg.interop
     validate(icfg)
-    levels = bundle_levels(Path(icfg.bundle))
-    head, w4 = head_folder(icfg, levels), w4_folder(cfg, levels)
+    bundle = Path(icfg.bundle or cfg.eval.publish.dir)
+    levels = bundle_levels(bundle)
+    head, w4 = head_folder(icfg, levels, bundle), w4_folder(cfg, levels)
     layout = check_w4_layout(w4)
     target = resolve_model_path(cfg.model.name)
     if not Path(target).is_dir():

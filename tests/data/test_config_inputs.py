@@ -140,7 +140,7 @@ def test_quantize_refuses_an_unwritable_output_before_loading(tmp_path, monkeypa
 def eval_config(tmp_path, *overrides: str):
     from hydra import compose, initialize
 
-    with initialize(version_base="1.3", config_path="../conf"):
+    with initialize(version_base="1.3", config_path="../../conf"):
         return compose("config", overrides=[f"run_dir={tmp_path}", "eval=smoke", *overrides])
 
 

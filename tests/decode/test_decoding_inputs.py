@@ -33,7 +33,7 @@ BAD_SAMPLING = [
 def compose(*overrides: str):
     from hydra import compose as hydra_compose, initialize
 
-    with initialize(version_base="1.3", config_path="../conf"):
+    with initialize(version_base="1.3", config_path="../../conf"):
         return hydra_compose("config", overrides=list(overrides))
 
 

@@ -268,7 +268,7 @@ def test_interrupted_publish_leaves_no_partial_bundle(tmp_path, bundle_inputs, m
 def test_eval_config_composes_and_names_the_insertion(choice, inserted):
     from hydra import compose, initialize
 
-    with initialize(version_base="1.3", config_path="../conf"):
+    with initialize(version_base="1.3", config_path="../../conf"):
         cfg = compose("config", overrides=[f"eval={choice}"]).eval
     names = {name: [lvl["name"] for lvl in levels] for name, levels in cfg.chains.items() if levels is not None}
     assert [(i["with"], i["level"]) for i in find_insertions(names)] == [("polybasic", inserted)]

@@ -24,7 +24,7 @@ def run_eval(tmp_path, *overrides: str, timeout: int = 120) -> subprocess.Comple
 def compose(tmp_path, *overrides: str):
     from hydra import compose as hydra_compose, initialize
 
-    with initialize(version_base="1.3", config_path="../conf"):
+    with initialize(version_base="1.3", config_path="../../conf"):
         return hydra_compose("config", overrides=[f"run_dir={tmp_path}", *overrides])
 
 
