@@ -2,15 +2,10 @@
 `gpu`; skipped without CUDA."""
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
-from test_train_eagle import REPO, compose, head_weights, overrides, tiny_setup  # noqa: F401,F811 (a fixture)
+from test_train_eagle import REPO, compose, head_weights, one_rank_and_two, overrides, tiny_setup  # noqa: F401,F811 (a fixture)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")]
@@ -33,21 +28,8 @@ def test_train_eagle_on_cuda_writes_a_loadable_head(tiny_setup, tmp_path):  # no
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_two_gpu_torchrun_matches_one_gpu_with_the_same_global_batch(tiny_setup, tmp_path):  # noqa: F811
     """As the gloo test in test_train_eagle.py, over NCCL: 2 GPUs x accum 1 vs 1 GPU x accum 2."""
-    env = {**os.environ, "WANDB_MODE": "disabled"}
-    common = ["device=cuda", "train.epochs=1", "train.max_conversations=24", "train.zero_stage=2"]
-    single = subprocess.run([sys.executable, "-m", "train.eagle", *overrides(tiny_setup, tmp_path / "one", *common, "train.grad_accum=2")],
-                            cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
-    assert single.returncode == 0, single.stderr[-2000:]
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    double = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}", "-m", "train.eagle",
-         *overrides(tiny_setup, tmp_path / "two", *common, "train.grad_accum=1")],
-        cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
-    assert double.returncode == 0, double.stderr[-2000:]
-    one = json.loads((tmp_path / "one" / "eagle" / "metrics.json").read_text())
-    two = json.loads((tmp_path / "two" / "eagle" / "metrics.json").read_text())
+    one, two = one_rank_and_two(tiny_setup, tmp_path, ["device=cuda", "train.epochs=1", "train.max_conversations=24",
+                                                       "train.zero_stage=2"], {})
     assert one["train/steps"] == two["train/steps"] and two["train/world_size"] == 2
     assert two["train/loss"] == pytest.approx(one["train/loss"], rel=1e-3)
     w1, w2 = head_weights(tmp_path / "one"), head_weights(tmp_path / "two")

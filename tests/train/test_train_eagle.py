@@ -325,13 +325,10 @@ def test_interrupted_store_build_keeps_finished_shards(tiny_setup, tmp_path, mon
     assert calls == [150 - 2 * eagle.store.SHARD_EXAMPLES] and [len(f) for f in features] == [len(s) for s in seqs]
 
 
-@pytest.mark.slow
-def test_two_process_torchrun_matches_one_process_with_the_same_global_batch(tiny_setup, tmp_path):
-    """ZeRO-2 over gloo: 2 ranks x accum 1 vs 1 rank x accum 2, 6 steps; tolerance 1e-4 relative on the
-    final loss and 1e-4 absolute on the weights (only the all-reduce summation order differs; measured:
-    equal loss, weights within 1e-8). About 45 s."""
-    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    common = ["train.epochs=1", "train.max_conversations=24", "train.zero_stage=2"]
+def one_rank_and_two(tiny_setup, tmp_path, common: list[str], env: dict[str, str]) -> tuple[dict, dict]:
+    """train.eagle as one process with grad_accum 2 (tmp_path/one), then under torchrun over 2 ranks with grad_accum 1
+    (tmp_path/two): the same global batch; each run's metrics.json."""
+    env = {**os.environ, "WANDB_MODE": "disabled", **env}
     single = subprocess.run(
         [sys.executable, "-m", "train.eagle", *overrides(tiny_setup, tmp_path / "one", *common, "train.grad_accum=2")],
         cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
@@ -344,8 +341,16 @@ def test_two_process_torchrun_matches_one_process_with_the_same_global_batch(tin
          *overrides(tiny_setup, tmp_path / "two", *common, "train.grad_accum=1")],
         cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert double.returncode == 0, double.stderr[-2000:]
-    one = json.loads((tmp_path / "one" / "eagle" / "metrics.json").read_text())
-    two = json.loads((tmp_path / "two" / "eagle" / "metrics.json").read_text())
+    return tuple(json.loads((tmp_path / run / "eagle" / "metrics.json").read_text()) for run in ("one", "two"))
+
+
+@pytest.mark.slow
+def test_two_process_torchrun_matches_one_process_with_the_same_global_batch(tiny_setup, tmp_path):
+    """ZeRO-2 over gloo: 2 ranks x accum 1 vs 1 rank x accum 2, 6 steps; tolerance 1e-4 relative on the
+    final loss and 1e-4 absolute on the weights (only the all-reduce summation order differs; measured:
+    equal loss, weights within 1e-8). About 45 s."""
+    one, two = one_rank_and_two(tiny_setup, tmp_path, ["train.epochs=1", "train.max_conversations=24", "train.zero_stage=2"],
+                                {"OMP_NUM_THREADS": "1"})
     assert one["train/steps"] == two["train/steps"] == 6 and two["train/world_size"] == 2
     assert two["train/loss"] == pytest.approx(one["train/loss"], rel=1e-4)
     w1, w2 = head_weights(tmp_path / "one"), head_weights(tmp_path / "two")
