@@ -95,10 +95,19 @@ def configured_spec(cfg: Any, chain_cfg: Any) -> ChainSpec:
 def configured_builder(cfg: Any, target_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> ChainBuilder:
     """A builder for the config's run: its artifacts, model.dtype, and decode.fast's packed product."""
     fast = flag(cfg.decode, "fast", default=False, error=DecodeError)
-    native = str(cfg.decode.get("native", "auto")) if fast else "off"
+    return ChainBuilder(target_model, tokenizer, RunLayout.of(cfg), cfg.model.dtype, gemm_choice(cfg) if fast else None,
+                        *native_settings(cfg))
+
+
+def native_settings(cfg: Any) -> tuple[str, str]:
+    """(decode.native, decode.w4_activations) checked: how W4 levels run (native "off" without decode.fast)."""
+    native = str(cfg.decode.get("native", "auto")) if flag(cfg.decode, "fast", default=False, error=DecodeError) else "off"
+    activations = str(cfg.decode.get("w4_activations", "int8"))
     if native not in backends.NATIVE:
         raise DecodeError(f"decode.native must be one of {', '.join(backends.NATIVE)}, got {native!r}")
-    return ChainBuilder(target_model, tokenizer, RunLayout.of(cfg), cfg.model.dtype, gemm_choice(cfg) if fast else None, native)
+    if activations not in backends.ACTIVATIONS:
+        raise DecodeError(f"decode.w4_activations must be one of {', '.join(backends.ACTIVATIONS)}, got {activations!r}")
+    return native, activations
 
 
 def build_chain(levels: list[dict], target_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None,
@@ -112,11 +121,13 @@ class ChainBuilder:
     shared by every chain built here (a planned variant of a chain costs no load); levels are built complete.
     `artifacts` resolves folders (None: relative to the working directory); `dtype` is the model levels' default;
     `gemm` the packed product of every model level loaded here (None: unpacked; pack the target with load_target);
-    `native` whether W4 Llama-family levels run the native CPU runner (decode.backends.runner: auto, on, off)."""
+    `native` whether W4 Llama-family levels run the native CPU runner (decode.backends.runner: auto, on, off),
+    `activations` its activations (int8, fp32)."""
 
     def __init__(self, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, artifacts: RunLayout | None = None,
-                 dtype: str = "float32", gemm: str | None = None, native: str = "off"):
+                 dtype: str = "float32", gemm: str | None = None, native: str = "off", activations: str = "int8"):  # 7: the run's settings
         self.target, self.tokenizer, self.dtype, self.gemm, self.native = target, tokenizer, dtype, gemm, native
+        self.activations = activations
         self.artifacts = artifacts or RunLayout(Path("."))
         self._loaded: dict[tuple, Any] = {}
 
@@ -161,13 +172,14 @@ class ChainBuilder:
         vocab = None if level.vocab is None else _level_vocab(level, heads, first)
         rows = None if vocab is None else backends.linear_wrapper(model, self.gemm)(
             vocabulary_rows(model.get_output_embeddings(), vocab))
+        runner = self._runner(model)
         return ModelLevel(level.name, model, level.mu, level.draft, vocab=vocab, keep_hidden=keep_hidden,
-                          runner=self._runner(model), lm_head=rows)
+                          runner=runner, lm_head=rows or backends.lm_head(model.get_output_embeddings(), runner))
 
     def _runner(self, model: PreTrainedModel) -> Any:
         """One runner per loaded model and chain (its KV cache is the level's), the target's always HF."""
         try:
-            return backends.runner(model, "off" if model is self.target else self.native)
+            return backends.runner(model, "off" if model is self.target else self.native, self.activations)
         except ValueError as err:
             raise DecodeError(f"decode.{err}") from None
 

@@ -59,7 +59,7 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
     from decode import backends
     from decode.backends.cpu.dense import packed_with
     from decode.backends.cpu.int8 import Int8RowLinear
-    from decode.build import gemm_choice, onednn_target
+    from decode.build import gemm_choice, native_settings, onednn_target
     from decode.engine.head import EagleHead, vocabulary_rows
     from decode.engine.levels import ModelLevel
 
@@ -82,11 +82,14 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
     if (w4_dir / "config.json").is_file():
         w4, _ = load_model(str(w4_dir), cfg.model.dtype, device)
         backends.prepare(w4, gemm)
-        steps["w4"] = level_forward(ModelLevel("w4", w4, runner=backends.runner(w4)), context)
-        notes["w4"] = f"{w4_dir}, packed dense layers"
+        settings = native_settings(cfg)  # each level its own runner (its KV cache), as a chain runs it
+        runner = backends.runner(w4, *settings)
+        steps["w4"] = level_forward(ModelLevel("w4", w4, runner=runner), context)
+        notes["w4"] = f"{w4_dir}, {type(runner).__name__}"
         if backends.on_cpu(w4):  # lm_head: int8 is a CPU kernel
-            int8_head = Int8RowLinear(w4.get_output_embeddings())
-            steps["w4 int8 head"] = level_forward(ModelLevel("w4", w4, runner=backends.runner(w4), lm_head=int8_head), context)
+            int8_head, runner = Int8RowLinear(w4.get_output_embeddings()), backends.runner(w4, *settings)
+            level = ModelLevel("w4", w4, runner=runner, lm_head=backends.lm_head(int8_head, runner) or int8_head)
+            steps["w4 int8 head"] = level_forward(level, context)
             notes["w4 int8 head"] = "the W4 level with lm_head: int8"
     else:
         print(f"costs: no W4 model in {w4_dir}; skipping it", file=sys.stderr)
@@ -109,7 +112,7 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
     vocab = heads["head"].draft_vocab if "head" in heads else None
     if "w4" in steps and vocab is not None:
         rows = backends.linear_wrapper(w4, gemm)(vocabulary_rows(w4.get_output_embeddings(), vocab))
-        steps["w4 V=head"] = level_forward(ModelLevel("w4", w4, vocab=vocab, runner=backends.runner(w4), lm_head=rows), context)
+        steps["w4 V=head"] = level_forward(ModelLevel("w4", w4, vocab=vocab, runner=backends.runner(w4, *settings), lm_head=rows), context)
         notes["w4 V=head"] = f"the W4 level restricted to the head's {len(vocab)}-token vocabulary (vocab: head)"
     return steps, notes
 

@@ -35,26 +35,44 @@ def linear_wrapper(module: nn.Module, gemm: str | None) -> Callable[[nn.Linear],
 
 
 NATIVE = ("auto", "on", "off")
+ACTIVATIONS = ("int8", "fp32")  # the native W4 runner's (decode.backends.cpu.llama)
 
 
-def runner(model: PreTrainedModel, native: str = "off") -> Runner:
+def runner(model: PreTrainedModel, native: str = "off", activations: str = "int8") -> Runner:
     """The runner of a model level: for a GPTQ W4 Llama-family model on the CPU, the native runner
-    (decode.backends.cpu.llama) when `native` is "auto" (where it can run; a quantized model it cannot run is said
-    once, with why) or "on" (ValueError where it cannot); otherwise the model's HF decoder with a DynamicCache."""
+    (decode.backends.cpu.llama, on int8 or fp32 `activations`) when `native` is "auto" (where it can run; a
+    quantized model it cannot run is said once, with why) or "on" (ValueError where it cannot); otherwise the
+    model's HF decoder with a DynamicCache."""
     if native not in NATIVE:
         raise ValueError(f"native must be one of {', '.join(NATIVE)}, got {native!r}")
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"w4_activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
     if native == "off" or not on_cpu(model):
         return HFRunner(model)
     from decode.backends.cpu.llama import NativeLlamaRunner, unsupported
 
     why = unsupported(model)
     if why is None:
-        return NativeLlamaRunner(model)
+        return NativeLlamaRunner(model, activations=activations)
     if native == "on":
         raise ValueError(f"native=on: the native W4 runner cannot run {model.name_or_path}: {why}")
     if getattr(model.config, "quantization_config", None) is not None:
         print(f"decode: {model.name_or_path} runs the eager HF forward (native W4 runner: {why})", file=sys.stderr)
     return HFRunner(model)
+
+
+def lm_head(head: nn.Module, level_runner: Runner) -> nn.Module | None:
+    """A faster LM head for a level run by `level_runner`, or None (keep `head`): the native int8 kernel for an
+    int8 LM head (`lm_head: int8`) beside the native runner, packed once per head."""
+    from decode.backends.cpu.int8 import Int8RowLinear
+
+    if type(level_runner).__name__ != "NativeLlamaRunner" or not isinstance(head, Int8RowLinear):
+        return None
+    from decode.backends.cpu.llama import NativeInt8Head
+
+    if "_native" not in vars(head):
+        vars(head)["_native"] = NativeInt8Head(head)
+    return vars(head)["_native"]
 
 
 def gemm_choice(gemm: str, device: torch.device) -> str | None:

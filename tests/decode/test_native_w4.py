@@ -2,8 +2,9 @@
 HF cache semantics a ModelLevel relies on (crop, keep a tree path, tree masks), row exactness, refusals.
 
 Fast tests quantize a tiny random Llama (hidden 192, head dim 48, grouped K/V heads) once per act order and
-compare with an fp32 Llama holding the dequantized W4 weights (the same model computed by HF, so only
-summation order differs); the slow test quantizes the real bundled model with reduced settings."""
+compare the fp32-activation runner with an fp32 Llama holding the dequantized W4 weights (the same model computed
+by HF, so only summation order differs) and the int8-activation runner with the fp32 one; the slow test quantizes
+the real bundled model with reduced settings."""
 from __future__ import annotations
 
 import copy
@@ -55,7 +56,7 @@ def text(n: int, seed: int = 0) -> torch.Tensor:
 
 
 def test_the_forward_is_the_dequantized_w4_model(w4, one_thread):
-    reference, runner, ids = HFRunner(dequantized(w4)), NativeLlamaRunner(w4, capacity=128), text(40)
+    reference, runner, ids = HFRunner(dequantized(w4)), NativeLlamaRunner(w4, 128, "fp32"), text(40)
     for lo, hi in ((0, 30), (30, 31), (31, 40)):  # a prefill, one token, a verification
         with torch.no_grad():
             ours, theirs = runner.forward(ids[:, lo:hi], None, None), reference.forward(ids[:, lo:hi], None, None)
@@ -63,19 +64,21 @@ def test_the_forward_is_the_dequantized_w4_model(w4, one_thread):
     assert runner.cached() == 40
 
 
-def test_logits_agree_with_gptqmodels_forward(w4, one_thread):
-    """GPTQModel's CPU kernel rounds activations to bf16: logits within 0.1, argmax almost everywhere (a random
-    tiny model has near ties)."""
+@pytest.mark.parametrize("activations, tolerance", [("fp32", 0.1), ("int8", 0.25)])
+def test_logits_agree_with_gptqmodels_forward(w4, activations, tolerance, one_thread):
+    """GPTQModel's CPU kernel rounds activations to bf16, the int8 runner to 8 bits per group: logits (about +-2)
+    within the tolerance, argmax almost everywhere (a random tiny model has near ties)."""
     ids = text(60, seed=1)
     with torch.no_grad():
         theirs = w4(ids).logits
-    ours = w4.lm_head(NativeLlamaRunner(w4, capacity=128).forward(ids, None, None))
-    assert (ours - theirs).abs().max() < 0.1
+    ours = w4.lm_head(NativeLlamaRunner(w4, 128, activations).forward(ids, None, None))
+    assert (ours - theirs).abs().max() < tolerance
     assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.9
 
 
-def test_a_forward_of_k_tokens_gives_the_bits_of_k_one_token_forwards(w4):
-    ids, runner = text(12, seed=2), NativeLlamaRunner(w4, capacity=64)
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
+def test_a_forward_of_k_tokens_gives_the_bits_of_k_one_token_forwards(w4, activations):
+    ids, runner = text(12, seed=2), NativeLlamaRunner(w4, 64, activations)
     runner.forward(ids[:, :4], None, None)
     together = runner.forward(ids[:, 4:], None, None)
     runner.crop(4)
@@ -89,7 +92,7 @@ def test_a_forward_of_k_tokens_gives_the_bits_of_k_one_token_forwards(w4):
 def test_a_tree_then_its_accepted_path_like_an_hf_cache(w4, one_thread):
     """What a ModelLevel does with its runner: a tree forward under a mask with tree positions, keeping the
     accepted path, cropping, going on; the same as the engine's HFRunner on the dequantized model."""
-    reference, runner, ids = HFRunner(dequantized(w4)), NativeLlamaRunner(w4, capacity=64), text(16, seed=3)
+    reference, runner, ids = HFRunner(dequantized(w4)), NativeLlamaRunner(w4, 64, "fp32"), text(16, seed=3)
     tree = Tree()
     a = tree.add(7, -1)
     b = tree.add(8, a)
@@ -125,6 +128,34 @@ def test_the_int4_product_is_the_fp32_product_of_the_dequantized_weight_bit_for_
     weight = (codes.float() - 8) * scales[:, torch.arange(k) // module.group_size]
     fp32 = avx2_kernel()[0]
     assert torch.equal(ours, fp32.linear(x[:, perm].contiguous(), fp32.pack(weight), weight.shape[0], None))
+
+
+def test_the_int8_activation_product_is_the_exact_product_of_the_quantized_rows(w4):
+    """Each row quantized per 16 inputs (absmax / 127, nearest even), integer dot products, then the scales:
+    the float64 product of the fake-quantized rows and the dequantized weight, up to fp32 rounding."""
+    module = w4.model.layers[0].mlp.down_proj
+    codes, scales, perm = int4_parts(module)
+    kernels, k, size = native_kernels()[0], codes.shape[1], module.group_size
+    words, panel_scales = kernels.pack_int4_a8(codes, scales)
+    bounds = torch.tensor([*range(0, k, size), k])
+    x = torch.randn(5, k) * 3
+    ours = kernels.quant_mm(x, words, panel_scales, bounds, perm, codes.shape[0], None)
+    rows = x[:, perm].reshape(5, -1, 16).double()
+    step = rows.abs().amax(-1, keepdim=True) / 127
+    quantized = (torch.round(rows / step) * step).reshape(5, k)
+    weight = (codes.double() - 8) * scales.double()[:, torch.arange(k) // size]
+    exact = quantized @ weight.T
+    assert ((ours - exact).abs().max() / exact.abs().max()) < 1e-5
+
+
+def test_int8_activations_stay_close_to_fp32_ones(w4, one_thread):
+    """The same W4 model on int8 activations: hidden states near the exact ones, the same greedy tokens nearly
+    everywhere (the real model's agreement with GPTQModel: the slow test)."""
+    ids = text(50, seed=5)
+    exact = NativeLlamaRunner(w4, 64, "fp32").forward(ids, None, None)
+    fast = NativeLlamaRunner(w4, 64, "int8").forward(ids, None, None)
+    assert ((fast - exact).norm(dim=-1) / exact.norm(dim=-1)).max() < 0.05
+    assert (w4.lm_head(fast).argmax(-1) == w4.lm_head(exact).argmax(-1)).float().mean() >= 0.9
 
 
 def test_the_cache_capacity_is_checked(w4):
@@ -163,7 +194,7 @@ def test_the_native_int8_head_is_the_fp32_product_of_its_int8_rows(w4):
     assert torch.allclose(head(x), int8(x), atol=0.05, rtol=0.02)  # aten's kernel rounds activations to bf16
 
 
-def real_text_agreement(model, tokenizer) -> tuple[float, float]:
+def real_text_agreement(model, tokenizer, activations: str) -> tuple[float, float]:
     """(share of positions where the native forward's argmax equals GPTQModel's, max |logit difference|) over
     300 tokens of this repository's README, one forward each."""
     from pathlib import Path
@@ -171,7 +202,7 @@ def real_text_agreement(model, tokenizer) -> tuple[float, float]:
     ids = torch.tensor([tokenizer(Path(__file__).parents[2].joinpath("README.md").read_text()).input_ids[:300]])
     with torch.no_grad():
         theirs = model(ids).logits
-        ours = model.lm_head(NativeLlamaRunner(model, capacity=512).forward(ids, None, None))
+        ours = model.lm_head(NativeLlamaRunner(model, 512, activations).forward(ids, None, None))
     return (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item(), (ours - theirs).abs().max().item()
 
 
@@ -188,8 +219,9 @@ def test_the_bundled_w4_model_agrees_with_gptqmodel_on_real_text(tmp_path):
     cfg.data = {"source": "bundled", "max_len": 1024, "held_out_fraction": 0.02, "max_conversations": None}
     model, tokenizer = load_model(str(run(cfg)))
     assert unsupported(model) is None
-    agreement, gap = real_text_agreement(model, tokenizer)
-    assert agreement >= 0.97 and gap < 1.0, (agreement, gap)
+    for activations in ("fp32", "int8"):
+        agreement, gap = real_text_agreement(model, tokenizer, activations)
+        assert agreement >= 0.97 and gap < 1.0, (activations, agreement, gap)
 
 
 @pytest.mark.parametrize("draft", [{"length": 4}, {"mode": "tree", "depth": 3, "top_k": 2, "total_tokens": 6}],

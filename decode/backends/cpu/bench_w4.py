@@ -45,21 +45,25 @@ def main() -> None:
     w4, _ = load_model(args.w4)
     pack(w4)
     quantize_lm_head(w4)
-    runner = NativeLlamaRunner(w4, capacity=args.context + max(args.ks))
+    capacity = args.context + max(args.ks)
+    exact, runner = NativeLlamaRunner(w4, capacity, "fp32"), NativeLlamaRunner(w4, capacity, "int8")
+    int8_head = NativeInt8Head(w4.get_output_embeddings())
     text = tokenizer(Path("README.md").read_text()).input_ids * 8
     context = text[: args.context + max(args.ks)]
     steps = {"target fp32 packed": cached_forward(target, context[: args.context]),
              "w4 eager (packed, int8 head)": cached_forward(w4, context[: args.context]),
-             "w4 native (int8 head)": runner_forward(runner, w4.get_output_embeddings(), context[: args.context]),
-             "w4 native (native int8 head)": runner_forward(runner, NativeInt8Head(w4.get_output_embeddings()), context[: args.context]),
-             "w4 native decoder only": runner_forward(runner, None, context[: args.context])}
+             "w4 native fp32 act. (native int8 head)": runner_forward(exact, int8_head, context[: args.context]),
+             "w4 native fp32 act., decoder only": runner_forward(exact, None, context[: args.context]),
+             "w4 native int8 act. (aten int8 head)": runner_forward(runner, w4.get_output_embeddings(), context[: args.context]),
+             "w4 native int8 act. (native int8 head)": runner_forward(runner, int8_head, context[: args.context]),
+             "w4 native int8 act., decoder only": runner_forward(runner, None, context[: args.context])}
     times = median_ms(steps, args.ks, args.repeats)
     base = times["target fp32 packed"]
     print(f"median ms of one forward, {args.context}-token context, {torch.get_num_threads()} threads, "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
     for name, per in times.items():
         cells = "  ".join(f"k={k}: {per[k]:6.2f} ms ({per[k] / base[k]:.3f}x target)" for k in args.ks)
-        print(f"{name:36s} {cells}  T(8)/T(1) {per[max(args.ks)] / per[min(args.ks)]:.2f}")
+        print(f"{name:40s} {cells}  T(8)/T(1) {per[max(args.ks)] / per[min(args.ks)]:.2f}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,11 @@ forward computes the same W4 model (GPTQModel's CPU kernel's weights: (q - 8) * 
 activations instead of bf16 ones, so its logits agree with GPTQModel's within bf16 rounding, not bit for bit; each
 row is one fixed sequence of operations, so a k-token forward gives the bits of k one-token forwards.
 
+Activations (`activations`): "int8" quantizes each row per 16 inputs to int8 and multiplies with integer dot
+products (W4A8, the default: bound by memory at one token and cheap at eight); "fp32" computes exactly the fp32
+product with the dequantized weights (slower; agreement studies). Either way a row's bits do not depend on the
+other rows or the thread count.
+
 `unsupported(model)` says why a model cannot run here (the builder then keeps the eager HF path), None if it can.
 """
 from __future__ import annotations
@@ -29,12 +34,24 @@ KERNELS_CPP = Path(__file__).with_name("kernels.cpp")
 MAX_CAPACITY = 8192  # positions a runner's cache may hold (rotary tables are built up to it)
 
 
+ACTIVATIONS = ("int8", "fp32")
+
+
+def _has_avx512_vnni() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and {"avx512bw", "avx512_vnni"} <= set(flags)
+
+
 @functools.cache
 def native_kernels() -> tuple[Any | None, str]:
-    """(the llama_w4.cpp extension for this machine, "") or (None, why not); AVX-512 where the CPU has it."""
+    """(the llama_w4.cpp extension for this machine, "") or (None, why not); AVX-512 where the CPU has its BW and
+    VNNI parts, else AVX2."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None, f"the CPU lacks AVX2+FMA ({torch.backends.cpu.get_cpu_capability()})"
-    wide = ["-mavx512f"] if torch.backends.cpu.get_cpu_capability() == "AVX512" else []
+    wide = ["-mavx512f", "-mavx512bw", "-mavx512vnni"] if _has_avx512_vnni() else []
     return build_extension("polyspec_llama_w4", Path(__file__).with_name("llama_w4.cpp"),
                            ["-O3", "-mavx2", "-mfma", "-fopenmp", *wide], (KERNELS_CPP,))
 
@@ -80,6 +97,8 @@ def _linear_problem(module: torch.nn.Module, name: str) -> str | None:
         return f"{name}: the kernel takes symmetric 4-bit CPU weights (zero point 8)"
     if getattr(module, "adapter", None) is not None:
         return f"{name} has an adapter"
+    if module.in_features % 16 or module.group_size % 16:
+        return f"{name}: input width {module.in_features} and group size {module.group_size} must be multiples of 16"
     return None
 
 
@@ -123,11 +142,13 @@ def int4_parts(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, tor
     return codes.t().to(torch.uint8).contiguous(), module.scales.float().t().contiguous(), module.ret_idx.long()
 
 
-def _weight(kernels: Any, modules: list[torch.nn.Module]) -> tuple:
-    """Sibling int4 linears (same input, same act order) as one kernel weight: their outputs side by side."""
+def _weight(kernels: Any, modules: list[torch.nn.Module], activations: str) -> tuple:
+    """Sibling int4 linears (same input, same act order) as one kernel weight: their outputs side by side, packed
+    for int8 or fp32 activations."""
     parts = [int4_parts(m) for m in modules]
     codes, scales, perm = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), parts[0][2]
-    words, panel_scales = kernels.pack_int4(codes, scales)
+    pack = kernels.pack_int4_a8 if activations == "int8" else kernels.pack_int4
+    words, panel_scales = pack(codes, scales)
     k, size = codes.shape[1], modules[0].group_size
     bounds = torch.tensor([*range(0, k, size), k], dtype=torch.long)
     identity = torch.equal(perm, torch.arange(k))
@@ -136,14 +157,14 @@ def _weight(kernels: Any, modules: list[torch.nn.Module]) -> tuple:
     return words, panel_scales, bounds, torch.empty(0, dtype=torch.long) if identity else perm, bias, codes.shape[0]
 
 
-def _siblings(kernels: Any, modules: list[torch.nn.Module]) -> list[tuple]:
+def _siblings(kernels: Any, modules: list[torch.nn.Module], activations: str) -> list[tuple]:
     """One fused weight when the siblings share their act order and group size, else one weight each."""
     for m in modules:
         _inference_layout(m)
     first = modules[0]
     if all(torch.equal(m.ret_idx, first.ret_idx) and m.group_size == first.group_size for m in modules):
-        return [_weight(kernels, modules)]
-    return [_weight(kernels, [m]) for m in modules]
+        return [_weight(kernels, modules, activations)]
+    return [_weight(kernels, [m], activations) for m in modules]
 
 
 def _rotary(model: torch.nn.Module, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,16 +175,17 @@ def _rotary(model: torch.nn.Module, capacity: int) -> tuple[torch.Tensor, torch.
     return cos[0].float().contiguous(), sin[0].float().contiguous()
 
 
-def native_model(model: torch.nn.Module) -> Any:
-    """The C++ decoder with `model`'s weights (int4 repacked once, norms and embeddings shared), built once per
-    model and kept on it: every runner of the model (one per chain) shares it and brings its own cache."""
-    if "_native_w4" not in vars(model):
+def native_model(model: torch.nn.Module, activations: str = "int8") -> Any:
+    """The C++ decoder with `model`'s weights (int4 repacked once per activation type, norms and embeddings
+    shared), kept on the model: every runner of the model (one per chain) shares it and brings its own cache."""
+    key = f"_native_w4_{activations}"
+    if key not in vars(model):
         capacity = min(MAX_CAPACITY, getattr(model.config, "max_position_embeddings", MAX_CAPACITY))
-        vars(model)["_native_w4"] = (_native_model(model, capacity), capacity)
-    return vars(model)["_native_w4"]
+        vars(model)[key] = (_native_model(model, capacity, activations), capacity)
+    return vars(model)[key]
 
 
-def _native_model(model: torch.nn.Module, capacity: int) -> Any:
+def _native_model(model: torch.nn.Module, capacity: int, activations: str) -> Any:
     kernels, config = native_kernels()[0], model.config
     attention = model.model.layers[0].self_attn
     cos, sin = _rotary(model, capacity)
@@ -174,8 +196,9 @@ def _native_model(model: torch.nn.Module, capacity: int) -> Any:
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
         native.add_layer(layer.input_layernorm.weight.detach().float(), layer.post_attention_layernorm.weight.detach().float(),
-                         _siblings(kernels, [a.q_proj, a.k_proj, a.v_proj]), _weight(kernels, [a.o_proj]),
-                         _siblings(kernels, [m.gate_proj, m.up_proj]), _weight(kernels, [m.down_proj]))
+                         _siblings(kernels, [a.q_proj, a.k_proj, a.v_proj], activations),
+                         _weight(kernels, [a.o_proj], activations), _siblings(kernels, [m.gate_proj, m.up_proj], activations),
+                         _weight(kernels, [m.down_proj], activations))
     return native
 
 
@@ -183,15 +206,17 @@ class NativeLlamaRunner:
     """A W4 Llama-family decoder with its own KV cache (the Runner a ModelLevel drives): forward appends after
     the cached positions and returns the final-norm hidden states; the LM head stays the level's."""
 
-    def __init__(self, model: torch.nn.Module, capacity: int | None = None):
+    def __init__(self, model: torch.nn.Module, capacity: int | None = None, activations: str = "int8"):
         """`capacity`: the positions its KV cache holds (None: the model's maximum, up to MAX_CAPACITY; the memory
-        is allocated, not touched, until used)."""
+        is allocated, not touched, until used); `activations`: int8 | fp32 (the module's docstring)."""
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
         problem = unsupported(model)
         if problem is not None:
             raise ValueError(f"the native W4 runner cannot run this model: {problem}")
         self.config: PretrainedConfig = model.config
         self.device, self.dtype = torch.device("cpu"), torch.float32
-        self.native, most = native_model(model)
+        self.native, most = native_model(model, activations)
         self.capacity = most if capacity is None else min(capacity, most)
         config = model.config
         shape = (config.num_hidden_layers, config.num_key_value_heads, self.capacity, self.native.head_dim())

@@ -18,6 +18,9 @@
 
 #include <cstdint>
 
+#if defined(__AVX512F__) && !(defined(__AVX512BW__) && defined(__AVX512VNNI__))
+#error "the AVX-512 build needs AVX512-BW and AVX512-VNNI (-mavx512bw -mavx512vnni); build for AVX2 otherwise"
+#endif
 #if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
 using Code = uint64_t;
@@ -101,40 +104,16 @@ struct Bytes {  // int8 rows (an LM head: one scale per output), kLanes bytes pe
   }
 };
 
-// One quantized weight in the kernel's layout (int4: words [P, K] int32/int64; int8: [P, K, kLanes] int8): inputs
-// in `perm` order (none: as they come), groups of inputs [bounds[g], bounds[g + 1]) sharing a scale, n outputs.
+// One quantized weight in the kernel's layout: int4 words [P, K] int32/int64 or int8 rows [P, K, kLanes] int8 (fp32
+// activations), or int4 bytes [P, K / 8, kLanes * 4] uint8 (int8 activations, below); inputs in `perm` order (none:
+// as they come), groups of inputs [bounds[g], bounds[g + 1]) sharing a scale, n outputs.
 struct Int4 {
   torch::Tensor words, scales, bounds, perm, bias;  // perm, bias: undefined when none
   int64_t n;
 };
 
-// MR rows of x (stride ldx) against NP consecutive panels (codes and scales of panel j at j * K and
-// j * groups * kLanes); y gets `width` columns (<= NP * kLanes, stride ldy). NP independent accumulator chains
-// per row hide the FMA latency even for one row.
-template <class F, int MR, int NP>
-static void int4_tile(const float* x, int64_t ldx, int64_t K, const typename F::Word* w, const float* s, const int64_t* bounds,
-                      int64_t groups, float* y, int64_t ldy, int64_t width) {
-  Vec acc[MR][NP];
-#pragma GCC unroll 16
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 16
-    for (int j = 0; j < NP; ++j) acc[m][j] = vzero();
-  for (int64_t g = 0; g < groups; ++g) {
-    Vec sc[NP], s8[NP];
-#pragma GCC unroll 16
-    for (int j = 0; j < NP; ++j) { sc[j] = vload(s + (j * groups + g) * kLanes); s8[j] = vmul(sc[j], vset(F::kZero)); }
-    for (int64_t k = bounds[g]; k < bounds[g + 1]; ++k) {
-      Vec wk[NP];
-#pragma GCC unroll 16
-      for (int j = 0; j < NP; ++j) wk[j] = vfmsub(F::codes(w + j * K + k), sc[j], s8[j]);
-#pragma GCC unroll 16
-      for (int m = 0; m < MR; ++m) {
-        const Vec xk = vset(x[m * ldx + k]);
-#pragma GCC unroll 16
-        for (int j = 0; j < NP; ++j) acc[m][j] = vfma(xk, wk[j], acc[m][j]);
-      }
-    }
-  }
+template <int MR, int NP>
+static inline void store_tile(const Vec (&acc)[MR][NP], float* y, int64_t ldy, int64_t width) {
   alignas(64) float out[NP * kLanes];
   for (int m = 0; m < MR; ++m) {
     if (width == NP * kLanes) {
@@ -146,53 +125,222 @@ static void int4_tile(const float* x, int64_t ldx, int64_t K, const typename F::
   }
 }
 
-// All M rows against NP panels from panel p: tiles of kTileRows rows, then the remainder (each row's chain is
-// the same whatever tile computes it).
-template <class F, int NP>
-static void int4_rows(const float* x, int64_t ldx, int64_t M, const Int4& w, int64_t p, float* y, int64_t ldy) {
-  const int64_t K = w.words.size(1), groups = w.bounds.numel() - 1, width = std::min<int64_t>(NP * kLanes, w.n - p * kLanes);
-  const auto* wp = reinterpret_cast<const typename F::Word*>(w.words.data_ptr()) + p * K;
-  const float* sp = w.scales.data_ptr<float>() + p * groups * kLanes;
-  const int64_t* bp = w.bounds.data_ptr<int64_t>();
+// Rows row .. row + MR - 1 of fp32 x [M, K] against NP panels from panel p into y (stride ldy). NP independent
+// accumulator chains per row hide the FMA latency even for one row.
+template <class F, int MR, int NP>
+struct Fp32Tile {
+  static void run(int64_t row, int64_t p, const float* x, const Int4& w, float* y, int64_t ldy) {
+    const int64_t K = w.words.size(1), groups = w.bounds.numel() - 1;
+    const auto* wp = reinterpret_cast<const typename F::Word*>(w.words.data_ptr()) + p * K;
+    const float* s = w.scales.data_ptr<float>() + p * groups * kLanes;
+    const int64_t* bounds = w.bounds.data_ptr<int64_t>();
+    x += row * K;
+    Vec acc[MR][NP];
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 16
+      for (int j = 0; j < NP; ++j) acc[m][j] = vzero();
+    for (int64_t g = 0; g < groups; ++g) {
+      Vec sc[NP], s8[NP];
+#pragma GCC unroll 16
+      for (int j = 0; j < NP; ++j) { sc[j] = vload(s + (j * groups + g) * kLanes); s8[j] = vmul(sc[j], vset(F::kZero)); }
+      for (int64_t k = bounds[g]; k < bounds[g + 1]; ++k) {
+        Vec wk[NP];
+#pragma GCC unroll 16
+        for (int j = 0; j < NP; ++j) wk[j] = vfmsub(F::codes(wp + j * K + k), sc[j], s8[j]);
+#pragma GCC unroll 16
+        for (int m = 0; m < MR; ++m) {
+          const Vec xk = vset(x[m * K + k]);
+#pragma GCC unroll 16
+          for (int j = 0; j < NP; ++j) acc[m][j] = vfma(xk, wk[j], acc[m][j]);
+        }
+      }
+    }
+    store_tile<MR, NP>(acc, y + row * ldy + p * kLanes, ldy, std::min<int64_t>(NP * kLanes, w.n - p * kLanes));
+  }
+};
+template <int MR, int NP> using NibbleTile = Fp32Tile<Nibbles, MR, NP>;
+template <int MR, int NP> using ByteTile = Fp32Tile<Bytes, MR, NP>;
+
+// The int8-activation product (W4A8): y = x W^T with each row of x quantized to int8 per block of 16 inputs
+// (symmetric, absmax / 127, round to nearest even; 64-wide blocks changed 6% of the real model's greedy tokens, 16-wide
+// 2%), then integer dot products of the 4-bit codes with the int8 inputs, exact in int32, and per block
+// acc += (dot - 8 * sum(x_q)) * (s_w * s_x) in fp32. The weight stream costs 3 instructions per 16 outputs x 8 inputs and each row one integer dot product per
+// 4 inputs, where fp32 activations cost a dequantization per weight and an FMA per weight and row: the forward is
+// bound by memory at 1 row and stays cheap at 8. Each row's quantization and fp32 sequence depend on that row
+// alone: row exactness holds as in the fp32 product. Layout: per panel, per 8 inputs, kLanes x 4 bytes, byte
+// (lane, i) holding input i's code in its low nibble and input 4 + i's in its high one.
+constexpr int kA8Panels = kLanes == 16 ? 2 : 1;  // panels per tile: 4 rows x panels of int32 and fp32 accumulators
+constexpr int64_t kA8Step = 8;                   // inputs per packed chunk
+constexpr int64_t kA8Block = 16;                 // inputs per activation scale (weight groups are whole blocks)
+
+// codes [N, K] (0..15, kernel order), scales [N, G] -> (bytes [P, K / 8, kLanes * 4] uint8, scales [P, G, kLanes]).
+std::vector<torch::Tensor> pack_int4_a8(const torch::Tensor& codes, const torch::Tensor& scales) {
+  TORCH_CHECK(codes.dim() == 2 && codes.size(1) % kA8Block == 0, "pack_int4_a8: codes [N, K] with K a multiple of 16");
+  const int64_t n = codes.size(0), k = codes.size(1), panels = (n + kLanes - 1) / kLanes;
+  auto c = torch::full({panels * kLanes, k}, 8, torch::kByte);
+  c.narrow(0, 0, n).copy_(codes.to(torch::kByte));
+  // [P, lanes, K / 8, 2, 4] -> [P, K / 8, lanes, 4, 2]: (low, high) nibbles of each byte side by side
+  auto grouped = c.view({panels, kLanes, k / kA8Step, 2, 4}).permute({0, 2, 1, 4, 3}).contiguous();
+  auto bytes = grouped.select(4, 0).bitwise_or(grouped.select(4, 1).bitwise_left_shift(4)).reshape({panels, k / kA8Step, kLanes * 4});
+  auto s = torch::zeros({panels * kLanes, scales.size(1)}, torch::kFloat);
+  s.narrow(0, 0, n).copy_(scales.to(torch::kFloat));
+  return {bytes.contiguous(), s.view({panels, kLanes, scales.size(1)}).transpose(1, 2).contiguous()};
+}
+
+// Rows of x [M, K] -> int8 codes, one scale and the sum of the codes per row and block of kA8Block inputs.
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+  std::vector<int32_t> sum;
+};
+
+static void quantize_rows(const float* x, int64_t M, int64_t K, QuantizedRows& out) {
+  const int64_t blocks = K / kA8Block;
+  out.q.resize(M * K);
+  out.scale.resize(M * blocks);
+  out.sum.resize(M * blocks);
+  for (int64_t b = 0; b < M * blocks; ++b) {
+    const float* xb = x + b * kA8Block;
+    float most = 0.f;
+    for (int64_t i = 0; i < kA8Block; ++i) most = std::max(most, std::fabs(xb[i]));
+    const float inverse = most > 0.f ? 127.f / most : 0.f;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < kA8Block; ++i) {
+      const int32_t q = static_cast<int32_t>(std::nearbyint(xb[i] * inverse));
+      out.q[b * kA8Block + i] = static_cast<int8_t>(q);
+      sum += q;
+    }
+    out.scale[b] = most / 127.f;
+    out.sum[b] = sum;
+  }
+}
+
+#if defined(__AVX512VNNI__)
+using IVec = __m512i;
+static inline IVec ivzero() { return _mm512_setzero_si512(); }
+static inline IVec ivload(const uint8_t* p) { return _mm512_loadu_si512(p); }
+static inline IVec nibbles(IVec v, int shift) { return _mm512_and_si512(_mm512_srli_epi16(v, shift), _mm512_set1_epi8(15)); }
+static inline IVec dot4(IVec acc, IVec codes, const int8_t* x) {  // acc += 4 codes (uint8) . 4 inputs (int8), per lane
+  return _mm512_dpbusd_epi32(acc, codes, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x)));
+}
+static inline Vec ivfloat(IVec v, int32_t minus) { return _mm512_cvtepi32_ps(_mm512_sub_epi32(v, _mm512_set1_epi32(minus))); }
+#else
+using IVec = __m256i;
+static inline IVec ivzero() { return _mm256_setzero_si256(); }
+static inline IVec ivload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+static inline IVec nibbles(IVec v, int shift) { return _mm256_and_si256(_mm256_srli_epi16(v, shift), _mm256_set1_epi8(15)); }
+static inline IVec dot4(IVec acc, IVec codes, const int8_t* x) {  // codes <= 15: the int16 pair sums cannot saturate
+  const IVec pairs = _mm256_maddubs_epi16(codes, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x)));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+static inline Vec ivfloat(IVec v, int32_t minus) { return _mm256_cvtepi32_ps(_mm256_sub_epi32(v, _mm256_set1_epi32(minus))); }
+#endif
+
+// Rows row .. row + MR - 1 of the quantized x against NP panels from panel p into y (stride ldy).
+template <int MR, int NP>
+struct A8Tile {
+  static void run(int64_t row, int64_t p, const QuantizedRows& x, const Int4& w, float* y, int64_t ldy) {
+    const int64_t K = w.words.size(1) * kA8Step, groups = w.bounds.numel() - 1, panel = K / kA8Step * kLanes * 4;
+    const uint8_t* wp = w.words.data_ptr<uint8_t>() + p * panel;
+    const float* s = w.scales.data_ptr<float>() + p * groups * kLanes;
+    const int64_t* bounds = w.bounds.data_ptr<int64_t>();
+    Vec acc[MR][NP];
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 16
+      for (int j = 0; j < NP; ++j) acc[m][j] = vzero();
+    for (int64_t g = 0; g < groups; ++g) {
+      Vec sc[NP];
+#pragma GCC unroll 16
+      for (int j = 0; j < NP; ++j) sc[j] = vload(s + (j * groups + g) * kLanes);
+      for (int64_t block = bounds[g]; block < bounds[g + 1]; block += kA8Block) {
+        IVec dot[MR][NP];
+#pragma GCC unroll 16
+        for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 16
+          for (int j = 0; j < NP; ++j) dot[m][j] = ivzero();
+#pragma GCC unroll 2
+        for (int64_t k = block; k < block + kA8Block; k += kA8Step) {
+          IVec low[NP], high[NP];
+#pragma GCC unroll 16
+          for (int j = 0; j < NP; ++j) {
+            const IVec v = ivload(wp + j * panel + k / kA8Step * kLanes * 4);
+            low[j] = nibbles(v, 0);
+            high[j] = nibbles(v, 4);
+          }
+#pragma GCC unroll 16
+          for (int m = 0; m < MR; ++m) {
+            const int8_t* xr = x.q.data() + (row + m) * K + k;
+#pragma GCC unroll 16
+            for (int j = 0; j < NP; ++j) dot[m][j] = dot4(dot4(dot[m][j], low[j], xr), high[j], xr + 4);
+          }
+        }
+#pragma GCC unroll 16
+        for (int m = 0; m < MR; ++m) {
+          const int64_t at = ((row + m) * K + block) / kA8Block;
+          const Vec xs = vset(x.scale[at]);
+#pragma GCC unroll 16
+          for (int j = 0; j < NP; ++j) acc[m][j] = vfma(ivfloat(dot[m][j], 8 * x.sum[at]), vmul(sc[j], xs), acc[m][j]);
+        }
+      }
+    }
+    store_tile<MR, NP>(acc, y + row * ldy + p * kLanes, ldy, std::min<int64_t>(NP * kLanes, w.n - p * kLanes));
+  }
+};
+
+// All M rows against panel p and the NP - 1 after it: tiles of kTileRows rows, then the remainder (each row's
+// sequence of operations is the same whatever tile computes it).
+template <template <int, int> class Tile, int NP, class X>
+static void over_rows(int64_t M, int64_t p, const X& x, const Int4& w, float* y, int64_t ldy) {
   int64_t m = 0;
-  for (; m + kTileRows <= M; m += kTileRows) int4_tile<F, kTileRows, NP>(x + m * ldx, ldx, K, wp, sp, bp, groups, y + m * ldy + p * kLanes, ldy, width);
-  const float* xr = x + m * ldx;
-  float* yr = y + m * ldy + p * kLanes;
+  for (; m + kTileRows <= M; m += kTileRows) Tile<kTileRows, NP>::run(m, p, x, w, y, ldy);
   switch (M - m) {
-    case 1: int4_tile<F, 1, NP>(xr, ldx, K, wp, sp, bp, groups, yr, ldy, width); break;
-    case 2: int4_tile<F, 2, NP>(xr, ldx, K, wp, sp, bp, groups, yr, ldy, width); break;
-    case 3: int4_tile<F, 3, NP>(xr, ldx, K, wp, sp, bp, groups, yr, ldy, width); break;
+    case 1: Tile<1, NP>::run(m, p, x, w, y, ldy); break;
+    case 2: Tile<2, NP>::run(m, p, x, w, y, ldy); break;
+    case 3: Tile<3, NP>::run(m, p, x, w, y, ldy); break;
     default: break;
   }
 }
 
-// y[:, :w.n] (row stride ldy) = x [M, K] W^T (+ bias, after the chain); x is first gathered into `scratch` in act order if w has a perm.
-template <class F>
-static void panels_linear(const float* x, int64_t M, const Int4& w, float* y, int64_t ldy) {
-  const int64_t K = w.words.size(1), panels = w.words.size(0);
-  at::parallel_for(0, (panels + kTilePanels - 1) / kTilePanels, 1, [&](int64_t lo, int64_t hi) {
+// Every row against every panel, threads splitting the panels NP at a time (the last few one by one).
+template <template <int, int> class Tile, int NP, class X>
+static void over_panels(int64_t M, const X& x, const Int4& w, float* y, int64_t ldy) {
+  const int64_t panels = w.words.size(0);
+  at::parallel_for(0, (panels + NP - 1) / NP, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
-      const int64_t first = t * kTilePanels;
-      if (first + kTilePanels <= panels) {
-        int4_rows<F, kTilePanels>(x, K, M, w, first, y, ldy);
+      if ((t + 1) * NP <= panels) {
+        over_rows<Tile, NP>(M, t * NP, x, w, y, ldy);
       } else {
-        for (int64_t p = first; p < panels; ++p) int4_rows<F, 1>(x, K, M, w, p, y, ldy);
+        for (int64_t p = t * NP; p < panels; ++p) over_rows<Tile, 1>(M, p, x, w, y, ldy);
       }
     }
   });
 }
 
-static void int4_linear(const float* x, int64_t M, const Int4& w, float* y, int64_t ldy, std::vector<float>& scratch) {
-  const int64_t K = w.words.size(1);
+struct Scratch {  // per forward: inputs gathered into act order, quantized inputs
+  std::vector<float> gathered;
+  QuantizedRows rows;
+};
+
+// y[:, :w.n] (row stride ldy) = x [M, K] W^T (+ bias, after the chain); x is first gathered in act order if w has a perm.
+static void int4_linear(const float* x, int64_t M, const Int4& w, float* y, int64_t ldy, Scratch& scratch) {
+  const int64_t K = w.words.scalar_type() == torch::kByte ? w.words.size(1) * kA8Step : w.words.size(1);
   if (w.perm.defined()) {
-    scratch.resize(M * K);
+    scratch.gathered.resize(M * K);
     const int64_t* perm = w.perm.data_ptr<int64_t>();
     for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < K; ++k) scratch[m * K + k] = x[m * K + perm[k]];
-    x = scratch.data();
+      for (int64_t k = 0; k < K; ++k) scratch.gathered[m * K + k] = x[m * K + perm[k]];
+    x = scratch.gathered.data();
   }
-  if (w.words.scalar_type() == torch::kChar) panels_linear<Bytes>(x, M, w, y, ldy);
-  else panels_linear<Nibbles>(x, M, w, y, ldy);
+  if (w.words.scalar_type() == torch::kByte) {
+    quantize_rows(x, M, K, scratch.rows);
+    over_panels<A8Tile, kA8Panels>(M, scratch.rows, w, y, ldy);
+  } else if (w.words.scalar_type() == torch::kChar) {
+    over_panels<ByteTile, kTilePanels>(M, x, w, y, ldy);
+  } else {
+    over_panels<NibbleTile, kTilePanels>(M, x, w, y, ldy);
+  }
   if (w.bias.defined()) {
     const float* b = w.bias.data_ptr<float>();
     for (int64_t m = 0; m < M; ++m)
@@ -215,11 +363,12 @@ std::vector<torch::Tensor> pack_int8(const torch::Tensor& q, const torch::Tensor
 torch::Tensor quant_mm(const torch::Tensor& x, const torch::Tensor& words, const torch::Tensor& scales,
                       const torch::Tensor& bounds, const c10::optional<torch::Tensor>& perm, int64_t n,
                       const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.size(1) == words.size(1), "quant_mm: x [M, K] float32");
+  const int64_t K = words.scalar_type() == torch::kByte ? words.size(1) * kA8Step : words.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.size(1) == K, "quant_mm: x [M, K] float32");
   const auto input = x.contiguous();
   Int4 w{words, scales, bounds, perm.has_value() ? *perm : torch::Tensor(), bias.has_value() ? *bias : torch::Tensor(), n};
   auto y = torch::empty({input.size(0), n}, input.options());
-  std::vector<float> scratch;
+  Scratch scratch;
   int4_linear(input.data_ptr<float>(), input.size(0), w, y.data_ptr<float>(), n, scratch);
   return y;
 }
@@ -271,7 +420,7 @@ static std::vector<Int4> int4s(const std::vector<Weight>& ws) {
 }
 
 // Siblings that read the same input, their outputs side by side in y [M, ldy].
-static void int4_siblings(const float* x, int64_t M, const std::vector<Int4>& ws, float* y, int64_t ldy, std::vector<float>& scratch) {
+static void int4_siblings(const float* x, int64_t M, const std::vector<Int4>& ws, float* y, int64_t ldy, Scratch& scratch) {
   int64_t offset = 0;
   for (const auto& w : ws) { int4_linear(x, M, w, y + offset, ldy, scratch); offset += w.n; }
 }
@@ -314,7 +463,8 @@ class LlamaW4 {
     auto h = embed_.index_select(0, ids.to(torch::kLong)).to(torch::kFloat).contiguous();
     auto normed = torch::empty({T, H});
     auto step = torch::empty({T, H});
-    std::vector<float> scratch, wide;
+    Scratch scratch;
+    std::vector<float> wide;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       rms_norm(h.data_ptr<float>(), T, H, layer.input_norm.data_ptr<float>(), eps_, normed.data_ptr<float>());
@@ -334,7 +484,7 @@ class LlamaW4 {
   // q/k/v of T rows, rotary, keys and values into the cache after `cached`, attention: [T, heads * head dim].
   // Each layer's keys/values: [kv heads, capacity, head dim].
   torch::Tensor attention(int64_t i, const float* x, int64_t T, const int64_t* pos, const c10::optional<torch::Tensor>& mask,
-                          int64_t cached, const torch::Tensor& keys, const torch::Tensor& values, std::vector<float>& scratch,
+                          int64_t cached, const torch::Tensor& keys, const torch::Tensor& values, Scratch& scratch,
                           std::vector<float>& qkv) {
     const Layer& layer = layers_[i];
     const int64_t D = head_dim_, Q = heads_ * D, KV = kv_heads_ * D, N = width(layer.qkv), cap = keys.size(1);
@@ -358,7 +508,7 @@ class LlamaW4 {
   }
 
   // down(silu(gate(x)) * up(x)) of T rows into y [T, hidden].
-  void mlp(const Layer& layer, const float* x, int64_t T, float* y, std::vector<float>& scratch, std::vector<float>& wide) {
+  void mlp(const Layer& layer, const float* x, int64_t T, float* y, Scratch& scratch, std::vector<float>& wide) {
     const int64_t N = width(layer.gate_up), I = N / 2;
     wide.resize(T * N);
     int4_siblings(x, T, layer.gate_up, wide.data(), N, scratch);
@@ -379,6 +529,7 @@ class LlamaW4 {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_int4", &pack_int4, "codes [N, K], scales [N, G] -> panel words and scales");
   m.def("pack_int8", &pack_int8, "int8 rows [N, K], scales [N] -> panel bytes and scales");
+  m.def("pack_int4_a8", &pack_int4_a8, "codes [N, K], scales [N, G] -> panel bytes and scales for int8 activations");
   m.def("quant_mm", &quant_mm, "x W^T through a packed int4 or int8 weight");
   m.def("lanes", [] { return kLanes; }, "outputs per panel (8: AVX2, 16: AVX-512)");
   py::class_<LlamaW4>(m, "LlamaW4")
