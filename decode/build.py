@@ -94,9 +94,9 @@ def configured_spec(cfg: Any, chain_cfg: Any) -> ChainSpec:
 
 def configured_builder(cfg: Any, target_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> ChainBuilder:
     """A builder for the config's run: its artifacts, model.dtype, and decode.fast's packed product."""
-    fast = flag(cfg.decode, "fast", default=False, error=DecodeError)
+    fast, settings = flag(cfg.decode, "fast", default=False, error=DecodeError), native_settings(cfg)
     return ChainBuilder(target_model, tokenizer, RunLayout.of(cfg), cfg.model.dtype, gemm_choice(cfg) if fast else None,
-                        *native_settings(cfg))
+                        *settings)
 
 
 def native_settings(cfg: Any) -> tuple[str, str]:

@@ -9,7 +9,9 @@ Writes `decode.costs.out` (json).
 """
 from __future__ import annotations
 
+import functools
 import sys
+from typing import Any, Callable
 
 import hydra
 import torch
@@ -52,13 +54,28 @@ def context_ids(held_out: list, tokenizer, length: int) -> list[int]:
     return ids
 
 
+def _w4_steps(w4: Any, w4_runner: Callable[[], Any], context: list[int], steps: dict[str, Step], notes: dict[str, str]) -> None:
+    """The W4 level's rows: as it is, and with lm_head: int8 (a CPU kernel), each level on its own runner."""
+    from decode import backends
+    from decode.backends.cpu.int8 import Int8RowLinear
+    from decode.engine.levels import ModelLevel
+
+    runner = w4_runner()
+    steps["w4"] = level_forward(ModelLevel("w4", w4, runner=runner), context)
+    notes["w4"] = f"{w4.name_or_path}, {type(runner).__name__}"
+    if backends.on_cpu(w4):
+        int8_head, runner = Int8RowLinear(w4.get_output_embeddings()), w4_runner()
+        level = ModelLevel("w4", w4, runner=runner, lm_head=backends.lm_head(int8_head, runner) or int8_head)
+        steps["w4 int8 head"] = level_forward(level, context)
+        notes["w4 int8 head"] = "the W4 level with lm_head: int8"
+
+
 def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
     """The forwards to time, and a note per row on what it is."""
     from data.models import load_model
     from data.sharegpt import load_split
     from decode import backends
     from decode.backends.cpu.dense import packed_with
-    from decode.backends.cpu.int8 import Int8RowLinear
     from decode.build import gemm_choice, native_settings, onednn_target
     from decode.engine.head import EagleHead, vocabulary_rows
     from decode.engine.levels import ModelLevel
@@ -82,15 +99,8 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
     if (w4_dir / "config.json").is_file():
         w4, _ = load_model(str(w4_dir), cfg.model.dtype, device)
         backends.prepare(w4, gemm)
-        settings = native_settings(cfg)  # each level its own runner (its KV cache), as a chain runs it
-        runner = backends.runner(w4, *settings)
-        steps["w4"] = level_forward(ModelLevel("w4", w4, runner=runner), context)
-        notes["w4"] = f"{w4_dir}, {type(runner).__name__}"
-        if backends.on_cpu(w4):  # lm_head: int8 is a CPU kernel
-            int8_head, runner = Int8RowLinear(w4.get_output_embeddings()), backends.runner(w4, *settings)
-            level = ModelLevel("w4", w4, runner=runner, lm_head=backends.lm_head(int8_head, runner) or int8_head)
-            steps["w4 int8 head"] = level_forward(level, context)
-            notes["w4 int8 head"] = "the W4 level with lm_head: int8"
+        w4_runner = functools.partial(backends.runner, w4, *native_settings(cfg))  # one per level, as chains run it
+        _w4_steps(w4, w4_runner, context, steps, notes)
     else:
         print(f"costs: no W4 model in {w4_dir}; skipping it", file=sys.stderr)
     with torch.inference_mode():
@@ -112,7 +122,7 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
     vocab = heads["head"].draft_vocab if "head" in heads else None
     if "w4" in steps and vocab is not None:
         rows = backends.linear_wrapper(w4, gemm)(vocabulary_rows(w4.get_output_embeddings(), vocab))
-        steps["w4 V=head"] = level_forward(ModelLevel("w4", w4, vocab=vocab, runner=backends.runner(w4, *settings), lm_head=rows), context)
+        steps["w4 V=head"] = level_forward(ModelLevel("w4", w4, vocab=vocab, runner=w4_runner(), lm_head=rows), context)
         notes["w4 V=head"] = f"the W4 level restricted to the head's {len(vocab)}-token vocabulary (vocab: head)"
     return steps, notes
 

@@ -251,3 +251,5 @@ def test_decode_native_is_checked_before_anything_loads():
 
     with pytest.raises(DecodeError, match="decode.native must be one of auto, on, off"):
         configured_builder(OmegaConf.create({"decode": {"fast": True, "native": "yes"}}), None, None)
+    with pytest.raises(DecodeError, match="decode.w4_activations must be one of int8, fp32"):
+        configured_builder(OmegaConf.create({"decode": {"fast": True, "w4_activations": "int4"}}), None, None)
