@@ -235,8 +235,10 @@ class NativeLlamaRunner:
         index = index.to(torch.long)
         if index.numel() and (index.min() < 0 or index.max() >= self.length):
             raise IndexError(f"keep: positions must lie in [0, {self.length})")
+        moved = index != torch.arange(index.numel())
+        first = int(moved.nonzero()[0]) if moved.any() else index.numel()  # the context before the tree stays put
         for cache in (self.keys, self.values):
-            cache[:, :, :index.numel()] = cache[:, :, index]
+            cache[:, :, first:index.numel()] = cache[:, :, index[first:]]
         self.length = index.numel()
 
     def reset(self) -> None:
@@ -262,8 +264,9 @@ class NativeLlamaRunner:
 
 class NativeInt8Head(torch.nn.Module):
     """An int8 LM head (decode.backends.cpu.int8.Int8RowLinear's weights: int8 rows, one bf16 scale each) on the native
-    kernel with fp32 activations: one FMA chain per logit over the exactly dequantized row, where aten's int8
-    kernel takes bf16 activations. Inference only; the original weight stays attached."""
+    kernel with int8 activations (each row quantized per 16 inputs, as the native runner's int8 activations are):
+    integer dot products, where aten's int8 kernel takes bf16 activations. Inference only; the original weight stays
+    attached."""
 
     def __init__(self, head: torch.nn.Module):
         super().__init__()

@@ -76,7 +76,7 @@ static inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 static inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 #endif
 
-// Weight formats: the codes of one panel's kLanes outputs at one input, as floats; the weight is
+// The fp32-activation weight format: the codes of one panel's kLanes outputs at one input, as floats; the weight is
 // (code - kZero) * scale, computed by one FMA, exactly.
 struct Nibbles {  // GPTQ int4 (symmetric: zero point 8), one word per input
   using Word = Code;
@@ -92,21 +92,9 @@ struct Nibbles {  // GPTQ int4 (symmetric: zero point 8), one word per input
   }
 };
 
-struct Bytes {  // int8 rows (an LM head: one scale per output), kLanes bytes per input
-  struct Word { int8_t q[kLanes]; };
-  static constexpr float kZero = 0.f;
-  static inline Vec codes(const Word* w) {
-#if defined(__AVX512F__)
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
-#else
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
-#endif
-  }
-};
-
-// One quantized weight in the kernel's layout: int4 words [P, K] int32/int64 or int8 rows [P, K, kLanes] int8 (fp32
-// activations), or int4 bytes [P, K / 8, kLanes * 4] uint8 (int8 activations, below); inputs in `perm` order (none:
-// as they come), groups of inputs [bounds[g], bounds[g + 1]) sharing a scale, n outputs.
+// One quantized weight in the kernel's layout: int4 words [P, K] int32/int64 (fp32 activations), or for int8
+// activations (below) int4 bytes [P, K / 8, kLanes * 4] uint8 or int8 rows [P, K / 4, kLanes * 4] int8; inputs in
+// `perm` order (none: as they come), groups of inputs [bounds[g], bounds[g + 1]) sharing a scale, n outputs.
 struct Int4 {
   torch::Tensor words, scales, bounds, perm, bias;  // perm, bias: undefined when none
   int64_t n;
@@ -160,18 +148,16 @@ struct Fp32Tile {
   }
 };
 template <int MR, int NP> using NibbleTile = Fp32Tile<Nibbles, MR, NP>;
-template <int MR, int NP> using ByteTile = Fp32Tile<Bytes, MR, NP>;
 
 // The int8-activation product (W4A8): y = x W^T with each row of x quantized to int8 per block of 16 inputs
 // (symmetric, absmax / 127, round to nearest even; 64-wide blocks changed 6% of the real model's greedy tokens, 16-wide
-// 2%), then integer dot products of the 4-bit codes with the int8 inputs, exact in int32, and per block
-// acc += (dot - 8 * sum(x_q)) * (s_w * s_x) in fp32. The weight stream costs 3 instructions per 16 outputs x 8 inputs and each row one integer dot product per
+// 2%), then integer dot products of the 4-bit codes with the int8 inputs, exact in int32 from -8 * sum(x_q), and in
+// fp32 per block part += dot * s_x, per weight group acc += part * s_w. The weight stream costs 3 instructions per 16 outputs x 8 inputs and each row one integer dot product per
 // 4 inputs, where fp32 activations cost a dequantization per weight and an FMA per weight and row: the forward is
 // bound by memory at 1 row and stays cheap at 8. Each row's quantization and fp32 sequence depend on that row
 // alone: row exactness holds as in the fp32 product. Layout: per panel, per 8 inputs, kLanes x 4 bytes, byte
 // (lane, i) holding input i's code in its low nibble and input 4 + i's in its high one.
 constexpr int kA8Panels = kLanes == 16 ? 2 : 1;  // panels per tile: 4 rows x panels of int32 and fp32 accumulators
-constexpr int64_t kA8Step = 8;                   // inputs per packed chunk
 constexpr int64_t kA8Block = 16;                 // inputs per activation scale (weight groups are whole blocks)
 
 // codes [N, K] (0..15, kernel order), scales [N, G] -> (bytes [P, K / 8, kLanes * 4] uint8, scales [P, G, kLanes]).
@@ -181,8 +167,8 @@ std::vector<torch::Tensor> pack_int4_a8(const torch::Tensor& codes, const torch:
   auto c = torch::full({panels * kLanes, k}, 8, torch::kByte);
   c.narrow(0, 0, n).copy_(codes.to(torch::kByte));
   // [P, lanes, K / 8, 2, 4] -> [P, K / 8, lanes, 4, 2]: (low, high) nibbles of each byte side by side
-  auto grouped = c.view({panels, kLanes, k / kA8Step, 2, 4}).permute({0, 2, 1, 4, 3}).contiguous();
-  auto bytes = grouped.select(4, 0).bitwise_or(grouped.select(4, 1).bitwise_left_shift(4)).reshape({panels, k / kA8Step, kLanes * 4});
+  auto grouped = c.view({panels, kLanes, k / 8, 2, 4}).permute({0, 2, 1, 4, 3}).contiguous();
+  auto bytes = grouped.select(4, 0).bitwise_or(grouped.select(4, 1).bitwise_left_shift(4)).reshape({panels, k / 8, kLanes * 4});
   auto s = torch::zeros({panels * kLanes, scales.size(1)}, torch::kFloat);
   s.narrow(0, 0, n).copy_(scales.to(torch::kFloat));
   return {bytes.contiguous(), s.view({panels, kLanes, scales.size(1)}).transpose(1, 2).contiguous()};
@@ -224,7 +210,8 @@ static inline IVec nibbles(IVec v, int shift) { return _mm512_and_si512(_mm512_s
 static inline IVec dot4(IVec acc, IVec codes, const int8_t* x) {  // acc += 4 codes (uint8) . 4 inputs (int8), per lane
   return _mm512_dpbusd_epi32(acc, codes, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x)));
 }
-static inline Vec ivfloat(IVec v, int32_t minus) { return _mm512_cvtepi32_ps(_mm512_sub_epi32(v, _mm512_set1_epi32(minus))); }
+static inline IVec ivset(int32_t v) { return _mm512_set1_epi32(v); }
+static inline Vec ivfloat(IVec v) { return _mm512_cvtepi32_ps(v); }
 #else
 using IVec = __m256i;
 static inline IVec ivzero() { return _mm256_setzero_si256(); }
@@ -234,15 +221,43 @@ static inline IVec dot4(IVec acc, IVec codes, const int8_t* x) {  // codes <= 15
   const IVec pairs = _mm256_maddubs_epi16(codes, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x)));
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
-static inline Vec ivfloat(IVec v, int32_t minus) { return _mm256_cvtepi32_ps(_mm256_sub_epi32(v, _mm256_set1_epi32(minus))); }
+static inline IVec ivset(int32_t v) { return _mm256_set1_epi32(v); }
+static inline Vec ivfloat(IVec v) { return _mm256_cvtepi32_ps(v); }
 #endif
 
+// The int8-activation weight formats: a chunk of kStep inputs x kLanes outputs in kLanes x 4 bytes, and the zero
+// point the integer dot product starts from (-kZero * sum(x_q)).
+struct A8Nibbles {  // GPTQ int4: byte (lane, i) = input i's code | input 4 + i's << 4
+  static constexpr int64_t kStep = 8;
+  static constexpr int32_t kZero = 8;
+  struct Codes { IVec low, high; };
+  static inline Codes unpack(const uint8_t* w) { const IVec v = ivload(w); return {nibbles(v, 0), nibbles(v, 4)}; }
+  static inline IVec dot(IVec acc, const Codes& c, const int8_t* x) { return dot4(dot4(acc, c.low, x), c.high, x + 4); }
+};
+
+struct A8Bytes {  // int8 rows (an LM head): byte (lane, i) = input i's weight, + 128 on AVX-512 (VNNI multiplies
+                  // unsigned by signed bytes); AVX2 multiplies |x| by the weight with x's sign (no int16 saturation)
+  static constexpr int64_t kStep = 4;
+  static constexpr int32_t kZero = kLanes == 16 ? 128 : 0;
+  struct Codes { IVec v; };
+  static inline Codes unpack(const uint8_t* w) { return {ivload(w)}; }
+  static inline IVec dot(IVec acc, const Codes& c, const int8_t* x) {
+#if defined(__AVX512VNNI__)
+    return dot4(acc, c.v, x);
+#else
+    const IVec xs = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x));
+    const IVec pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(xs), _mm256_sign_epi8(c.v, xs));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+  }
+};
+
 // Rows row .. row + MR - 1 of the quantized x against NP panels from panel p into y (stride ldy).
-template <int MR, int NP>
+template <class F, int MR, int NP>
 struct A8Tile {
   static void run(int64_t row, int64_t p, const QuantizedRows& x, const Int4& w, float* y, int64_t ldy) {
-    const int64_t K = w.words.size(1) * kA8Step, groups = w.bounds.numel() - 1, panel = K / kA8Step * kLanes * 4;
-    const uint8_t* wp = w.words.data_ptr<uint8_t>() + p * panel;
+    const int64_t K = w.words.size(1) * F::kStep, groups = w.bounds.numel() - 1, panel = w.words.size(1) * kLanes * 4;
+    const uint8_t* wp = static_cast<const uint8_t*>(w.words.data_ptr()) + p * panel;
     const float* s = w.scales.data_ptr<float>() + p * groups * kLanes;
     const int64_t* bounds = w.bounds.data_ptr<int64_t>();
     Vec acc[MR][NP];
@@ -251,38 +266,43 @@ struct A8Tile {
 #pragma GCC unroll 16
       for (int j = 0; j < NP; ++j) acc[m][j] = vzero();
     for (int64_t g = 0; g < groups; ++g) {
-      Vec sc[NP];
+      Vec part[MR][NP];  // this group's sum over its blocks of dot * s_x, scaled by s_w once at its end
 #pragma GCC unroll 16
-      for (int j = 0; j < NP; ++j) sc[j] = vload(s + (j * groups + g) * kLanes);
+      for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 16
+        for (int j = 0; j < NP; ++j) part[m][j] = vzero();
       for (int64_t block = bounds[g]; block < bounds[g + 1]; block += kA8Block) {
         IVec dot[MR][NP];
 #pragma GCC unroll 16
-        for (int m = 0; m < MR; ++m)
+        for (int m = 0; m < MR; ++m) {
+          const IVec start = ivset(-F::kZero * x.sum[((row + m) * K + block) / kA8Block]);  // sum (q - z) x = sum q x - z sum x
 #pragma GCC unroll 16
-          for (int j = 0; j < NP; ++j) dot[m][j] = ivzero();
-#pragma GCC unroll 2
-        for (int64_t k = block; k < block + kA8Block; k += kA8Step) {
-          IVec low[NP], high[NP];
+          for (int j = 0; j < NP; ++j) dot[m][j] = start;
+        }
+#pragma GCC unroll 4
+        for (int64_t k = block; k < block + kA8Block; k += F::kStep) {
+          typename F::Codes codes[NP];
 #pragma GCC unroll 16
-          for (int j = 0; j < NP; ++j) {
-            const IVec v = ivload(wp + j * panel + k / kA8Step * kLanes * 4);
-            low[j] = nibbles(v, 0);
-            high[j] = nibbles(v, 4);
-          }
+          for (int j = 0; j < NP; ++j) codes[j] = F::unpack(wp + j * panel + k / F::kStep * kLanes * 4);
 #pragma GCC unroll 16
           for (int m = 0; m < MR; ++m) {
             const int8_t* xr = x.q.data() + (row + m) * K + k;
 #pragma GCC unroll 16
-            for (int j = 0; j < NP; ++j) dot[m][j] = dot4(dot4(dot[m][j], low[j], xr), high[j], xr + 4);
+            for (int j = 0; j < NP; ++j) dot[m][j] = F::dot(dot[m][j], codes[j], xr);
           }
         }
 #pragma GCC unroll 16
         for (int m = 0; m < MR; ++m) {
-          const int64_t at = ((row + m) * K + block) / kA8Block;
-          const Vec xs = vset(x.scale[at]);
+          const Vec xs = vset(x.scale[((row + m) * K + block) / kA8Block]);
 #pragma GCC unroll 16
-          for (int j = 0; j < NP; ++j) acc[m][j] = vfma(ivfloat(dot[m][j], 8 * x.sum[at]), vmul(sc[j], xs), acc[m][j]);
+          for (int j = 0; j < NP; ++j) part[m][j] = vfma(ivfloat(dot[m][j]), xs, part[m][j]);
         }
+      }
+#pragma GCC unroll 16
+      for (int j = 0; j < NP; ++j) {
+        const Vec sc = vload(s + (j * groups + g) * kLanes);
+#pragma GCC unroll 16
+        for (int m = 0; m < MR; ++m) acc[m][j] = vfma(part[m][j], sc, acc[m][j]);
       }
     }
     store_tile<MR, NP>(acc, y + row * ldy + p * kLanes, ldy, std::min<int64_t>(NP * kLanes, w.n - p * kLanes));
@@ -318,14 +338,24 @@ static void over_panels(int64_t M, const X& x, const Int4& w, float* y, int64_t 
   });
 }
 
+template <int MR, int NP> using A8NibbleTile = A8Tile<A8Nibbles, MR, NP>;
+template <int MR, int NP> using A8ByteTile = A8Tile<A8Bytes, MR, NP>;
+
 struct Scratch {  // per forward: inputs gathered into act order, quantized inputs
   std::vector<float> gathered;
   QuantizedRows rows;
 };
 
+// The input width K of a packed weight.
+static int64_t input_width(const torch::Tensor& words) {
+  if (words.scalar_type() == torch::kByte) return words.size(1) * A8Nibbles::kStep;
+  if (words.scalar_type() == torch::kChar) return words.size(1) * A8Bytes::kStep;
+  return words.size(1);
+}
+
 // y[:, :w.n] (row stride ldy) = x [M, K] W^T (+ bias, after the chain); x is first gathered in act order if w has a perm.
 static void int4_linear(const float* x, int64_t M, const Int4& w, float* y, int64_t ldy, Scratch& scratch) {
-  const int64_t K = w.words.scalar_type() == torch::kByte ? w.words.size(1) * kA8Step : w.words.size(1);
+  const int64_t K = input_width(w.words);
   if (w.perm.defined()) {
     scratch.gathered.resize(M * K);
     const int64_t* perm = w.perm.data_ptr<int64_t>();
@@ -333,11 +363,10 @@ static void int4_linear(const float* x, int64_t M, const Int4& w, float* y, int6
       for (int64_t k = 0; k < K; ++k) scratch.gathered[m * K + k] = x[m * K + perm[k]];
     x = scratch.gathered.data();
   }
-  if (w.words.scalar_type() == torch::kByte) {
+  if (w.words.scalar_type() == torch::kByte || w.words.scalar_type() == torch::kChar) {
     quantize_rows(x, M, K, scratch.rows);
-    over_panels<A8Tile, kA8Panels>(M, scratch.rows, w, y, ldy);
-  } else if (w.words.scalar_type() == torch::kChar) {
-    over_panels<ByteTile, kTilePanels>(M, x, w, y, ldy);
+    if (w.words.scalar_type() == torch::kByte) over_panels<A8NibbleTile, kA8Panels>(M, scratch.rows, w, y, ldy);
+    else over_panels<A8ByteTile, kA8Panels>(M, scratch.rows, w, y, ldy);
   } else {
     over_panels<NibbleTile, kTilePanels>(M, x, w, y, ldy);
   }
@@ -348,22 +377,26 @@ static void int4_linear(const float* x, int64_t M, const Int4& w, float* y, int6
   }
 }
 
-// q [N, K] int8, scales [N] -> (words [P, K, kLanes] int8, scales [P, 1, kLanes]), padded outputs 0.
+// q [N, K] int8 (-127..127), scales [N] -> (bytes [P, K / 4, kLanes * 4] int8 in A8Bytes' layout, scales [P, 1, kLanes]),
+// padded outputs 0.
 std::vector<torch::Tensor> pack_int8(const torch::Tensor& q, const torch::Tensor& scales) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar && scales.numel() == q.size(0), "pack_int8: q [N, K] int8, scales [N]");
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar && scales.numel() == q.size(0) && q.size(1) % kA8Block == 0,
+              "pack_int8: q [N, K] int8 with K a multiple of 16, scales [N]");
   const int64_t n = q.size(0), k = q.size(1), panels = (n + kLanes - 1) / kLanes;
-  auto padded = torch::zeros({panels * kLanes, k}, q.options());
+  auto padded = torch::zeros({panels * kLanes, k}, torch::kInt);
   padded.narrow(0, 0, n).copy_(q);
+  padded.add_(A8Bytes::kZero);  // two's complement bytes of w + 128: the unsigned bytes VNNI reads
+  auto bytes = padded.to(torch::kByte).view({panels, kLanes, k / 4, 4}).permute({0, 2, 1, 3}).contiguous().view(torch::kChar);
   auto s = torch::zeros({panels * kLanes}, torch::kFloat);
   s.narrow(0, 0, n).copy_(scales.reshape(-1));
-  return {padded.view({panels, kLanes, k}).transpose(1, 2).contiguous(), s.view({panels, 1, kLanes})};
+  return {bytes.reshape({panels, k / 4, kLanes * 4}), s.view({panels, 1, kLanes})};
 }
 
 // x [M, K] float32 through one packed weight (int4 or int8): [M, n] (an LM head, and the product alone for tests).
 torch::Tensor quant_mm(const torch::Tensor& x, const torch::Tensor& words, const torch::Tensor& scales,
                       const torch::Tensor& bounds, const c10::optional<torch::Tensor>& perm, int64_t n,
                       const c10::optional<torch::Tensor>& bias) {
-  const int64_t K = words.scalar_type() == torch::kByte ? words.size(1) * kA8Step : words.size(1);
+  const int64_t K = input_width(words);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.size(1) == K, "quant_mm: x [M, K] float32");
   const auto input = x.contiguous();
   Int4 w{words, scales, bounds, perm.has_value() ? *perm : torch::Tensor(), bias.has_value() ? *bias : torch::Tensor(), n};
