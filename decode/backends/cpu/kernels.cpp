@@ -7,7 +7,7 @@
 // loaded once serves up to 4 rows. Threads split the panels (OpenMP, torch's thread count).
 //
 // `attend`: attention of a few query rows against a KV cache, grouped-query heads read in place, any
-// bool/additive mask or causal. Rows of one K/V head share each key and value load.
+// bool/additive mask or causal. Rows of one K/V head share each key load; a row sums its weighted values in registers.
 //
 // Exactness: every output element of both is computed by one fixed sequence of operations that depends only
 // on its own row (a linear's output: one FMA chain over k = 0..K-1 from zero, bias after; an attention row:
@@ -127,6 +127,23 @@ static inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// out[0 .. 8W) = sum over keys j (in order, zero weights skipped) of p[j] * v_j[0 .. 8W): one FMA chain per element,
+// its W accumulators in registers across the keys.
+template <int W>
+static inline void weighted(const float* p, int64_t L, const float* v, int64_t stride, float* out) {
+  __m256 acc[W];
+#pragma GCC unroll 8
+  for (int e = 0; e < W; ++e) acc[e] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < L; ++j) {
+    if (p[j] == 0.f) continue;
+    const __m256 pj = _mm256_set1_ps(p[j]);
+#pragma GCC unroll 8
+    for (int e = 0; e < W; ++e) acc[e] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * stride + 8 * e), acc[e]);
+  }
+#pragma GCC unroll 8
+  for (int e = 0; e < W; ++e) _mm256_store_ps(out + 8 * e, acc[e]);
+}
+
 // q [B, Hq, T, D], k/v [B, Hkv, L, D] (unit stride in D), mask: none, bool (true = attend) or additive float,
 // broadcastable to [B, Hq, T, L]; causal (used without a mask): query t sees keys j <= L - T + t.
 // Returns [B, T, Hq, D]. Each (b, head, t) row is computed alone, in one fixed order.
@@ -204,16 +221,11 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
         for (int64_t j = 0; j < L; ++j) if (si[j] != 0.f) total += si[j];
         norm[i] = 1.f / total;
       }
-      for (int64_t i = 0; i < n; ++i) for (int64_t d = 0; d < D; ++d) acc[i][d] = 0.f;
-      for (int64_t j = 0; j < L; ++j) {                 // weighted values: v_j loaded once for the block's rows
-        const float* vj = vp + j * v.stride(2);
-        for (int64_t i = 0; i < n; ++i) {
-          const float p = s[i * L + j];
-          if (p == 0.f) continue;
-          const __m256 pv = _mm256_set1_ps(p);
-          for (int64_t d = 0; d < DV; ++d)
-            _mm256_store_ps(acc[i] + 8 * d, _mm256_fmadd_ps(pv, _mm256_loadu_ps(vj + 8 * d), _mm256_load_ps(acc[i] + 8 * d)));
-        }
+      for (int64_t i = 0; i < n; ++i) {                 // weighted values: a row's slice of accumulators in registers
+        int64_t d = 0;
+        for (; d + 8 <= DV; d += 8) weighted<8>(&s[i * L], L, vp + 8 * d, v.stride(2), acc[i] + 8 * d);
+        for (; d + 2 <= DV; d += 2) weighted<2>(&s[i * L], L, vp + 8 * d, v.stride(2), acc[i] + 8 * d);
+        for (; d < DV; ++d) weighted<1>(&s[i * L], L, vp + 8 * d, v.stride(2), acc[i] + 8 * d);
       }
       for (int64_t i = 0; i < n; ++i) {
         float* op = od + ((b * T + ts[i]) * Hq + hs[i]) * D;
