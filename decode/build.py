@@ -22,6 +22,7 @@ from decode import backends
 from decode.backends.cpu import pack
 from decode.backends.cpu.dense import packed_with
 from decode.backends.cpu.int8 import quantize_lm_head
+from decode.backends.cpu.llama import ACTIVATIONS
 from decode.engine.chain import Chain, read_features
 from decode.engine.head import EagleHead, vocabulary_rows
 from decode.engine.spec import ChainSpec, LevelSpec
@@ -105,8 +106,8 @@ def native_settings(cfg: Any) -> tuple[str, str]:
     activations = str(cfg.decode.get("w4_activations", "int8"))
     if native not in backends.NATIVE:
         raise DecodeError(f"decode.native must be one of {', '.join(backends.NATIVE)}, got {native!r}")
-    if activations not in backends.ACTIVATIONS:
-        raise DecodeError(f"decode.w4_activations must be one of {', '.join(backends.ACTIVATIONS)}, got {activations!r}")
+    if activations not in ACTIVATIONS:
+        raise DecodeError(f"decode.w4_activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
     return native, activations
 
 

@@ -35,18 +35,15 @@ def linear_wrapper(module: nn.Module, gemm: str | None) -> Callable[[nn.Linear],
 
 
 NATIVE = ("auto", "on", "off")
-ACTIVATIONS = ("int8", "fp32")  # the native W4 runner's (decode.backends.cpu.llama)
 
 
 def runner(model: PreTrainedModel, native: str = "off", activations: str = "int8") -> Runner:
     """The runner of a model level: for a GPTQ W4 Llama-family model on the CPU, the native runner
-    (decode.backends.cpu.llama, on int8 or fp32 `activations`) when `native` is "auto" (where it can run; a
+    (decode.backends.cpu.llama, on int8 or fp32 `activations`, which it checks) when `native` is "auto" (where it can run; a
     quantized model it cannot run is said once, with why) or "on" (ValueError where it cannot); otherwise the
     model's HF decoder with a DynamicCache."""
     if native not in NATIVE:
         raise ValueError(f"native must be one of {', '.join(NATIVE)}, got {native!r}")
-    if activations not in ACTIVATIONS:
-        raise ValueError(f"w4_activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
     if native == "off" or not on_cpu(model):
         return HFRunner(model)
     from decode.backends.cpu.llama import NativeLlamaRunner, unsupported

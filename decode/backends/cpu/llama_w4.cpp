@@ -101,6 +101,14 @@ struct Int4 {
 };
 
 template <int MR, int NP>
+static inline void zero_tile(Vec (&acc)[MR][NP]) {
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 16
+    for (int j = 0; j < NP; ++j) acc[m][j] = vzero();
+}
+
+template <int MR, int NP>
 static inline void store_tile(const Vec (&acc)[MR][NP], float* y, int64_t ldy, int64_t width) {
   alignas(64) float out[NP * kLanes];
   for (int m = 0; m < MR; ++m) {
@@ -124,10 +132,7 @@ struct Fp32Tile {
     const int64_t* bounds = w.bounds.data_ptr<int64_t>();
     x += row * K;
     Vec acc[MR][NP];
-#pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 16
-      for (int j = 0; j < NP; ++j) acc[m][j] = vzero();
+    zero_tile(acc);
     for (int64_t g = 0; g < groups; ++g) {
       Vec sc[NP], s8[NP];
 #pragma GCC unroll 16
@@ -152,9 +157,9 @@ template <int MR, int NP> using NibbleTile = Fp32Tile<Nibbles, MR, NP>;
 // The int8-activation product (W4A8): y = x W^T with each row of x quantized to int8 per block of 16 inputs
 // (symmetric, absmax / 127, round to nearest even; 64-wide blocks changed 6% of the real model's greedy tokens, 16-wide
 // 2%), then integer dot products of the 4-bit codes with the int8 inputs, exact in int32 from -8 * sum(x_q), and in
-// fp32 per block part += dot * s_x, per weight group acc += part * s_w. The weight stream costs 3 instructions per 16 outputs x 8 inputs and each row one integer dot product per
-// 4 inputs, where fp32 activations cost a dequantization per weight and an FMA per weight and row: the forward is
-// bound by memory at 1 row and stays cheap at 8. Each row's quantization and fp32 sequence depend on that row
+// fp32 per block part += dot * s_x, per weight group acc += part * s_w. The weight stream costs 3 instructions per
+// 16 outputs x 8 inputs and each row one integer dot product per 4 inputs, where fp32 activations cost a
+// dequantization per weight and an FMA per weight and row: the forward is bound by memory at 1 row. Each row's quantization and fp32 sequence depend on that row
 // alone: row exactness holds as in the fp32 product. Layout: per panel, per 8 inputs, kLanes x 4 bytes, byte
 // (lane, i) holding input i's code in its low nibble and input 4 + i's in its high one.
 constexpr int kA8Panels = kLanes == 16 ? 2 : 1;  // panels per tile: 4 rows x panels of int32 and fp32 accumulators
@@ -204,7 +209,6 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, QuantizedRows& o
 
 #if defined(__AVX512VNNI__)
 using IVec = __m512i;
-static inline IVec ivzero() { return _mm512_setzero_si512(); }
 static inline IVec ivload(const uint8_t* p) { return _mm512_loadu_si512(p); }
 static inline IVec nibbles(IVec v, int shift) { return _mm512_and_si512(_mm512_srli_epi16(v, shift), _mm512_set1_epi8(15)); }
 static inline IVec dot4(IVec acc, IVec codes, const int8_t* x) {  // acc += 4 codes (uint8) . 4 inputs (int8), per lane
@@ -214,12 +218,11 @@ static inline IVec ivset(int32_t v) { return _mm512_set1_epi32(v); }
 static inline Vec ivfloat(IVec v) { return _mm512_cvtepi32_ps(v); }
 #else
 using IVec = __m256i;
-static inline IVec ivzero() { return _mm256_setzero_si256(); }
 static inline IVec ivload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 static inline IVec nibbles(IVec v, int shift) { return _mm256_and_si256(_mm256_srli_epi16(v, shift), _mm256_set1_epi8(15)); }
+static inline IVec add_pairs(IVec acc, IVec pairs) { return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))); }
 static inline IVec dot4(IVec acc, IVec codes, const int8_t* x) {  // codes <= 15: the int16 pair sums cannot saturate
-  const IVec pairs = _mm256_maddubs_epi16(codes, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x)));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  return add_pairs(acc, _mm256_maddubs_epi16(codes, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x))));
 }
 static inline IVec ivset(int32_t v) { return _mm256_set1_epi32(v); }
 static inline Vec ivfloat(IVec v) { return _mm256_cvtepi32_ps(v); }
@@ -246,8 +249,7 @@ struct A8Bytes {  // int8 rows (an LM head): byte (lane, i) = input i's weight, 
     return dot4(acc, c.v, x);
 #else
     const IVec xs = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x));
-    const IVec pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(xs), _mm256_sign_epi8(c.v, xs));
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+    return add_pairs(acc, _mm256_maddubs_epi16(_mm256_abs_epi8(xs), _mm256_sign_epi8(c.v, xs)));
 #endif
   }
 };
@@ -261,16 +263,10 @@ struct A8Tile {
     const float* s = w.scales.data_ptr<float>() + p * groups * kLanes;
     const int64_t* bounds = w.bounds.data_ptr<int64_t>();
     Vec acc[MR][NP];
-#pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 16
-      for (int j = 0; j < NP; ++j) acc[m][j] = vzero();
+    zero_tile(acc);
     for (int64_t g = 0; g < groups; ++g) {
       Vec part[MR][NP];  // this group's sum over its blocks of dot * s_x, scaled by s_w once at its end
-#pragma GCC unroll 16
-      for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 16
-        for (int j = 0; j < NP; ++j) part[m][j] = vzero();
+      zero_tile(part);
       for (int64_t block = bounds[g]; block < bounds[g + 1]; block += kA8Block) {
         IVec dot[MR][NP];
 #pragma GCC unroll 16
