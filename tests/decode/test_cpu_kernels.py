@@ -103,6 +103,9 @@ def test_attend_matches_sdpa_for_every_mask_and_rows_do_not_depend_on_batch(kern
     for t in range(rows):  # each row alone: the same bits
         alone = kernel.attend(q[:, :, t:t + 1], k, v, additive[None, None, t:t + 1], dim ** -0.5, False)
         assert torch.equal(alone, kernel.attend(q, k, v, additive[None, None], dim ** -0.5, False)[:, t:t + 1])
+        seen = keys - rows + t + 1  # a causal row: the bits of a one-token forward on the keys it sees
+        prefix = kernel.attend(q[:, :, t:t + 1], k[:, :, :seen], v[:, :, :seen], None, dim ** -0.5, False)
+        assert torch.equal(prefix, kernel.attend(q, k, v, None, dim ** -0.5, rows > 1)[:, t:t + 1])
     nothing = torch.zeros(1, 1, rows, keys, dtype=torch.bool)
     assert torch.equal(kernel.attend(q, k, v, nothing, 1.0, False), torch.zeros(batch, rows, heads, dim))
 

@@ -7,7 +7,8 @@
 // loaded once serves up to 4 rows. Threads split the panels (OpenMP, torch's thread count).
 //
 // `attend`: attention of a few query rows against a KV cache, grouped-query heads read in place, any
-// bool/additive mask or causal. Rows of one K/V head share each key load; a row sums its weighted values in registers.
+// bool/additive mask or causal. The rows of one K/V head share each chunk of 8 keys and values (read once, from L1
+// for all but the first row); a row scores a chunk's 8 keys at once, 8 independent FMA chains.
 //
 // Exactness: every output element of both is computed by one fixed sequence of operations that depends only
 // on its own row (a linear's output: one FMA chain over k = 0..K-1 from zero, bias after; an attention row:
@@ -118,35 +119,135 @@ static inline __m256 exp8(__m256 x) {
   return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(n)), keep);
 }
 
-constexpr int64_t kBlock = 8;  // query rows of one K/V head that share each key and value load
+constexpr int64_t kKeys = 8;      // keys per chunk: one score vector, and the keys and values a block of rows shares
+constexpr int64_t kMaxRows = 8;   // query rows of one K/V head per task, at most
 
-static inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+// The dot products of q with keys j0 .. j0 + 7 (keys past `last` read as key `last`, never out of bounds): per key one
+// FMA chain over the head dim, then a fixed tree over its 8 lanes, so a key's score does not depend on its chunk.
+static inline __m256 dots8(const float* q, const float* k, int64_t stride, int64_t j0, int64_t last, int64_t DV) {
+  const float* kj[kKeys];
+  for (int64_t e = 0; e < kKeys; ++e) kj[e] = k + std::min(j0 + e, last) * stride;
+  __m256 a[kKeys];
+  const __m256 q0 = _mm256_loadu_ps(q);
+#pragma GCC unroll 8
+  for (int e = 0; e < kKeys; ++e) a[e] = _mm256_mul_ps(q0, _mm256_loadu_ps(kj[e]));
+  for (int64_t d = 1; d < DV; ++d) {
+    const __m256 qd = _mm256_loadu_ps(q + 8 * d);
+#pragma GCC unroll 8
+    for (int e = 0; e < kKeys; ++e) a[e] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj[e] + 8 * d), a[e]);
+  }
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// out[0 .. 8W) = sum over keys j (in order, zero weights skipped) of p[j] * v_j[0 .. 8W): one FMA chain per element,
-// its W accumulators in registers across the keys.
+// out[0 .. 8W) += p[j] * v_j[0 .. 8W) and *total += p[j] over `count` keys in order, zero weights skipped: one FMA
+// chain per element and one sum, continued across chunks (in registers within one).
 template <int W>
-static inline void weighted(const float* p, int64_t L, const float* v, int64_t stride, float* out) {
+static inline void weighted(const float* p, int64_t count, const float* v, int64_t stride, float* out, float* total) {
   __m256 acc[W];
 #pragma GCC unroll 8
-  for (int e = 0; e < W; ++e) acc[e] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < L; ++j) {
+  for (int e = 0; e < W; ++e) acc[e] = _mm256_load_ps(out + 8 * e);
+  __m256 sum = _mm256_set1_ps(*total);
+  for (int64_t j = 0; j < count; ++j) {
     if (p[j] == 0.f) continue;
     const __m256 pj = _mm256_set1_ps(p[j]);
+    sum = _mm256_add_ps(sum, pj);
 #pragma GCC unroll 8
     for (int e = 0; e < W; ++e) acc[e] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * stride + 8 * e), acc[e]);
   }
 #pragma GCC unroll 8
   for (int e = 0; e < W; ++e) _mm256_store_ps(out + 8 * e, acc[e]);
+  *total = _mm256_cvtss_f32(sum);
+}
+
+// One query row of a task: where it reads and writes, the keys it sees ([0, span) minus what its mask removes).
+struct QueryRow {
+  const float* q;
+  const bool* allowed;  // bool mask row or null
+  const float* bias;    // additive mask row or null
+  float* out;
+  int64_t span;
+};
+
+static inline float max8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+// What a row's mask adds to the scores of keys j0 .. j0 + 7: its additive mask, or -inf where the key is hidden or
+// past the row's span (0 for a causal row's whole chunks: the same sum, scores unchanged).
+static inline __m256 mask8(const QueryRow& r, int64_t j0, int64_t mask_stride) {
+  if (!r.allowed && !r.bias && j0 + kKeys <= r.span) return _mm256_setzero_ps();
+  alignas(32) float add[kKeys];
+  for (int64_t e = 0; e < kKeys; ++e) {
+    const int64_t j = j0 + e;
+    const bool seen = j < r.span && (!r.allowed || r.allowed[j * mask_stride]);
+    add[e] = !seen ? -std::numeric_limits<float>::infinity() : r.bias ? r.bias[j * mask_stride] : 0.f;
+  }
+  return _mm256_load_ps(add);
+}
+
+// Scores of `n` rows against keys [0, max span) of one K/V head into s [n, ld] (ld >= the span rounded up to 8),
+// chunk by chunk (a chunk's keys are read once for all rows), then each row's softmax numerators in place (-inf
+// scores giving exactly 0).
+static void numerators(const QueryRow* rows, int64_t n, const float* k, int64_t stride, int64_t DV, float scale,
+                       int64_t mask_stride, float* s, int64_t ld) {
+  const __m256 vscale = _mm256_set1_ps(scale);
+  int64_t most = 0;
+  for (int64_t i = 0; i < n; ++i) most = std::max(most, rows[i].span);
+  __m256 best[kMaxRows];
+  for (int64_t i = 0; i < n; ++i) best[i] = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j0 = 0; j0 < most; j0 += kKeys)
+    for (int64_t i = 0; i < n; ++i) {
+      if (j0 >= rows[i].span) continue;
+      const __m256 dot = dots8(rows[i].q, k, stride, j0, rows[i].span - 1, DV);
+      const __m256 score = _mm256_add_ps(_mm256_mul_ps(dot, vscale), mask8(rows[i], j0, mask_stride));
+      _mm256_storeu_ps(s + i * ld + j0, score);
+      best[i] = _mm256_max_ps(best[i], score);
+    }
+  for (int64_t i = 0; i < n; ++i) {
+    float* si = s + i * ld;
+    const float top = max8(best[i]);
+    if (top == -std::numeric_limits<float>::infinity()) { std::fill(si, si + rows[i].span, 0.f); continue; }
+    for (int64_t j0 = 0; j0 < rows[i].span; j0 += kKeys)
+      _mm256_storeu_ps(si + j0, exp8(_mm256_sub_ps(_mm256_loadu_ps(si + j0), _mm256_set1_ps(top))));
+  }
+}
+
+// Each row's weighted sum of the values, chunk by chunk (a chunk's values read once for all rows), divided by the
+// sum of its weights into the row's output. Both sums run in key order over the keys that count, so a key's place
+// (a tree's hole before it, or none) does not change them.
+static void weighted_rows(const QueryRow* rows, int64_t n, const float* v, int64_t stride, int64_t ld, int64_t D,
+                          const float* s) {
+  alignas(32) float acc[kMaxRows][256];
+  float total[kMaxRows];
+  int64_t most = 0;
+  for (int64_t i = 0; i < n; ++i) { most = std::max(most, rows[i].span); std::fill(acc[i], acc[i] + D, 0.f); total[i] = 0.f; }
+  for (int64_t j0 = 0; j0 < most; j0 += kKeys)
+    for (int64_t i = 0; i < n; ++i) {
+      if (j0 >= rows[i].span) continue;
+      const int64_t count = std::min(kKeys, rows[i].span - j0);
+      const float* p = s + i * ld + j0;
+      const float* vj = v + j0 * stride;
+      const float before = total[i];  // every slice sums the weights alike
+      int64_t d = 0;
+      for (; d + 64 <= D; d += 64) { total[i] = before; weighted<8>(p, count, vj + d, stride, acc[i] + d, &total[i]); }
+      for (; d + 16 <= D; d += 16) { total[i] = before; weighted<2>(p, count, vj + d, stride, acc[i] + d, &total[i]); }
+      for (; d < D; d += 8) { total[i] = before; weighted<1>(p, count, vj + d, stride, acc[i] + d, &total[i]); }
+    }
+  for (int64_t i = 0; i < n; ++i) {
+    const __m256 nv = _mm256_set1_ps(total[i] > 0.f ? 1.f / total[i] : 0.f);
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(rows[i].out + d, _mm256_mul_ps(_mm256_load_ps(acc[i] + d), nv));
+  }
 }
 
 // q [B, Hq, T, D], k/v [B, Hkv, L, D] (unit stride in D), mask: none, bool (true = attend) or additive float,
 // broadcastable to [B, Hq, T, L]; causal (used without a mask): query t sees keys j <= L - T + t.
-// Returns [B, T, Hq, D]. Each (b, head, t) row is computed alone, in one fixed order.
+// Returns [B, T, Hq, D]. Each (b, head, t) row is computed alone, in one fixed order over the keys it can see:
+// its bits do not depend on L beyond them, on the other rows, or on the threads. Tasks: blocks of the rows that
+// read one K/V head, small enough that the threads share the work evenly.
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                      const c10::optional<torch::Tensor>& mask, double scale, bool causal) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attend: 4-D q, k, v");
@@ -155,7 +256,7 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
               "attend: float32 q, k, v");
   TORCH_CHECK(D % 8 == 0 && D <= 256 && Hkv > 0 && Hq % Hkv == 0 && q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
               "attend: head dim a multiple of 8 up to 256, query heads a multiple of K/V heads, unit stride");
-  const int64_t groups = Hq / Hkv, DV = D / 8;
+  const int64_t groups = Hq / Hkv;
   auto out = torch::empty({B, T, Hq, D}, q.options());
   torch::Tensor m;
   const bool has_mask = mask.has_value();
@@ -165,73 +266,29 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
     is_bool = m.scalar_type() == torch::kBool;
     TORCH_CHECK(is_bool || m.scalar_type() == torch::kFloat, "attend: a bool or float32 mask");
   }
-  const float fscale = static_cast<float>(scale);
   const float* qd = q.data_ptr<float>(); const float* kd = k.data_ptr<float>(); const float* vd = v.data_ptr<float>();
   float* od = out.data_ptr<float>();
-  const int64_t rows = groups * T;                 // query rows that read one K/V head
-  const int64_t blocks = (rows + kBlock - 1) / kBlock;
+  const int64_t rows = groups * T, threads = at::get_num_threads();  // query rows that read one K/V head
+  const int64_t per_task = std::clamp<int64_t>((B * Hkv * rows + 8 * threads - 1) / (8 * threads), 1, kMaxRows);
+  const int64_t blocks = (rows + per_task - 1) / per_task;
+  const int64_t ld = (L + kKeys - 1) / kKeys * kKeys;  // a row of scores, whole chunks
   at::parallel_for(0, B * Hkv * blocks, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> s(kBlock * L);
-    alignas(32) float acc[kBlock][256];
+    std::vector<float> s(kMaxRows * ld);
     for (int64_t task = lo; task < hi; ++task) {
-      const int64_t b = task / (Hkv * blocks), kh = (task / blocks) % Hkv, first = (task % blocks) * kBlock;
-      const int64_t n = std::min<int64_t>(kBlock, rows - first);
-      const float* kp = kd + b * k.stride(0) + kh * k.stride(1);
-      const float* vp = vd + b * v.stride(0) + kh * v.stride(1);
-      const float* qp[kBlock]; const bool* mb[kBlock]; const float* mf[kBlock]; int64_t visible[kBlock], hs[kBlock], ts[kBlock];
+      const int64_t b = task / (Hkv * blocks), kh = (task / blocks) % Hkv, first = (task % blocks) * per_task;
+      const int64_t n = std::min(per_task, rows - first);
+      QueryRow block[kMaxRows];
       for (int64_t i = 0; i < n; ++i) {
         const int64_t h = kh * groups + (first + i) / T, t = (first + i) % T;
-        hs[i] = h; ts[i] = t;
-        qp[i] = qd + b * q.stride(0) + h * q.stride(1) + t * q.stride(2);
-        visible[i] = (causal && !has_mask) ? L - T + t + 1 : L;
         const int64_t mo = has_mask ? b * m.stride(0) + h * m.stride(1) + t * m.stride(2) : 0;
-        mb[i] = has_mask && is_bool ? m.data_ptr<bool>() + mo : nullptr;
-        mf[i] = has_mask && !is_bool ? m.data_ptr<float>() + mo : nullptr;
+        block[i] = {qd + b * q.stride(0) + h * q.stride(1) + t * q.stride(2),
+                    has_mask && is_bool ? m.data_ptr<bool>() + mo : nullptr,
+                    has_mask && !is_bool ? m.data_ptr<float>() + mo : nullptr,
+                    od + ((b * T + t) * Hq + h) * D, (causal && !has_mask) ? L - T + t + 1 : L};
       }
-      const int64_t ms = has_mask ? m.stride(3) : 0;
-      const float neg = -std::numeric_limits<float>::infinity();
-      float best[kBlock];
-      for (int64_t i = 0; i < n; ++i) best[i] = neg;
-      for (int64_t j = 0; j < L; ++j) {                 // scores: k_j loaded once for the block's rows
-        const float* kj = kp + j * k.stride(2);
-        for (int64_t i = 0; i < n; ++i) {
-          float score = neg;
-          if (j < visible[i] && (!mb[i] || mb[i][j * ms])) {
-            __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qp[i]), _mm256_loadu_ps(kj));
-            for (int64_t d = 1; d < DV; ++d) a = _mm256_fmadd_ps(_mm256_loadu_ps(qp[i] + 8 * d), _mm256_loadu_ps(kj + 8 * d), a);
-            score = hsum(a) * fscale + (mf[i] ? mf[i][j * ms] : 0.f);
-          }
-          s[i * L + j] = score;
-          best[i] = std::max(best[i], score);
-        }
-      }
-      float norm[kBlock];
-      for (int64_t i = 0; i < n; ++i) {                 // softmax numerators, one row at a time
-        float* si = &s[i * L];
-        if (best[i] == neg) { norm[i] = 0.f; for (int64_t j = 0; j < L; ++j) si[j] = 0.f; continue; }
-        const __m256 top = _mm256_set1_ps(best[i]);
-        for (int64_t j = 0; j < L; j += 8) {            // elementwise: a key's value does not depend on its lane
-          alignas(32) float chunk[8];
-          const int64_t w = std::min<int64_t>(8, L - j);
-          for (int64_t e = 0; e < 8; ++e) chunk[e] = e < w ? si[j + e] : neg;
-          _mm256_store_ps(chunk, exp8(_mm256_sub_ps(_mm256_load_ps(chunk), top)));
-          for (int64_t e = 0; e < w; ++e) si[j + e] = chunk[e];
-        }
-        float total = 0.f;                              // in key order over the keys that count, like the weighted sum
-        for (int64_t j = 0; j < L; ++j) if (si[j] != 0.f) total += si[j];
-        norm[i] = 1.f / total;
-      }
-      for (int64_t i = 0; i < n; ++i) {                 // weighted values: a row's slice of accumulators in registers
-        int64_t d = 0;
-        for (; d + 8 <= DV; d += 8) weighted<8>(&s[i * L], L, vp + 8 * d, v.stride(2), acc[i] + 8 * d);
-        for (; d + 2 <= DV; d += 2) weighted<2>(&s[i * L], L, vp + 8 * d, v.stride(2), acc[i] + 8 * d);
-        for (; d < DV; ++d) weighted<1>(&s[i * L], L, vp + 8 * d, v.stride(2), acc[i] + 8 * d);
-      }
-      for (int64_t i = 0; i < n; ++i) {
-        float* op = od + ((b * T + ts[i]) * Hq + hs[i]) * D;
-        const __m256 nv = _mm256_set1_ps(norm[i]);
-        for (int64_t d = 0; d < DV; ++d) _mm256_storeu_ps(op + 8 * d, _mm256_mul_ps(_mm256_load_ps(acc[i] + 8 * d), nv));
-      }
+      numerators(block, n, kd + b * k.stride(0) + kh * k.stride(1), k.stride(2), D / 8, static_cast<float>(scale),
+                 has_mask ? m.stride(3) : 0, s.data(), ld);
+      weighted_rows(block, n, vd + b * v.stride(0) + kh * v.stride(1), v.stride(2), ld, D, s.data());
     }
   });
   return out;
