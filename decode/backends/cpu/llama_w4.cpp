@@ -186,24 +186,30 @@ struct QuantizedRows {
   std::vector<int32_t> sum;
 };
 
+static inline int32_t sum8(__m256i v) {  // of the lanes
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+}
+
+// One block of 16 inputs at a time, as two AVX2 vectors (the conversion rounds to nearest even, as nearbyint does).
 static void quantize_rows(const float* x, int64_t M, int64_t K, QuantizedRows& out) {
+  static_assert(kA8Block == 16, "quantize_rows handles blocks of two 8-float vectors");
   const int64_t blocks = K / kA8Block;
   out.q.resize(M * K);
   out.scale.resize(M * blocks);
   out.sum.resize(M * blocks);
+  const __m256 sign = _mm256_set1_ps(-0.f);
   for (int64_t b = 0; b < M * blocks; ++b) {
-    const float* xb = x + b * kA8Block;
-    float most = 0.f;
-    for (int64_t i = 0; i < kA8Block; ++i) most = std::max(most, std::fabs(xb[i]));
-    const float inverse = most > 0.f ? 127.f / most : 0.f;
-    int32_t sum = 0;
-    for (int64_t i = 0; i < kA8Block; ++i) {
-      const int32_t q = static_cast<int32_t>(std::nearbyint(xb[i] * inverse));
-      out.q[b * kA8Block + i] = static_cast<int8_t>(q);
-      sum += q;
-    }
+    const __m256 lo = _mm256_loadu_ps(x + b * kA8Block), hi = _mm256_loadu_ps(x + b * kA8Block + 8);
+    const float most = max8(_mm256_max_ps(_mm256_andnot_ps(sign, lo), _mm256_andnot_ps(sign, hi)));
+    const __m256 inverse = _mm256_set1_ps(most > 0.f ? 127.f / most : 0.f);
+    const __m256i qlo = _mm256_cvtps_epi32(_mm256_mul_ps(lo, inverse)), qhi = _mm256_cvtps_epi32(_mm256_mul_ps(hi, inverse));
+    const __m128i first = _mm_packs_epi32(_mm256_castsi256_si128(qlo), _mm256_extracti128_si256(qlo, 1));
+    const __m128i second = _mm_packs_epi32(_mm256_castsi256_si128(qhi), _mm256_extracti128_si256(qhi, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q.data() + b * kA8Block), _mm_packs_epi16(first, second));
     out.scale[b] = most / 127.f;
-    out.sum[b] = sum;
+    out.sum[b] = sum8(_mm256_add_epi32(qlo, qhi));
   }
 }
 
@@ -402,12 +408,17 @@ torch::Tensor quant_mm(const torch::Tensor& x, const torch::Tensor& words, const
   return y;
 }
 
-// HF's LlamaRMSNorm in fp32: x * rsqrt(mean(x^2) + eps) * weight, one row at a time.
+// HF's LlamaRMSNorm in fp32: x * rsqrt(mean(x^2) + eps) * weight, one row at a time (its squares summed per lane).
 static void rms_norm(const float* x, int64_t M, int64_t H, const float* weight, float eps, float* y) {
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = x + m * H;
-    float sum = 0.f;
-    for (int64_t i = 0; i < H; ++i) sum += xr[i] * xr[i];
+    __m256 squares = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= H; i += 8) squares = _mm256_fmadd_ps(_mm256_loadu_ps(xr + i), _mm256_loadu_ps(xr + i), squares);
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(squares), _mm256_extractf128_ps(squares, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    float sum = _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+    for (; i < H; ++i) sum += xr[i] * xr[i];
     const float r = 1.f / std::sqrt(sum / static_cast<float>(H) + eps);
     for (int64_t i = 0; i < H; ++i) y[m * H + i] = weight[i] * (xr[i] * r);
   }
@@ -541,10 +552,17 @@ class LlamaW4 {
     const int64_t N = width(layer.gate_up), I = N / 2;
     wide.resize(T * N);
     int4_siblings(x, T, layer.gate_up, wide.data(), N, scratch);
+    const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
     for (int64_t t = 0; t < T; ++t) {  // silu(gate) * up, packed into the first I columns of each row's space
       const float* g = wide.data() + t * N;
       float* a = wide.data() + t * I;  // row t's output lies at or before its input: safe in this order
-      for (int64_t j = 0; j < I; ++j) { const float gj = g[j], uj = g[I + j]; a[j] = gj / (1.f + std::exp(-gj)) * uj; }
+      int64_t j = 0;
+      for (; j + 8 <= I; j += 8) {
+        const __m256 gj = _mm256_loadu_ps(g + j);
+        const __m256 silu = _mm256_div_ps(gj, _mm256_add_ps(one, exp8(_mm256_xor_ps(gj, sign))));
+        _mm256_storeu_ps(a + j, _mm256_mul_ps(silu, _mm256_loadu_ps(g + I + j)));
+      }
+      for (; j < I; ++j) { const float gj = g[j], uj = g[I + j]; a[j] = gj / (1.f + std::exp(-gj)) * uj; }
     }
     int4_linear(wide.data(), T, layer.down, y, embed_.size(1), scratch);
   }
