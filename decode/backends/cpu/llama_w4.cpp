@@ -100,6 +100,14 @@ struct Int4 {
   int64_t n;
 };
 
+// An Int4's raw view for the tiles, taken once per product (a tensor's accessors cost more than a tile's setup).
+struct Panels {
+  const void* words;  // `count` panels of `stride` words (int4 words, or bytes for int8 activations)
+  const float* scales;
+  const int64_t* bounds;
+  int64_t inputs, groups, stride, count, n;
+};
+
 template <int MR, int NP>
 static inline void zero_tile(Vec (&acc)[MR][NP]) {
 #pragma GCC unroll 16
@@ -125,11 +133,11 @@ static inline void store_tile(const Vec (&acc)[MR][NP], float* y, int64_t ldy, i
 // accumulator chains per row hide the FMA latency even for one row.
 template <class F, int MR, int NP>
 struct Fp32Tile {
-  static void run(int64_t row, int64_t p, const float* x, const Int4& w, float* y, int64_t ldy) {
-    const int64_t K = w.words.size(1), groups = w.bounds.numel() - 1;
-    const auto* wp = reinterpret_cast<const typename F::Word*>(w.words.data_ptr()) + p * K;
-    const float* s = w.scales.data_ptr<float>() + p * groups * kLanes;
-    const int64_t* bounds = w.bounds.data_ptr<int64_t>();
+  static void run(int64_t row, int64_t p, const float* x, const Panels& w, float* y, int64_t ldy) {
+    const int64_t K = w.inputs, groups = w.groups;
+    const auto* wp = static_cast<const typename F::Word*>(w.words) + p * w.stride;
+    const float* s = w.scales + p * groups * kLanes;
+    const int64_t* bounds = w.bounds;
     x += row * K;
     Vec acc[MR][NP];
     zero_tile(acc);
@@ -263,11 +271,11 @@ struct A8Bytes {  // int8 rows (an LM head): byte (lane, i) = input i's weight, 
 // Rows row .. row + MR - 1 of the quantized x against NP panels from panel p into y (stride ldy).
 template <class F, int MR, int NP>
 struct A8Tile {
-  static void run(int64_t row, int64_t p, const QuantizedRows& x, const Int4& w, float* y, int64_t ldy) {
-    const int64_t K = w.words.size(1) * F::kStep, groups = w.bounds.numel() - 1, panel = w.words.size(1) * kLanes * 4;
-    const uint8_t* wp = static_cast<const uint8_t*>(w.words.data_ptr()) + p * panel;
-    const float* s = w.scales.data_ptr<float>() + p * groups * kLanes;
-    const int64_t* bounds = w.bounds.data_ptr<int64_t>();
+  static void run(int64_t row, int64_t p, const QuantizedRows& x, const Panels& w, float* y, int64_t ldy) {
+    const int64_t K = w.inputs, groups = w.groups, panel = w.stride;
+    const uint8_t* wp = static_cast<const uint8_t*>(w.words) + p * panel;
+    const float* s = w.scales + p * groups * kLanes;
+    const int64_t* bounds = w.bounds;
     Vec acc[MR][NP];
     zero_tile(acc);
     for (int64_t g = 0; g < groups; ++g) {
@@ -314,7 +322,7 @@ struct A8Tile {
 // All M rows against panel p and the NP - 1 after it: tiles of kTileRows rows, then the remainder (each row's
 // sequence of operations is the same whatever tile computes it).
 template <template <int, int> class Tile, int NP, class X>
-static void over_rows(int64_t M, int64_t p, const X& x, const Int4& w, float* y, int64_t ldy) {
+static void over_rows(int64_t M, int64_t p, const X& x, const Panels& w, float* y, int64_t ldy) {
   int64_t m = 0;
   for (; m + kTileRows <= M; m += kTileRows) Tile<kTileRows, NP>::run(m, p, x, w, y, ldy);
   switch (M - m) {
@@ -327,8 +335,8 @@ static void over_rows(int64_t M, int64_t p, const X& x, const Int4& w, float* y,
 
 // Every row against every panel, threads splitting the panels NP at a time (the last few one by one).
 template <template <int, int> class Tile, int NP, class X>
-static void over_panels(int64_t M, const X& x, const Int4& w, float* y, int64_t ldy) {
-  const int64_t panels = w.words.size(0);
+static void over_panels(int64_t M, const X& x, const Panels& w, float* y, int64_t ldy) {
+  const int64_t panels = w.count;
   at::parallel_for(0, (panels + NP - 1) / NP, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       if ((t + 1) * NP <= panels) {
@@ -358,6 +366,8 @@ static int64_t input_width(const torch::Tensor& words) {
 // y[:, :w.n] (row stride ldy) = x [M, K] W^T (+ bias, after the chain); x is first gathered in act order if w has a perm.
 static void int4_linear(const float* x, int64_t M, const Int4& w, float* y, int64_t ldy, Scratch& scratch) {
   const int64_t K = input_width(w.words);
+  const Panels panels{w.words.data_ptr(), w.scales.data_ptr<float>(), w.bounds.data_ptr<int64_t>(), K,
+                      w.bounds.numel() - 1, w.words.numel() / w.words.size(0), w.words.size(0), w.n};
   if (w.perm.defined()) {
     scratch.gathered.resize(M * K);
     const int64_t* perm = w.perm.data_ptr<int64_t>();
@@ -367,10 +377,10 @@ static void int4_linear(const float* x, int64_t M, const Int4& w, float* y, int6
   }
   if (w.words.scalar_type() == torch::kByte || w.words.scalar_type() == torch::kChar) {
     quantize_rows(x, M, K, scratch.rows);
-    if (w.words.scalar_type() == torch::kByte) over_panels<A8NibbleTile, kA8Panels>(M, scratch.rows, w, y, ldy);
-    else over_panels<A8ByteTile, kA8Panels>(M, scratch.rows, w, y, ldy);
+    if (w.words.scalar_type() == torch::kByte) over_panels<A8NibbleTile, kA8Panels>(M, scratch.rows, panels, y, ldy);
+    else over_panels<A8ByteTile, kA8Panels>(M, scratch.rows, panels, y, ldy);
   } else {
-    over_panels<NibbleTile, kTilePanels>(M, x, w, y, ldy);
+    over_panels<NibbleTile, kTilePanels>(M, x, panels, y, ldy);
   }
   if (w.bias.defined()) {
     const float* b = w.bias.data_ptr<float>();
@@ -435,6 +445,12 @@ static void rotate(float* x, int64_t heads, int64_t D, const float* cos, const f
       v[i + half] = b * cos[i + half] + a * sin[i + half];
     }
   }
+}
+
+static void add(const torch::Tensor& from, torch::Tensor& into) {  // into += from, both contiguous float32
+  const float* f = from.data_ptr<float>();
+  float* t = into.data_ptr<float>();
+  for (int64_t i = 0; i < into.numel(); ++i) t[i] += f[i];
 }
 
 struct Layer {
@@ -511,10 +527,10 @@ class LlamaW4 {
       const auto attended = attention(static_cast<int64_t>(i), normed.data_ptr<float>(), T, pos, mask, cached, keys[i], values[i],
                                       scratch, wide);
       int4_linear(attended.data_ptr<float>(), T, layer.o, step.data_ptr<float>(), H, scratch);
-      h.add_(step);
+      add(step, h);
       rms_norm(h.data_ptr<float>(), T, H, layer.post_norm.data_ptr<float>(), eps_, normed.data_ptr<float>());
       mlp(layer, normed.data_ptr<float>(), T, step.data_ptr<float>(), scratch, wide);
-      h.add_(step);
+      add(step, h);
     }
     rms_norm(h.data_ptr<float>(), T, H, final_norm_.data_ptr<float>(), eps_, normed.data_ptr<float>());
     return normed;
