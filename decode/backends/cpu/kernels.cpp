@@ -4,7 +4,8 @@
 // multiply 1-16 rows by weights read from memory once per forward: the product must stream W at memory speed
 // whatever the row count. Each tile keeps 4 rows x 3 panels of accumulators in 12 of AVX2's 16 registers (3
 // more hold the panels' weights, 1 the broadcast input), so three weight streams run per thread and a weight
-// loaded once serves up to 4 rows. Threads split the panels (OpenMP, torch's thread count).
+// loaded once serves up to 4 rows. Threads split the panels (OpenMP, torch's thread count). Each step prefetches
+// the same line of the next panels, so memory keeps streaming while a second row tile computes from cache.
 //
 // `attend`: attention of a few query rows against a KV cache, grouped-query heads read in place, any
 // bool/additive mask or causal. The rows of one K/V head share each chunk of 8 keys and values (read once, from L1
@@ -46,7 +47,10 @@ static inline void tile(const float* x, int64_t K, const float* w, float* y, int
   for (int64_t k = 0; k < K; ++k) {
     __m256 wk[NP];
 #pragma GCC unroll 16
-    for (int j = 0; j < NP; ++j) wk[j] = _mm256_loadu_ps(w + (j * K + k) * kPanel);
+    for (int j = 0; j < NP; ++j) {
+      wk[j] = _mm256_loadu_ps(w + (j * K + k) * kPanel);
+      _mm_prefetch(reinterpret_cast<const char*>(w + ((NP + j) * K + k) * kPanel), _MM_HINT_T1);
+    }
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m) {
       const __m256 xk = _mm256_broadcast_ss(x + m * K + k);
