@@ -145,14 +145,14 @@ static inline __m256 dots8(const float* q, const float* k, int64_t stride, int64
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// out[0 .. 8W) += p[j] * v_j[0 .. 8W) and *total += p[j] over `count` keys in order, zero weights skipped: one FMA
-// chain per element and one sum, continued across chunks (in registers within one).
+// out[0 .. 8W) += p[j] * v_j[0 .. 8W) over `count` keys in order, zero weights skipped, and returns total + the sum of
+// those p[j] in the same order: one FMA chain per element and one sum, continued across chunks (in registers within one).
 template <int W>
-static inline void weighted(const float* p, int64_t count, const float* v, int64_t stride, float* out, float* total) {
+static inline float weighted(const float* p, int64_t count, const float* v, int64_t stride, float* out, float total) {
   __m256 acc[W];
 #pragma GCC unroll 8
   for (int e = 0; e < W; ++e) acc[e] = _mm256_load_ps(out + 8 * e);
-  __m256 sum = _mm256_set1_ps(*total);
+  __m256 sum = _mm256_set1_ps(total);
   for (int64_t j = 0; j < count; ++j) {
     if (p[j] == 0.f) continue;
     const __m256 pj = _mm256_set1_ps(p[j]);
@@ -162,7 +162,7 @@ static inline void weighted(const float* p, int64_t count, const float* v, int64
   }
 #pragma GCC unroll 8
   for (int e = 0; e < W; ++e) _mm256_store_ps(out + 8 * e, acc[e]);
-  *total = _mm256_cvtss_f32(sum);
+  return _mm256_cvtss_f32(sum);
 }
 
 // One query row of a task: where it reads and writes, the keys it sees ([0, span) minus what its mask removes).
@@ -173,6 +173,13 @@ struct QueryRow {
   float* out;
   int64_t span;
 };
+
+// A fixed tree over a vector's 8 lanes: their sum, their maximum.
+static inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
 
 static inline float max8(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -235,11 +242,11 @@ static void weighted_rows(const QueryRow* rows, int64_t n, const float* v, int64
       const int64_t count = std::min(kKeys, rows[i].span - j0);
       const float* p = s + i * ld + j0;
       const float* vj = v + j0 * stride;
-      const float before = total[i];  // every slice sums the weights alike
+      const float before = total[i];  // every slice sums the same weights: any one's total will do
       int64_t d = 0;
-      for (; d + 64 <= D; d += 64) { total[i] = before; weighted<8>(p, count, vj + d, stride, acc[i] + d, &total[i]); }
-      for (; d + 16 <= D; d += 16) { total[i] = before; weighted<2>(p, count, vj + d, stride, acc[i] + d, &total[i]); }
-      for (; d < D; d += 8) { total[i] = before; weighted<1>(p, count, vj + d, stride, acc[i] + d, &total[i]); }
+      for (; d + 64 <= D; d += 64) total[i] = weighted<8>(p, count, vj + d, stride, acc[i] + d, before);
+      for (; d + 16 <= D; d += 16) total[i] = weighted<2>(p, count, vj + d, stride, acc[i] + d, before);
+      for (; d < D; d += 8) total[i] = weighted<1>(p, count, vj + d, stride, acc[i] + d, before);
     }
   for (int64_t i = 0; i < n; ++i) {
     const __m256 nv = _mm256_set1_ps(total[i] > 0.f ? 1.f / total[i] : 0.f);

@@ -163,12 +163,12 @@ struct Fp32Tile {
 template <int MR, int NP> using NibbleTile = Fp32Tile<Nibbles, MR, NP>;
 
 // The int8-activation product (W4A8): y = x W^T with each row of x quantized to int8 per block of 16 inputs
-// (symmetric, absmax / 127, round to nearest even; 64-wide blocks changed 6% of the real model's greedy tokens, 16-wide
-// 2%), then integer dot products of the 4-bit codes with the int8 inputs, exact in int32 from -8 * sum(x_q), and in
-// fp32 per block part += dot * s_x, per weight group acc += part * s_w. The weight stream costs 3 instructions per
-// 16 outputs x 8 inputs and each row one integer dot product per 4 inputs, where fp32 activations cost a
-// dequantization per weight and an FMA per weight and row: the forward is bound by memory at 1 row. Each row's quantization and fp32 sequence depend on that row
-// alone: row exactness holds as in the fp32 product. Layout: per panel, per 8 inputs, kLanes x 4 bytes, byte
+// (symmetric, absmax / 127, round to nearest even; wider blocks change more of the greedy tokens: docs/design.md),
+// then integer dot products of the 4-bit codes with the int8 inputs, exact in int32 from -8 * sum(x_q), and in fp32
+// per block part += dot * s_x, per weight group acc += part * s_w. The weight stream costs 3 instructions per 16
+// outputs x 8 inputs and each row one integer dot product per 4 inputs, where fp32 activations cost a dequantization
+// per weight and an FMA per weight and row: the forward is bound by memory at 1 row. Each row's quantization and fp32
+// sequence depend on that row alone: row exactness holds as in the fp32 product. Layout: per panel, per 8 inputs, kLanes x 4 bytes, byte
 // (lane, i) holding input i's code in its low nibble and input 4 + i's in its high one.
 constexpr int kA8Panels = kLanes == 16 ? 2 : 1;  // panels per tile: 4 rows x panels of int32 and fp32 accumulators
 constexpr int64_t kA8Block = 16;                 // inputs per activation scale (weight groups are whole blocks)
@@ -270,7 +270,7 @@ struct A8Bytes {  // int8 rows (an LM head): byte (lane, i) = input i's weight, 
 
 // Rows row .. row + MR - 1 of the quantized x against NP panels from panel p into y (stride ldy). Each step also
 // prefetches the same line of the next NP panels (a thread's next tile, or its next rows' panels): on its own the
-// stream leaves memory idle while a later row tile computes from cache (8 rows: 16% faster, 1-4 rows: 10%).
+// stream leaves memory idle while a later row tile computes from cache.
 template <class F, int MR, int NP>
 struct A8Tile {
   static void run(int64_t row, int64_t p, const QuantizedRows& x, const Panels& w, float* y, int64_t ldy) {
@@ -430,9 +430,7 @@ static void rms_norm(const float* x, int64_t M, int64_t H, const float* weight, 
     __m256 squares = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= H; i += 8) squares = _mm256_fmadd_ps(_mm256_loadu_ps(xr + i), _mm256_loadu_ps(xr + i), squares);
-    __m128 half = _mm_add_ps(_mm256_castps256_ps128(squares), _mm256_extractf128_ps(squares, 1));
-    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    float sum = _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+    float sum = sum8(squares);
     for (; i < H; ++i) sum += xr[i] * xr[i];
     const float r = 1.f / std::sqrt(sum / static_cast<float>(H) + eps);
     for (int64_t i = 0; i < H; ++i) y[m * H + i] = weight[i] * (xr[i] * r);
