@@ -1,3 +1,3 @@
-"""Shared ground for every stage: model sources, ShareGPT data, prompt sets, tracking."""
+"""Data for every stage: model sources, ShareGPT conversations, prompt sets, draft vocabularies."""
 
-import data.quiet  # noqa: F401,E402  (before any library logs: one line per user error)
+import infra.quiet  # noqa: F401,E402  (before any library logs: one line per user error)

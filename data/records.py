@@ -16,7 +16,7 @@ import warnings
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator
 
-from data.cli import PolyspecError
+from infra.cli import PolyspecError
 
 
 class DataError(PolyspecError, RuntimeError):

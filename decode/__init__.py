@@ -1,3 +1,3 @@
 """Polybasic speculative decoding: an n-level lossless chain (chain.py), its baselines, CLI and benchmark."""
 
-import data.quiet  # noqa: F401,E402  (before any library logs: one line per user error)
+import infra.quiet  # noqa: F401,E402  (before any library logs: one line per user error)

@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
-from data.device import synchronized_clock
+from infra.device import synchronized_clock
 from decode.engine.levels import Generation, GenerationStats, LevelStats
 
 from decode.engine.chain import decoding_settings

@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from data.cli import check_writable, run_main
+from infra.cli import check_writable, run_main
 from decode.build import configured_builder, eos_of, level_model, load_target, reference_decoders
 from decode.engine.errors import DecodeError
 from decode.engine.levels import Generation
@@ -124,7 +124,7 @@ def _interval(name: str, s: dict) -> str:
 def run(cfg: DictConfig) -> dict:
     from data.prompts import load_questions
     from data.sharegpt import chat_prompt_ids
-    from data.tracking import write_json_atomic
+    from infra.tracking import write_json_atomic
 
     b = cfg.decode.bench
     check_writable(b.out, "decode.bench.out", kind="file")  # refuse before minutes of decoding, not after

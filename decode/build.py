@@ -14,9 +14,9 @@ import torch
 from omegaconf import OmegaConf
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from data.layout import RunLayout
-from data.cli import flag
-from data.device import configured_device
+from infra.layout import RunLayout
+from infra.cli import flag
+from infra.device import configured_device
 from data.models import ModelSourceError, load_model, same_vocabulary
 from decode import backends
 from decode.backends.cpu import pack

@@ -18,10 +18,10 @@ import torch
 from omegaconf import DictConfig
 from transformers import DynamicCache
 
-from data.cli import check_writable, run_main
-from data.device import configured_device
-from data.layout import RunLayout
-from data.timing import Step, cached_forward, level_forward, median_ms
+from infra.cli import check_writable, run_main
+from infra.device import configured_device
+from infra.layout import RunLayout
+from infra.timing import Step, cached_forward, level_forward, median_ms
 
 
 def head_forward(head, context: list[int], features: torch.Tensor) -> Step:
@@ -128,7 +128,7 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
 
 
 def run(cfg: DictConfig) -> dict:
-    from data.tracking import write_json_atomic
+    from infra.tracking import write_json_atomic
 
     c = cfg.decode.costs
     check_writable(c.out, "decode.costs.out", kind="file")  # refuse before minutes of timing, not after

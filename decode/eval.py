@@ -18,7 +18,7 @@ the highest lower bound is published (eval.publish.chain=<chain>: that chain onl
 passed). The agreement check likewise fails only on what the intervals show.
 T_i is the engine's mean forward time; L_i and its variance pool every verification of the run, and
 Theorem 3.3 compares that variance with a sampled decode (temperature 1) per level.
-Exit codes (data/cli.py, README): 0 published, 2 bad input (a one-line error), 3 no chain admissible and nothing
+Exit codes (infra/cli.py, README): 0 published, 2 bad input (a one-line error), 3 no chain admissible and nothing
 published.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from data.cli import EXIT_NOT_PUBLISHED, run_main
+from infra.cli import EXIT_NOT_PUBLISHED, run_main
 from decode import speedup as paired
 from decode.evaluation import EvalError
 from decode.evaluation.checks import evaluate, top2_margin
@@ -50,8 +50,8 @@ def run(cfg: DictConfig) -> int:
     from data.models import weights_hash
     from data.prompts import load_questions
     from decode.build import configured_builder, eos_of, load_target
-    from data.tracking import Tracker
-    from data.cli import check_writable, flag
+    from infra.tracking import Tracker
+    from infra.cli import check_writable, flag
 
     ecfg = cfg.eval
     for key, least in (("max_new_tokens", 1), ("warmup_tokens", 0)):

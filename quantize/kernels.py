@@ -14,11 +14,11 @@ import torch
 from omegaconf import DictConfig
 from transformers import AutoModelForCausalLM, GPTQConfig, PreTrainedModel
 
-from data.layout import RunLayout
-from data.cli import run_main
+from infra.layout import RunLayout
+from infra.cli import run_main
 from data.models import load_model, load_tokenizer, resolve_model_path
 from data.sharegpt import load_split, tokenize_conversation
-from data.tracking import write_json_atomic
+from infra.tracking import write_json_atomic
 from quantize.w4 import QuantizeError, forward_ms
 
 # (label, backend or None for transformers' own choice, dtype of the non-quantized parts)

@@ -32,16 +32,16 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from data.layout import RunLayout
-from data.cli import PolyspecError, check_writable, flag, run_main
-from data.device import configured_device
+from infra.layout import RunLayout
+from infra.cli import PolyspecError, check_writable, flag, run_main
+from infra.device import configured_device
 from data.models import load_model, load_tokenizer, resolve_model_path, weights_hash
 from data.sharegpt import (
     Conversation, TokenizedConversation, chat_prompt_ids, load_split,
     tokenize_conversation,
 )
-from data.timing import cached_forward, median_ms
-from data.tracking import replace_dir
+from infra.timing import cached_forward, median_ms
+from infra.tracking import replace_dir
 
 
 class QuantizeError(PolyspecError, RuntimeError):
@@ -369,7 +369,7 @@ def run(cfg: DictConfig) -> Path:
     calibration = calibration_samples(train, tokenizer, c.samples, c.min_len, c.max_len, cfg.seed)
     print(f"w4: {len(calibration)} calibration samples, {sum(map(len, calibration))} tokens (mean {statistics.mean(map(len, calibration)):.0f})")
 
-    from data.tracking import Tracker, write_json_atomic
+    from infra.tracking import Tracker, write_json_atomic
 
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out)

@@ -11,8 +11,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from data.device import configured_device, resolve_device, synchronized_clock
-from data.errors import ConfigError
+from infra.device import configured_device, resolve_device, synchronized_clock
+from infra.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 

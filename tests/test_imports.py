@@ -1,4 +1,4 @@
-"""The packages' imports flow one way: data <- quantize, train <- decode apps; inside decode, engine <- backends <-
+"""The packages' imports flow one way: infra <- data <- quantize, train <- decode apps; inside decode, engine <- backends <-
 apps. Read from the source (every import, lazy ones inside functions too), so nothing has to be imported to check."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("data", "train", "quantize", "decode")
+PACKAGES = ("infra", "data", "train", "quantize", "decode")
 
 
 def module_name(path: Path) -> str:
@@ -55,7 +55,7 @@ def test_no_import_cycles():
 
 
 def test_engine_imports_no_backend_app_or_cli():
-    allowed = lambda dep: dep.startswith("decode.engine") or dep.startswith("data") and dep != "data.cli"
+    allowed = lambda dep: dep.startswith(("decode.engine", "data")) or dep.startswith("infra") and dep != "infra.cli"
     bad = {name: sorted(d for d in deps if not allowed(d)) for name, deps in GRAPH.items() if name.startswith("decode.engine")}
     assert not {n: d for n, d in bad.items() if d}, bad
     for name in (n for n in MODULES if n.startswith("decode.engine")):
@@ -63,7 +63,8 @@ def test_engine_imports_no_backend_app_or_cli():
 
 
 def test_layers_import_downward_only():
-    rank = lambda m: (0 if m.startswith("data") else 1 if m.startswith(("quantize", "train", "decode.engine"))
-                      else 2 if m.startswith("decode.backends") else 3)
+    rank = lambda m: (0 if m.startswith("infra") else 1 if m.startswith("data")
+                      else 2 if m.startswith(("quantize", "train", "decode.engine"))
+                      else 3 if m.startswith("decode.backends") else 4)
     upward = {f"{n} -> {d}" for n, deps in GRAPH.items() for d in deps if rank(d) > rank(n)}
     assert not upward, sorted(upward)

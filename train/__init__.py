@@ -1,3 +1,3 @@
 """Training stages: `python -m train.eagle` trains the EAGLE draft head."""
 
-import data.quiet  # noqa: F401,E402  (before any library logs: one line per user error)
+import infra.quiet  # noqa: F401,E402  (before any library logs: one line per user error)

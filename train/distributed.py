@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from data.device import configured_device
+from infra.device import configured_device
 from train.errors import TrainError
 
 

@@ -37,11 +37,11 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from data.cli import flag, run_main
-from data.layout import RunLayout
+from infra.cli import flag, run_main
+from infra.layout import RunLayout
 from data.models import load_model, same_vocabulary, weights_hash
 from data.sharegpt import load_split
-from data.tracking import Tracker
+from infra.tracking import Tracker
 from decode.engine.head import FORMAT_VERSION, EagleHead
 from train import store
 from train.checkpoints import Progress, StopFlag, checkpoint_fingerprint, resume_progress, save_checkpoint

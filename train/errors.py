@@ -1,7 +1,7 @@
 """train.eagle's error classes (every train module raises them)."""
 from __future__ import annotations
 
-from data.errors import Interrupted, PolyspecError
+from infra.errors import Interrupted, PolyspecError
 
 
 class TrainError(PolyspecError, RuntimeError):

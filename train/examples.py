@@ -9,7 +9,7 @@ import torch
 from omegaconf import DictConfig
 from transformers import PreTrainedModel
 
-from data.layout import RunLayout
+from infra.layout import RunLayout
 from data.sharegpt import chat_prompt_ids, load_split, tokenize_conversation, warn_truncated
 from data.vocab import assistant_token_counts, coverage, top_tokens
 from train import replies

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from data.tracking import write_json_atomic
+from infra.tracking import write_json_atomic
 
 
 def replies_key(feature_hash: str, prompts: list[list[int]], max_new_tokens: int, eos: int | None) -> str:

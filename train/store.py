@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from data.cli import PolyspecError
+from infra.cli import PolyspecError
 
 SHARD_EXAMPLES = 64
 

@@ -1,7 +1,7 @@
 """The engine's one error class: a chain that cannot be built or run."""
 from __future__ import annotations
 
-from data.errors import PolyspecError
+from infra.errors import PolyspecError
 
 
 class DecodeError(PolyspecError, RuntimeError):

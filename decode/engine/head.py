@@ -37,8 +37,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from data.errors import PolyspecError
-from data.tracking import atomic_dir
+from infra.errors import PolyspecError
+from infra.tracking import atomic_dir
 
 FORMAT = "polyspec-eagle-head"
 FORMAT_VERSION = 2  # 1: the pre-vLLM function (input norm, fc bias, final norm) in a private layout

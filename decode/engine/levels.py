@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from data.device import synchronized_clock
+from infra.device import synchronized_clock
 from decode.engine import tree as trees
 from decode.engine.errors import DecodeError
 from decode.engine.head import softcapped, spread, vocabulary_rows

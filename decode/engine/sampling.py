@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from data.errors import PolyspecError
+from infra.errors import PolyspecError
 
 
 class SamplingError(PolyspecError, ValueError):

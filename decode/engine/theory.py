@@ -36,7 +36,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-from data.errors import PolyspecError
+from infra.errors import PolyspecError
 
 
 class TheoryError(PolyspecError, ValueError):

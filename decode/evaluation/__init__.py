@@ -2,7 +2,7 @@
 checks, and the gate and bundle that publish a chain. decode/eval.py is the command that strings them together."""
 from __future__ import annotations
 
-from data.errors import PolyspecError
+from infra.errors import PolyspecError
 
 
 class EvalError(PolyspecError, RuntimeError):

@@ -13,8 +13,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from data.layout import RunLayout
-from data.tracking import atomic_dir
+from infra.layout import RunLayout
+from infra.tracking import atomic_dir
 from decode import speedup as paired
 
 

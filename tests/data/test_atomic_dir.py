@@ -1,7 +1,7 @@
-"""data.tracking.atomic_dir: an artifact folder appears whole or not at all."""
+"""infra.tracking.atomic_dir: an artifact folder appears whole or not at all."""
 import pytest
 
-from data.tracking import atomic_dir
+from infra.tracking import atomic_dir
 
 
 def test_a_finished_block_replaces_the_old_folder(tmp_path):

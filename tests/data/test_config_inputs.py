@@ -9,7 +9,7 @@ import tempfile
 import pytest
 from omegaconf import OmegaConf
 
-from data.cli import EXIT_INTERRUPTED, EXIT_NOT_PUBLISHED, EXIT_USER_ERROR, ConfigError, Interrupted, check_writable, flag, run_main
+from infra.cli import EXIT_INTERRUPTED, EXIT_NOT_PUBLISHED, EXIT_USER_ERROR, ConfigError, Interrupted, check_writable, flag, run_main
 
 
 @pytest.mark.parametrize("value", [True, False])
@@ -171,7 +171,7 @@ def test_eval_refuses_an_unwritable_output_before_decoding(tmp_path, monkeypatch
 
 
 def test_bench_refuses_an_unwritable_output_before_decoding(tmp_path, monkeypatch):
-    from data.cli import ConfigError
+    from infra.cli import ConfigError
     from decode.bench import run
 
     read_only_mount(monkeypatch)

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
-from data.layout import RunLayout
+from infra.layout import RunLayout
 from decode.build import build_chain, configured_chain
 from decode.engine.errors import DecodeError
 from decode.engine.levels import EagleLevel, ModelLevel, NgramLevel
@@ -124,7 +124,7 @@ def test_relative_level_folder_resolves_against_run_dir(target, tmp_path):
 
 def test_configured_outputs_are_where_chains_and_the_eval_look(target, tmp_path):
     """quantize.output and train.output moved out of the run dir: `model: w4` and `path: eagle` follow them,
-    in the builder and in the eval's bundle (data/layout.py)."""
+    in the builder and in the eval's bundle (infra/layout.py)."""
     from data.models import weights_hash
     from decode.evaluation.publish import level_folder
     from decode.engine.head import EagleHead

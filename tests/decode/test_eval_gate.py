@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from data.cli import EXIT_NOT_PUBLISHED
-from data.tracking import Tracker
+from infra.cli import EXIT_NOT_PUBLISHED
+from infra.tracking import Tracker
 from decode.baselines import autoregressive
 from decode.engine.chain import Chain
 from decode.engine.levels import ModelLevel

@@ -9,8 +9,8 @@ import torch
 from decode_fixtures import greedy_equal, noisy_copy, prompts, tiny_model
 from test_sampling_distribution import SAMPLING, VOCAB as SAMPLING_VOCAB, chain_counts, chi_square_pvalue, exact_joint
 
-from data.device import resolve_device
-from data.errors import ConfigError
+from infra.device import resolve_device
+from infra.errors import ConfigError
 from decode.build import build_chain
 from decode.engine.chain import Chain
 from decode.engine.levels import ModelLevel

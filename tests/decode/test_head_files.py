@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from data.layout import RunLayout
+from infra.layout import RunLayout
 from data.models import weights_hash
 from decode.build import build_chain
 from decode.engine.errors import DecodeError

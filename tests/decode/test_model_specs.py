@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from data.layout import RunLayout
+from infra.layout import RunLayout
 from data.models import ModelSourceError, is_hub_id, load_model, resolve_model_path
 from decode.build import level_model
 from decode.engine.spec import LevelSpec

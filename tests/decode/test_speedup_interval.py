@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from data.cli import EXIT_NOT_PUBLISHED
+from infra.cli import EXIT_NOT_PUBLISHED
 from data.prompts import load_questions
-from data.tracking import Tracker
+from infra.tracking import Tracker
 from decode.engine.levels import GenerationStats, LevelStats
 from decode.evaluation import EvalError
 from decode.evaluation.runner import Decoded, Record

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from data.models import DEFAULT_MODEL, load_model
-from data.timing import Step, cached_forward, median_ms
+from infra.timing import Step, cached_forward, median_ms
 from decode.backends.cpu.llama import NativeInt8Head, NativeLlamaRunner
 from decode.backends.cpu import pack
 from decode.backends.cpu.int8 import quantize_lm_head

@@ -4,7 +4,7 @@ from __future__ import annotations
 import statistics
 from typing import Callable
 
-from data.device import synchronized_clock
+from infra.device import synchronized_clock
 
 Step = Callable[[int], object]  # one forward of k new tokens on a fixed context
 

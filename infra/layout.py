@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from data.cli import ConfigError
+from infra.cli import ConfigError
 
 STAGE_OUTPUTS = {"w4": "quantize.output", "eagle": "train.output"}  # an output's name -> the config key of its folder
 

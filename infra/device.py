@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from data.errors import ConfigError
+from infra.errors import ConfigError
 
 _DEVICE = re.compile(r"auto|cpu|cuda(?::(\d+))?")
 

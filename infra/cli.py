@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
-from data.errors import ConfigError, Interrupted, PolyspecError
+from infra.errors import ConfigError, Interrupted, PolyspecError
 
 _MISSING = object()
 EXIT_USER_ERROR = 2
