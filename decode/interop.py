@@ -215,7 +215,9 @@ def checks(icfg: Any, vllm: dict[str, dict], poly: dict[str, Any]) -> list[dict[
         ours, theirs = poly["chain"]["acceptance_length"], vllm_acceptance_length(eagle)
         ratio, tol = theirs / ours, float(icfg.checks.acceptance_tolerance)
         found.append(check("acceptance", abs(ratio - 1) <= tol, f"vLLM L {theirs:.3f} vs polyspec L {ours:.3f} (ratio {ratio:.3f}, tolerance {tol:.0%})"))
-    if "error" in w4:
+    if "not_applicable" in w4:
+        found.append(check("w4_loads", None, f"not applicable: {w4['not_applicable']}"))
+    elif "error" in w4:
         found.append(check("w4_loads", False, f"vLLM failed on the W4 model: {w4['error']}"))
     else:
         ours, theirs = agreement(poly["w4_teacher_forced"]), agreement(w4["teacher_forced"])
@@ -236,8 +238,9 @@ def table(vllm: dict[str, dict], poly: dict[str, Any], k: int) -> list[dict[str,
     out = []
     for row in rows:
         run, ref = row.pop("run"), row.pop("reference")
-        if "error" in run or "error" in ref:
-            out.append(row | {"tokens_per_s": None, "x_ar": None, "error": run.get("error") or ref.get("error")})
+        if "error" in run or "error" in ref or "not_applicable" in run:
+            why = run.get("error") or ref.get("error") or f"not applicable: {run['not_applicable']}"
+            out.append(row | {"tokens_per_s": None, "x_ar": None, "error": why})
             continue
         tps = tokens_per_s(run)
         row |= {"tokens_per_s": tps, "x_ar": tps / tokens_per_s(ref), "tokens": sum(map(len, run["tokens"])),
@@ -276,7 +279,7 @@ def validate(icfg: Any) -> None:
 def run(cfg: DictConfig) -> int:
     from data.models import load_tokenizer
     from infra.tracking import write_json_atomic
-    from decode.vllm_venv import ensure_venv
+    from decode.vllm_venv import ensure_venv, w4_kernel_missing
 
     icfg = cfg.interop
     validate(icfg)
@@ -296,7 +299,9 @@ def run(cfg: DictConfig) -> int:
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("")
     jobs = vllm_jobs(icfg, target, head, w4, prompts, poly["ar"]["tokens"])
-    vllm = {name: run_engine(python, venv, name, job, int(icfg.threads), log) for name, job in jobs.items()}
+    vllm = {name: run_engine(python, venv, name, job, int(icfg.threads), log) for name, job in jobs.items()
+            if name != "w4" or not w4_kernel_missing()}
+    vllm.setdefault("w4", {"name": "w4", "not_applicable": w4_kernel_missing()})
     found, rows = checks(icfg, vllm, poly), table(vllm, poly, int(icfg.num_speculative_tokens))
     print(f"\n{len(prompts)} prompts, {icfg.max_new_tokens} new tokens, greedy, single stream, {icfg.threads} threads "
           f"({platform.processor() or platform.machine()}); vLLM: {icfg.dtype} target, {icfg.w4_dtype} W4")

@@ -74,7 +74,11 @@ def check_in_vllm(run_dir: Path, prompts: Path) -> None:
     log = (done.stdout + done.stderr)[-3000:]
     record = json.loads((run_dir / "interop" / "interop.json").read_text())
     checks = {c["name"]: c for c in record["checks"]}
-    assert checks["head_lossless"]["passed"] and checks["w4_loads"]["passed"] and checks["acceptance"]["passed"] is None, log
+    from decode.vllm_venv import w4_kernel_missing
+
+    w4_loads = None if w4_kernel_missing() else True  # AVX2-only CPUs: vLLM has no W4 kernel, said as not applicable
+    assert checks["head_lossless"]["passed"] and checks["acceptance"]["passed"] is None, log
+    assert checks["w4_loads"]["passed"] is w4_loads, (checks["w4_loads"], log)
     assert done.returncode == 0, log
     assert record["w4_layout"]["desc_act"] is False and record["w4_layout"]["group_size"] == 64, record["w4_layout"]
-    assert all(row["tokens_per_s"] > 0 for row in record["table"]), record["table"]
+    assert all(row["tokens_per_s"] > 0 for row in record["table"] if not row.get("error", "").startswith("not applicable")), record["table"]

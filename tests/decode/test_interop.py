@@ -105,3 +105,26 @@ def test_venv_install_order_and_a_failed_step_in_one_line(tmp_path, monkeypatch)
     assert ran[-1][-3:] == list(venv_mod.UNWANTED) and venv_mod.is_ready(tmp_path / "venv")
     ran.clear()
     assert venv_mod.ensure_venv(tmp_path / "venv") == tmp_path / "venv" / "bin" / "python" and ran == []  # ready: nothing runs
+
+
+def test_a_w4_vllm_cannot_run_here_is_not_applicable_not_a_pass(monkeypatch):
+    from decode import interop
+
+    runs = {"tokens": [[1, 2]], "seconds": [1.0]}
+    vllm = {"ar": runs, "ngram": runs, "eagle": runs, "w4": {"name": "w4", "not_applicable": "no W4 kernel on this CPU"}}
+    icfg = type("Cfg", (), {"checks": {"acceptance": False}})()
+    found = {c["name"]: c for c in interop.checks(icfg, vllm, {"chain": {"acceptance_length": 1.0}})}
+    assert found["w4_loads"]["passed"] is None and found["w4_loads"]["detail"].startswith("not applicable: no W4")
+    row = next(r for r in interop.table(vllm, {"ar": runs, "chain": runs | {"acceptance_length": 1.0}}, 3)
+               if r["method"] == "W4 AR")
+    assert row["tokens_per_s"] is None and row["error"] == "not applicable: no W4 kernel on this CPU"
+
+
+def test_the_w4_kernel_is_missing_only_on_a_cpu_without_avx512(monkeypatch, tmp_path):
+    from decode import vllm_venv
+
+    real_open = Path.read_text
+    for flags, missing in (("fpu avx2 fma", True), ("fpu avx2 avx512f avx512bw", False)):
+        monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: f"processor: 0\nflags\t: {flags}\n"
+                            if str(self) == "/proc/cpuinfo" else real_open(self, *a, **k))
+        assert (vllm_venv.w4_kernel_missing() is not None) == missing

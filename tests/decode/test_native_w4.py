@@ -196,16 +196,32 @@ def test_the_native_int8_head_is_the_product_of_its_int8_rows_and_quantized_inpu
     assert torch.allclose(head(x), int8(x), atol=0.05, rtol=0.02)  # aten's kernel rounds activations to bf16
 
 
+def held_out_text(tokenizer, conversations: int = 4, tokens: int = 300) -> list[torch.Tensor]:
+    """The first held-out ShareGPT conversations, chat-templated as the chains see them, `tokens` each."""
+    from data.sharegpt import load_split, tokenize_conversation
+
+    held_out = load_split(DATA)[1][:conversations]
+    return [torch.tensor([tokenize_conversation(tokenizer, c, tokens).input_ids]) for c in held_out]
+
+
 def real_text_agreement(model, tokenizer, activations: str) -> tuple[float, float]:
     """(share of positions where the native forward's argmax equals GPTQModel's, max |logit difference|) over
-    300 tokens of this repository's README, one forward each."""
-    from pathlib import Path
-
-    ids = torch.tensor([tokenizer(Path(__file__).parents[2].joinpath("README.md").read_text()).input_ids[:300]])
+    held-out ShareGPT text, one forward per conversation."""
+    agree, gap, positions = 0.0, 0.0, 0
     with torch.no_grad():
-        theirs = model(ids).logits
-        ours = model.lm_head(NativeLlamaRunner(model, 512, activations).forward(ids, None, None))
-    return (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item(), (ours - theirs).abs().max().item()
+        for ids in held_out_text(tokenizer):
+            theirs = model(ids).logits
+            ours = model.lm_head(NativeLlamaRunner(model, 512, activations).forward(ids, None, None))
+            agree += (ours.argmax(-1) == theirs.argmax(-1)).sum().item()
+            gap, positions = max(gap, (ours - theirs).abs().max().item()), positions + ids.shape[1]
+    return agree / positions, gap
+
+
+# Bounds from both CPU kinds' code paths on the real model quantized with the reduced settings below (BENCHMARKS.md,
+# "Tolerances"): GPTQ's own float arithmetic differs between AVX2 and AVX-512 hosts, so the W4 weights do too, and
+# near-tied logits flip; the worst logit gap grows on int8 activations (per-16 rounding of every layer's input).
+AGREEMENT = {"fp32": (0.97, 1.0), "int8": (0.95, 2.0)}
+DATA = {"source": "bundled", "max_len": 1024, "held_out_fraction": 0.02, "max_conversations": None}
 
 
 @pytest.mark.slow
@@ -218,12 +234,13 @@ def test_the_bundled_w4_model_agrees_with_gptqmodel_on_real_text(tmp_path):
         "calibration.samples": 8, "calibration.max_len": 128, "calibration.min_len": 64, "eval.ppl_conversations": 1,
         "eval.agreement_prompts": 1, "eval.continuation_tokens": 8, "eval.timing_repeats": 1})
     cfg.model.name = DEFAULT_MODEL
-    cfg.data = {"source": "bundled", "max_len": 1024, "held_out_fraction": 0.02, "max_conversations": None}
+    cfg.data = DATA
     model, tokenizer = load_model(str(run(cfg)))
     assert unsupported(model) is None
-    for activations, most in (("fp32", 1.0), ("int8", 2.0)):  # int8 activations: 2% more tokens change, the worst logit moves more
+    for activations, (least, most) in AGREEMENT.items():
         agreement, gap = real_text_agreement(model, tokenizer, activations)
-        assert agreement >= 0.97 and gap < most, (activations, agreement, gap)
+        print(f"{torch.backends.cpu.get_cpu_capability()} {activations}: agreement {agreement:.4f}, gap {gap:.3f}")
+        assert agreement >= least and gap < most, (activations, agreement, gap)
 
 
 @pytest.mark.parametrize("draft", [{"length": 4}, {"mode": "tree", "depth": 3, "top_k": 2, "total_tokens": 6}],
