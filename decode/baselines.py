@@ -4,6 +4,7 @@ speedup is measured against, and the greedy reference for losslessness), and tra
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel
@@ -12,8 +13,8 @@ from transformers.generation.streamers import BaseStreamer
 from infra.device import synchronized_clock
 from decode.engine.levels import Generation, GenerationStats, LevelStats
 
-from decode.engine.chain import decoding_settings
-from decode.engine.sampling import probabilities, sample
+from decode.engine.chain import check_new_tokens
+from decode.engine.sampling import GREEDY, Sampling, probabilities, sample
 
 
 def _eos_set(eos_token_id: int | list[int] | None) -> set[int]:
@@ -29,13 +30,13 @@ def _truncate(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
 
 
 def autoregressive(
-    model: PreTrainedModel, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
-    top_k: int = 0, top_p: float = 1.0, seed: int | None = None, eos_token_id: int | list[int] | None = None,
-) -> Generation:  # the decoding call's sampling settings spelled out, as Chain.generate takes them
+    model: PreTrainedModel, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling = GREEDY,
+    eos_token_id: int | list[int] | None = None,
+) -> Generation:
     """One token per forward with a KV cache, sampling with the same logits processing as the chain."""
-    sampling = decoding_settings(max_new_tokens, temperature, top_k, top_p, seed)
+    check_new_tokens(max_new_tokens)
     device = model.device
-    gen = torch.Generator(device).manual_seed(seed) if seed is not None else None
+    gen = sampling.generator(device)
     eos, stats = _eos_set(eos_token_id), LevelStats("target", "model")
     cache, new, ttft = DynamicCache(config=model.config), [], 0.0
     ids = list(prompt_ids)
@@ -73,22 +74,25 @@ class _FirstTokenClock(BaseStreamer):
         pass
 
 
-def _hf_generate(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, name,
-                 assistant_model=None, **settings) -> Generation:  # the decoding call's sampling settings spelled out, as Chain.generate takes them
-    decoding_settings(max_new_tokens, temperature, top_k, top_p, seed)
-    eos = _eos_set(eos_token_id)
+def _hf_generate(model: PreTrainedModel, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling,
+                 eos_token_id: int | list[int] | None, name: str, **settings: Any) -> Generation:
+    """transformers' generate with the chain's sampling; `settings` go to its GenerationConfig, except
+    `assistant_model`, which generate takes itself."""
+    check_new_tokens(max_new_tokens)
+    eos, sampled = _eos_set(eos_token_id), not sampling.greedy
+    assistant = {"assistant_model": settings.pop("assistant_model")} if "assistant_model" in settings else {}
     config = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
-        top_k=top_k if temperature > 0 else None, top_p=top_p if temperature > 0 else None,
+        max_new_tokens=max_new_tokens, do_sample=sampled, temperature=sampling.temperature if sampled else None,
+        top_k=sampling.top_k if sampled else None, top_p=sampling.top_p if sampled else None,
         eos_token_id=sorted(eos) or None, pad_token_id=min(eos) if eos else 0, **settings,
     )
-    if seed is not None:
-        torch.manual_seed(seed)
+    if sampling.seed is not None:
+        torch.manual_seed(sampling.seed)
     start = time.perf_counter()
     clock = _FirstTokenClock(start)
     with torch.inference_mode():
         out = model.generate(torch.tensor([prompt_ids], device=model.device), generation_config=config, streamer=clock,
-                             **({"assistant_model": assistant_model} if assistant_model is not None else {}))
+                             **assistant)
     wall = time.perf_counter() - start
     new = _truncate(out[0, len(prompt_ids):].tolist(), max_new_tokens, eos)
     return Generation(new, GenerationStats(wall, clock.ttft, len(new), 0.0, [LevelStats(name, "hf")]))
@@ -96,19 +100,17 @@ def _hf_generate(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, s
 
 def hf_assisted(
     model: PreTrainedModel, assistant: PreTrainedModel, prompt_ids: list[int], max_new_tokens: int,
-    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-    eos_token_id: int | list[int] | None = None,
-) -> Generation:  # the decoding call's sampling settings spelled out, as Chain.generate takes them
+    sampling: Sampling = GREEDY, eos_token_id: int | list[int] | None = None,
+) -> Generation:
     """transformers' assisted generation (one assistant model, its own draft-length schedule)."""
-    return _hf_generate(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id,
-                        "hf_assisted", assistant_model=assistant)
+    return _hf_generate(model, prompt_ids, max_new_tokens, sampling, eos_token_id, "hf_assisted",
+                        assistant_model=assistant)
 
 
 def hf_prompt_lookup(
     model: PreTrainedModel, prompt_ids: list[int], max_new_tokens: int, prompt_lookup_num_tokens: int = 10,
-    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-    eos_token_id: int | list[int] | None = None,
-) -> Generation:  # the decoding call's sampling settings spelled out, as Chain.generate takes them
+    sampling: Sampling = GREEDY, eos_token_id: int | list[int] | None = None,
+) -> Generation:
     """transformers' prompt lookup decoding (n-gram drafts copied from the context)."""
-    return _hf_generate(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id,
-                        "hf_prompt_lookup", prompt_lookup_num_tokens=prompt_lookup_num_tokens)
+    return _hf_generate(model, prompt_ids, max_new_tokens, sampling, eos_token_id, "hf_prompt_lookup",
+                        prompt_lookup_num_tokens=prompt_lookup_num_tokens)

@@ -25,7 +25,7 @@ from infra.cli import check_writable, run_main
 from decode.build import configured_builder, eos_of, level_model, load_target, reference_decoders
 from decode.engine.errors import DecodeError
 from decode.engine.levels import Generation
-from decode.generate import chain_from_config, sampling_args
+from decode.generate import chain_from_config, sampling_of
 from decode.measure import level_line, prediction_line, summarize
 from decode.speedup import Interval, IntervalError, checked_confidence, time_speedup
 
@@ -40,8 +40,8 @@ def methods(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Method], dict
     from decode.engine.head import HeadError
     from decode.engine.spec import LevelSpec, parse
 
-    b, eos, kw = cfg.decode.bench, eos_of(target, tokenizer), sampling_args(cfg)
-    found: dict[str, Method] = reference_decoders(cfg, target, eos, kw, onednn=True)
+    b, eos, sampling = cfg.decode.bench, eos_of(target, tokenizer), sampling_of(cfg)
+    found: dict[str, Method] = reference_decoders(cfg, target, eos, sampling, onednn=True)
     notes = {"ar": "target alone" + (f" (packed: {packed_with(target)})" if packed_with(target) else ""),
              "ar_eager": "target alone, plain eager nn.Linear", "ar_onednn": "target alone, packed with oneDNN (decode.gemm=onednn)"}
     notes = {name: note for name, note in notes.items() if name in found}
@@ -57,9 +57,9 @@ def methods(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Method], dict
             assistant = level_model(parse(LevelSpec, assistant_cfg, "decode.bench.assistant_stand_in"), target, tokenizer,
                                     builder.artifacts, cfg.model.dtype)
         backends.prepare(assistant, builder.gemm)
-        found["hf_assisted"] = lambda p, n: hf_assisted(target, assistant, p, n, eos_token_id=eos, **kw)
+        found["hf_assisted"] = lambda p, n: hf_assisted(target, assistant, p, n, sampling, eos_token_id=eos)
         notes["hf_assisted"] = f"assistant {assistant_cfg}"
-    found["hf_prompt_lookup"] = lambda p, n: hf_prompt_lookup(target, p, n, int(b.prompt_lookup_num_tokens), eos_token_id=eos, **kw)
+    found["hf_prompt_lookup"] = lambda p, n: hf_prompt_lookup(target, p, n, int(b.prompt_lookup_num_tokens), sampling, eos_token_id=eos)
     notes["hf_prompt_lookup"] = f"{b.prompt_lookup_num_tokens} tokens"
     slots = {"two_level": b.two_level, "three_level": b.three_level, **{name: name for name in b.get("extra") or []}}
     for slot, name in slots.items():
@@ -73,7 +73,7 @@ def methods(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Method], dict
                 raise
             print(f"{slot}: chain {name!r} unavailable ({err}); using stand-in {stand_in!r}", file=sys.stderr)
             name, chain = stand_in, chain_from_config(cfg, stand_in, builder)
-        found[slot] = lambda p, n, chain=chain: chain.generate(p, n, eos_token_id=eos, **kw)
+        found[slot] = lambda p, n, chain=chain: chain.generate(p, n, sampling, eos_token_id=eos)
         notes[slot] = f"{name}: " + " <- ".join(f"{l.name}({l.kind})" for l in chain.levels)
         found[slot].chain = chain  # type: ignore[attr-defined]
     return found, notes

@@ -28,6 +28,7 @@ from decode.engine.head import EagleHead, vocabulary_rows
 from decode.engine.spec import ChainSpec, LevelSpec
 from decode.engine.errors import DecodeError
 from decode.engine.levels import EagleLevel, Level, ModelLevel, NgramLevel
+from decode.engine.sampling import GREEDY, Sampling
 
 def gemm_choice(cfg: Any) -> str | None:
     """decode.gemm, checked: which packed product dense fp32 linears use (decode.backends.cpu.dense.gemm_for);
@@ -65,19 +66,19 @@ def eos_of(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> int |
     return eos if eos is not None else tokenizer.eos_token_id
 
 
-def reference_decoders(cfg: Any, target: PreTrainedModel, eos: Any, sampling: dict | None = None,
+def reference_decoders(cfg: Any, target: PreTrainedModel, eos: Any, sampling: Sampling = GREEDY,
                        onednn: bool = False) -> dict[str, Callable]:
     """The autoregressive reference on the configured target (`ar`), and beside it, where they differ, AR on the
     plain eager target (`ar_eager`, when decode.fast) and on oneDNN (`ar_onednn`, asked for and the target on AVX2)."""
     from decode.baselines import autoregressive
 
-    kw = sampling or {}
     models = {"ar": target}
     if cfg.decode.get("fast"):
         models["ar_eager"] = load_model(cfg.model.name, cfg.model.dtype, target.device)[0]
     if onednn and (other := onednn_target(cfg, target)) is not None:
         models["ar_onednn"] = other
-    return {name: (lambda p, n, m=model: autoregressive(m, p, n, eos_token_id=eos, **kw)) for name, model in models.items()}
+    return {name: (lambda p, n, s=sampling, m=model: autoregressive(m, p, n, s, eos_token_id=eos))
+            for name, model in models.items()}
 
 
 def configured_chain(cfg: Any, chain_cfg: list[dict], target_model: PreTrainedModel,

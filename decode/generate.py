@@ -19,7 +19,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from infra.cli import flag, run_main
 from decode.build import ChainBuilder, configured_builder, configured_spec, eos_of
-from decode.engine.chain import Chain, decoding_settings
+from decode.engine.chain import Chain, check_new_tokens
+from decode.engine.sampling import Sampling
 from decode.engine.errors import DecodeError
 from decode.engine.levels import Generation
 
@@ -34,26 +35,24 @@ def chain_from_config(cfg: DictConfig, name: str, builder: ChainBuilder) -> Chai
     return builder.build(configured_spec(cfg, chains[name]))
 
 
-def sampling_args(cfg: DictConfig) -> dict:
-    """decode.temperature / top_k / top_p / seed as Chain.generate and the baselines take them, checked
+def sampling_of(cfg: DictConfig) -> Sampling:
+    """decode.temperature / top_k / top_p / seed as the one Sampling value chains and baselines take, checked
     first: a bad value is a one-line DecodeError naming its key (e.g. decode.top_p must be in (0, 1])."""
     d = cfg.decode
     args = {key: d.get(key) for key in ("temperature", "top_k", "top_p", "seed")}
-    if isinstance(args["temperature"], int) and not isinstance(args["temperature"], bool):
-        args["temperature"] = float(args["temperature"])
-    if isinstance(args["top_p"], int) and not isinstance(args["top_p"], bool):
-        args["top_p"] = float(args["top_p"])
+    for key in ("temperature", "top_p"):
+        if isinstance(args[key], int) and not isinstance(args[key], bool):
+            args[key] = float(args[key])
     try:
-        decoding_settings(1, **args)
+        return Sampling(**args)
     except DecodeError as err:
         raise DecodeError(f"decode.{err}") from None
-    return args
 
 
 def max_new_tokens(cfg: DictConfig) -> int:
     value = cfg.decode.get("max_new_tokens")
     try:
-        decoding_settings(value)
+        check_new_tokens(value)
     except DecodeError as err:
         raise DecodeError(f"decode.{err}") from None
     return int(value)
@@ -126,7 +125,7 @@ def run(cfg: DictConfig) -> None:
     from decode.build import load_target
 
     d = cfg.decode
-    text, new_tokens, kw = prompt_text(cfg), max_new_tokens(cfg), sampling_args(cfg)  # checked before any loading
+    text, new_tokens, sampling = prompt_text(cfg), max_new_tokens(cfg), sampling_of(cfg)  # checked before any loading
     flag(d, "fast", default=False, error=DecodeError)
     compare_ar = flag(d, "compare_ar", default=False, error=DecodeError)
     threads = d.get("threads")
@@ -150,17 +149,17 @@ def run(cfg: DictConfig) -> None:
         sys.stdout.flush()
         printed = text
 
-    result = chain.generate(prompt, new_tokens, eos_token_id=eos, on_tokens=stream, **kw)
+    result = chain.generate(prompt, new_tokens, sampling, eos_token_id=eos, on_tokens=stream)
     print(f"\n\nchain {d.chain}: " + " <- ".join(level.name for level in chain.levels))
     print(level_table(result))
     if compare_ar:
-        reference = autoregressive(target, prompt, new_tokens, eos_token_id=eos, **kw)
+        reference = autoregressive(target, prompt, new_tokens, sampling, eos_token_id=eos)
         same = reference.tokens == result.tokens
         ratio = result.stats.tokens_per_s / reference.stats.tokens_per_s if reference.stats.tokens_per_s else float("nan")
         print(f"target alone: {reference.stats.tokens_per_s:.1f} tok/s; speedup {ratio:.2f}x; "
               f"outputs {'identical' if same else 'differ'}"
-              + ("" if same or kw["temperature"] > 0 else " (greedy: a near-tie or a bug; decode.eval checks which)")
-              + (" (sampling: compare distributions, not single samples)" if kw["temperature"] > 0 and not same else ""))
+              + ("" if same or not sampling.greedy else " (greedy: a near-tie or a bug; decode.eval checks which)")
+              + (" (sampling: compare distributions, not single samples)" if not sampling.greedy and not same else ""))
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")

@@ -15,7 +15,7 @@ import torch
 from decode.engine.errors import DecodeError
 from decode.engine.levels import (Features, Generation, GenerationStats, Level, ModelLevel,
                                   Proposal)
-from decode.engine.sampling import Sampling, SamplingError
+from decode.engine.sampling import GREEDY, Sampling
 
 
 class Chain:
@@ -40,16 +40,15 @@ class Chain:
         self.target = levels[0]
 
     def generate(
-        self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-        top_p: float = 1.0, seed: int | None = None, eos_token_id: int | list[int] | None = None,
-        on_tokens: Callable[[list[int]], None] | None = None,
-    ) -> Generation:  # one decoding call: its sampling settings spelled out
+        self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling = GREEDY,
+        eos_token_id: int | list[int] | None = None, on_tokens: Callable[[list[int]], None] | None = None,
+    ) -> Generation:
         """Decode up to max_new_tokens after prompt_ids; distributed exactly as the target's own decoding.
 
         `on_tokens` receives each block of tokens the target commits (streaming; may overshoot the limits
         by the last block, the returned tokens do not)."""
-        sampling = decoding_settings(max_new_tokens, temperature, top_k, top_p, seed)
-        gen = torch.Generator(self.target.device).manual_seed(seed) if seed is not None else None
+        check_new_tokens(max_new_tokens)
+        gen = sampling.generator(self.target.device)
         eos = set([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or [])
         for level in self.levels:
             level.reset()
@@ -115,15 +114,7 @@ def read_features(order: list[ModelLevel], hidden_size: int, dtype: torch.dtype)
     return features
 
 
-def decoding_settings(max_new_tokens: Any, temperature: Any = 0.0, top_k: Any = 0, top_p: Any = 1.0,
-                      seed: Any = None) -> Sampling:
-    """The Sampling of one decoding call, after checking its arguments: a one-line DecodeError names the
-    first bad one (max_new_tokens >= 1; temperature >= 0, top_k >= 0, 0 < top_p <= 1; seed an integer or None)."""
+def check_new_tokens(max_new_tokens: Any) -> None:
+    """A one-line DecodeError unless max_new_tokens is an integer >= 1."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
         raise DecodeError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
-        raise DecodeError(f"seed must be an integer or null, got {seed!r}")
-    try:
-        return Sampling(temperature, top_k, top_p)
-    except SamplingError as err:
-        raise DecodeError(str(err)) from None

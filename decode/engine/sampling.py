@@ -18,20 +18,23 @@ from dataclasses import dataclass
 
 import torch
 
-from infra.errors import PolyspecError
+from decode.engine.errors import DecodeError
 
 
-class SamplingError(PolyspecError, ValueError):
+class SamplingError(DecodeError, ValueError):
     """Sampling settings that define no distribution; the message is one line and names the setting."""
 
 
 @dataclass(frozen=True)
 class Sampling:
-    """temperature >= 0 (0 = greedy), top_k >= 0 (0 = off), 0 < top_p <= 1 (1 = off); anything else is refused."""
+    """How one decoding call draws its tokens, passed whole through chains and baselines: temperature >= 0
+    (0 = greedy), top_k >= 0 (0 = off), 0 < top_p <= 1 (1 = off), seed an integer or None (unseeded); anything else
+    is refused."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         for key in ("temperature", "top_p"):
@@ -40,6 +43,8 @@ class Sampling:
                 raise SamplingError(f"{key} must be a finite number, got {value!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral):
             raise SamplingError(f"top_k must be an integer, got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)):
+            raise SamplingError(f"seed must be an integer or null, got {self.seed!r}")
         if self.temperature < 0:
             raise SamplingError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
         if self.top_k < 0:
@@ -50,6 +55,13 @@ class Sampling:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    def generator(self, device: torch.device | str) -> torch.Generator | None:
+        """A generator on `device` seeded with `seed`, or None (torch's global one) for an unseeded call."""
+        return torch.Generator(device).manual_seed(self.seed) if self.seed is not None else None
+
+
+GREEDY = Sampling()
 
 
 def probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:

@@ -9,9 +9,10 @@ from typing import Any, Callable
 from omegaconf import DictConfig
 from tqdm import tqdm
 
+from decode.engine.sampling import GREEDY, Sampling
 from decode.evaluation import EvalError
 
-Decoder = Callable[..., Any]  # (prompt_ids, max_new_tokens, **sampling) -> Generation
+Decoder = Callable[..., Any]  # (prompt_ids, max_new_tokens, sampling=GREEDY) -> Generation
 
 
 @dataclass
@@ -70,7 +71,7 @@ def decode_sampled(decoders: dict[str, Decoder], questions: list, tokenizer, max
     for i, question in enumerate(questions):
         prompt_ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": question.turns[0]}])
         for name, decode in decoders.items():
-            generation = decode(prompt_ids, max_new_tokens, temperature=temperature, seed=seed + i)
+            generation = decode(prompt_ids, max_new_tokens, Sampling(temperature, seed=seed + i))
             records[name].append(_record(question, 0, prompt_ids, generation))
     return records
 
@@ -93,8 +94,8 @@ class Decoded:
 
 
 def chain_decoder(chain, eos: Any) -> Decoder:
-    def decode(prompt_ids: list[int], max_new_tokens: int, **sampling):
-        return chain.generate(prompt_ids, max_new_tokens, eos_token_id=eos, **sampling)
+    def decode(prompt_ids: list[int], max_new_tokens: int, sampling: Sampling = GREEDY):
+        return chain.generate(prompt_ids, max_new_tokens, sampling, eos_token_id=eos)
 
     return decode
 

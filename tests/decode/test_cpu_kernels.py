@@ -15,6 +15,8 @@ from decode.backends.cpu.dense import GEMMS, PackedLinear, gemm_for, pack_weight
 from decode.backends.cpu.attention import KERNEL_ATTENTION
 from decode.backends.cpu.kernels import avx2_kernel
 
+pytestmark = pytest.mark.cpu_kernels
+
 
 @pytest.fixture(scope="module")
 def kernel():

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from decode.baselines import autoregressive
-from decode.engine.chain import Chain, decoding_settings
+from decode.engine.chain import Chain
 from decode.engine.errors import DecodeError
 from decode.engine.levels import ModelLevel, NgramLevel
-from decode.generate import check_context, max_new_tokens, prompt_text, sampling_args, shorthand
+from decode.generate import check_context, max_new_tokens, prompt_text, sampling_of, shorthand
 from decode.engine.sampling import Sampling, SamplingError
 from decode_fixtures import tiny_model
 
@@ -63,17 +63,10 @@ def test_chain_and_ar_refuse_a_token_budget_below_one(chain, n):
         autoregressive(model, [1, 2, 3], n)
 
 
-@pytest.mark.parametrize("kwargs, message", BAD_SAMPLING)
-def test_chain_refuses_bad_sampling_before_decoding(chain, kwargs, message):
-    chain, _ = chain
+@pytest.mark.parametrize("kwargs, message", BAD_SAMPLING + [({"seed": "x"}, "seed must be an integer or null")])
+def test_bad_sampling_is_a_decode_error_before_any_chain_runs(kwargs, message):
     with pytest.raises(DecodeError, match=message):
-        chain.generate([1, 2, 3], 4, **kwargs)
-    assert chain.target.stats.forward_calls == 0
-
-
-def test_decoding_settings_checks_the_seed():
-    with pytest.raises(DecodeError, match="seed must be an integer or null"):
-        decoding_settings(4, seed="x")
+        Sampling(**kwargs)
 
 
 @pytest.mark.parametrize("override, message", [
@@ -86,13 +79,13 @@ def test_decoding_settings_checks_the_seed():
 ])
 def test_config_sampling_values_are_refused_naming_the_key(override, message):
     with pytest.raises(DecodeError, match=message) as err:
-        sampling_args(compose(override))
+        sampling_of(compose(override))
     assert "\n" not in str(err.value)
 
 
 def test_config_sampling_values_pass_through():
-    assert sampling_args(compose("decode.temperature=1", "decode.top_k=5", "decode.top_p=0.5")) == {
-        "temperature": 1.0, "top_k": 5, "top_p": 0.5, "seed": 0}
+    assert sampling_of(compose("decode.temperature=1", "decode.top_k=5", "decode.top_p=0.5")) == Sampling(
+        temperature=1.0, top_k=5, top_p=0.5, seed=0)
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "'12'", "null"])

@@ -65,7 +65,7 @@ def run_eval(models, tmp_path, chains: dict[str, Chain], plan: bool = False, **c
     target = models[0]
     levels = {name: [LEVELS[level.name] for level in chain.levels] for name, chain in chains.items()}
     cfg = eval_cfg(tmp_path, levels, **cfg_kwargs)
-    decoders = {"ar": lambda p, n, **kw: autoregressive(target, p, n, eos_token_id=EOS, **kw)}
+    decoders = {"ar": lambda p, n, *sampling: autoregressive(target, p, n, *sampling, eos_token_id=EOS)}
     decoders |= {name: chain_decoder(chain, EOS) for name, chain in chains.items()}
     specs = {name: ChainSpec.parse(chain) for name, chain in levels.items()}
     plans = plan_chains(cfg, LevelBuilder(chains), specs, decoders, QUESTIONS[:1], EOS) if plan else {}

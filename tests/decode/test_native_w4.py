@@ -12,13 +12,15 @@ import copy
 import pytest
 import torch
 from w4_fixtures import stage_config
+from omegaconf import OmegaConf
 from transformers import LlamaForCausalLM
 
 from decode.backends.cpu.llama import NativeInt8Head, NativeLlamaRunner, int4_parts, native_kernels, unsupported
 from decode.engine.runner import HFRunner
 from decode.engine.tree import Tree
 
-pytestmark = pytest.mark.skipif(native_kernels()[0] is None, reason="the native kernels do not build here")
+pytestmark = [pytest.mark.cpu_kernels,
+              pytest.mark.skipif(native_kernels()[0] is None, reason="the native kernels do not build here")]
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["act_order", "static"])
@@ -200,7 +202,7 @@ def held_out_text(tokenizer, conversations: int = 4, tokens: int = 300) -> list[
     """The first held-out ShareGPT conversations, chat-templated as the chains see them, `tokens` each."""
     from data.sharegpt import load_split, tokenize_conversation
 
-    held_out = load_split(DATA)[1][:conversations]
+    held_out = load_split(OmegaConf.create(DATA))[1][:conversations]
     return [torch.tensor([tokenize_conversation(tokenizer, c, tokens).input_ids]) for c in held_out]
 
 

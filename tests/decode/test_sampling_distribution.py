@@ -47,7 +47,7 @@ def chi_square_pvalue(counts: torch.Tensor, expected_p: torch.Tensor) -> float:
 def chain_counts(chain: Chain) -> torch.Tensor:
     counts = torch.zeros(VOCAB, VOCAB)
     for seed in range(SAMPLES):
-        tokens = chain.generate(PROMPT, 3, temperature=SAMPLING.temperature, seed=seed).tokens
+        tokens = chain.generate(PROMPT, 3, Sampling(SAMPLING.temperature, seed=seed)).tokens
         counts[tokens[1], tokens[2]] += 1
     return counts
 
@@ -133,5 +133,5 @@ def test_sampling_is_reproducible_per_seed_for_every_level_kind(models):
                     {"kind": "eagle", "path": "untrained", "draft": tree}],
                    [{"kind": "model"}, {"kind": "eagle", "path": "untrained", "draft": {"length": 3}}]):
         chain = build_chain(levels, target, tokenizer=None)
-        runs = [chain.generate(PROMPT, 12, temperature=0.8, top_k=5, top_p=0.9, seed=s).tokens for s in (7, 7, 8)]
+        runs = [chain.generate(PROMPT, 12, Sampling(0.8, 5, 0.9, seed=s)).tokens for s in (7, 7, 8)]
         assert runs[0] == runs[1] and len(runs[0]) == 12 and all(0 <= t < VOCAB for t in runs[0])
