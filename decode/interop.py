@@ -109,7 +109,7 @@ def polyspec_side(cfg: DictConfig, head: Path, w4: Path, prompts: list[list[int]
     from data.models import load_model
     from decode.baselines import autoregressive
     from decode.build import configured_chain, eos_of, load_target
-    from quantize.w4 import teacher_forced_matches
+    from quantize.evaluation import teacher_forced_matches
 
     icfg = cfg.interop
     target, tokenizer = load_target(cfg)

@@ -19,7 +19,8 @@ from infra.cli import run_main
 from data.models import load_model, load_tokenizer, resolve_model_path
 from data.sharegpt import load_split, tokenize_conversation
 from infra.tracking import write_json_atomic
-from quantize.w4 import QuantizeError, forward_ms
+from quantize.errors import QuantizeError
+from quantize.evaluation import forward_ms
 
 # (label, backend or None for transformers' own choice, dtype of the non-quantized parts)
 W4_VARIANTS = [

@@ -14,9 +14,10 @@ import torch
 
 from w4_fixtures import stage_config
 
-from quantize.w4 import (
-    QuantizeError, acceptance_lengths, dequantize, run, split_groups, storage_group_size,
-)
+from quantize.checkpoint import dequantize, split_groups, storage_group_size
+from quantize.errors import QuantizeError
+from quantize.evaluation import acceptance_lengths
+from quantize.w4 import run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -176,7 +177,7 @@ def test_split_groups_is_lossless_for_activation_order_and_ragged_tails():
 def test_static_groups_tells_activation_order_from_the_static_layout(tmp_path):
     from safetensors.torch import save_file
 
-    from quantize.w4 import static_groups
+    from quantize.checkpoint import static_groups
 
     static = torch.arange(192, dtype=torch.int32) // 64
     save_file({"a.g_idx": static, "b.g_idx": static[:128].clone()}, tmp_path / "model.safetensors")

@@ -85,7 +85,7 @@ def _symmetric(module: torch.nn.Module) -> bool:
     """Zero points all 8, as GPTQModel's CPU kernel assumes (unknown once it has repacked: then it is its weight)."""
     if module.linear_mode is not None:
         return True
-    from quantize.w4 import unpack_rows
+    from quantize.checkpoint import unpack_rows
 
     return bool((unpack_rows(module.qzeros.t().contiguous(), 4) == 8).all())
 

@@ -1,0 +1,55 @@
+"""Driving GPTQModel: the calibration set (chat-templated ShareGPT training conversations) and the quantization
+itself, on the CPU (the 2-core recipe) or a GPU; the checkpoint it writes is GPTQ's v1 format either way."""
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+from transformers import PreTrainedTokenizerBase
+
+from data.sharegpt import Conversation, tokenize_conversation
+from quantize.errors import QuantizeError
+
+
+def calibration_samples(
+    train: list[Conversation], tokenizer: PreTrainedTokenizerBase, n: int, min_len: int, max_len: int, seed: int
+) -> list[list[int]]:
+    """`n` chat-templated training conversations of at least `min_len` tokens, cut at `max_len`, seeded order."""
+    order = list(range(len(train)))
+    random.Random(seed).shuffle(order)
+    samples: list[list[int]] = []
+    for i in order:
+        ids = tokenize_conversation(tokenizer, train[i], max_len).input_ids
+        if len(ids) >= min_len:
+            samples.append(ids)
+            if len(samples) == n:
+                return samples
+    raise QuantizeError(
+        f"calibration: asked for {n} samples of at least {min_len} tokens, but the training split has only {len(samples)}"
+    )
+
+
+def cpu_recipe(qcfg: DictConfig) -> None:
+    """The 2-core recipe (docs/design.md, "Libraries the defaults rest on"): GPTQModel's CPU worker pool sized to the cores. Set before it is built."""
+    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(qcfg.cpu_workers or os.cpu_count() or 1))
+
+
+def gptq_quantize(src: str, dst: Path, qcfg: DictConfig, calibration: list[list[int]], device: str = "cpu") -> None:
+    """Run GPTQModel on `src` on `device` (its CPU path, or its GPU path on cuda[:N]) and save the checkpoint into
+    `dst` (which must not exist yet); the checkpoint format is the same either way."""
+    from gptqmodel import GPTQModel, QuantizeConfig
+    from gptqmodel.looper import loop_processor
+
+    loop_processor._PROJECT_LOG_DIR = dst.parent / "gptq_logs"  # its per-module log, else written to ./logs (pinned 7.6.0)
+    config = QuantizeConfig(
+        bits=qcfg.bits, group_size=qcfg.group_size, sym=qcfg.sym, desc_act=qcfg.desc_act,
+        act_group_aware=qcfg.act_group_aware and not qcfg.desc_act, damp_percent=qcfg.damp_percent,
+        damp_auto_increment=qcfg.damp_auto_increment, mse=qcfg.mse, true_sequential=qcfg.true_sequential,
+        offload_to_disk=False,  # disk offload: much slower here
+    )
+    model = GPTQModel.load(src, config, device=device, dtype=getattr(torch, qcfg.calibration.dtype))
+    model.quantize([{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in calibration], batch_size=qcfg.calibration.batch_size)
+    model.save(str(dst))
