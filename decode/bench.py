@@ -6,9 +6,9 @@ chains (decode.bench.two_level / three_level / extra; a chain or assistant whose
 missing is replaced by its configured stand-in, and the table says so). All methods run in one
 process, interleaved per prompt (the order rotates from prompt to prompt), and the table reports
 medians, so machine noise hits every method alike, and each method's pooled time speedup over AR with its
-paired interval over prompts (decode.speedup, level decode.bench.confidence). Each chain's per-level
+paired interval over prompts (decode.evaluation.speedup, level decode.bench.confidence). Each chain's per-level
 numbers and its measured decoding time next to both predictions (Theorem 3.1 and the refined one) come
-from decode.measure, the same code decode.eval reports them with.
+from decode.evaluation.measure, the same code decode.eval reports them with.
 """
 from __future__ import annotations
 
@@ -22,12 +22,12 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from infra.cli import check_writable, run_main
-from decode.build import configured_builder, eos_of, level_model, load_target, reference_decoders
+from decode.chains.build import configured_builder, eos_of, level_model, load_target, reference_decoders
 from decode.engine.errors import DecodeError
 from decode.engine.levels import Generation
-from decode.generate import chain_from_config, sampling_of
-from decode.measure import level_line, prediction_line, summarize
-from decode.speedup import Interval, IntervalError, checked_confidence, time_speedup
+from decode.chains.build import chain_from_config, sampling_of
+from decode.evaluation.measure import level_line, prediction_line, summarize
+from decode.evaluation.speedup import Interval, IntervalError, checked_confidence, time_speedup
 
 Method = Callable[[list[int], int], Generation]
 
@@ -36,7 +36,7 @@ def methods(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Method], dict
     """The decoders to compare, and a note per method on what it actually is."""
     from decode import backends
     from decode.backends.cpu.dense import packed_with
-    from decode.baselines import hf_assisted, hf_prompt_lookup
+    from decode.chains.baselines import hf_assisted, hf_prompt_lookup
     from decode.engine.head import HeadError
     from decode.engine.spec import LevelSpec, parse
 

@@ -76,7 +76,7 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
     from data.sharegpt import load_split
     from decode import backends
     from decode.backends.cpu.dense import packed_with
-    from decode.build import gemm_choice, native_settings, onednn_target
+    from decode.chains.build import gemm_choice, native_settings, onednn_target
     from decode.engine.head import EagleHead, vocabulary_rows
     from decode.engine.levels import ModelLevel
 

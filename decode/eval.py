@@ -7,13 +7,13 @@ after a warm-up. Three named checks and the speed decide which chain is publishe
              at a numerical near-tie of the target's top-2 logits, docs/design.md "What 'lossless' means");
   insertion  every level inserted between two others (a chain equal to another plus one middle level)
              lowers the time by Theorem 3.2 on the measured T and L;
-  agreement  the refined prediction of each chain's decoding time (decode.measure; Theorem 3.1 with each
+  agreement  the refined prediction of each chain's decoding time (decode.evaluation.measure; Theorem 3.1 with each
              level's rounds counted from what it hands up) is within a tolerance of the measured time,
              and an insertion the theory admits is measured faster. Theorem 3.1's own error is reported.
-Before decoding, decode.plan calibrates each chain on held-out prompts and picks mu and the draft
+Before decoding, decode.chains.plan calibrates each chain on held-out prompts and picks mu and the draft
 length or tree size; a plan that changes them is decoded too, as `<chain>_planned`. A chain is
 admissible when no check failed for it and it is shown faster than AR: the lower bound of its speedup's
-interval (decode.speedup, paired over turns, level eval.confidence) is above 1. The admissible chain with
+interval (decode.evaluation.speedup, paired over turns, level eval.confidence) is above 1. The admissible chain with
 the highest lower bound is published (eval.publish.chain=<chain>: that chain only, and only if every check
 passed). The agreement check likewise fails only on what the intervals show.
 T_i is the engine's mean forward time; L_i and its variance pool every verification of the run, and
@@ -49,7 +49,7 @@ def checked_confidence(value: Any) -> float:
 def run(cfg: DictConfig) -> int:
     from data.models import weights_hash
     from data.prompts import load_questions
-    from decode.build import configured_builder, eos_of, load_target
+    from decode.chains.build import configured_builder, eos_of, load_target
     from infra.tracking import Tracker
     from infra.cli import check_writable, flag
 
@@ -90,7 +90,7 @@ def run(cfg: DictConfig) -> int:
 def conclude(cfg: DictConfig, decoded: Decoded, margin_fn: Callable[[list[int]], tuple[float, list[int]]],
              target_hash: str, tracker: Any) -> int:
     """From decoded records to the gate: evaluate, write the report, publish or refuse; the exit code."""
-    from decode.report import write_report
+    from decode.evaluation.report import write_report
 
     ecfg = cfg.eval
     near_tie = ecfg.checks.near_tie_relative.get(cfg.model.dtype)

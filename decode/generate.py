@@ -18,35 +18,12 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from infra.cli import flag, run_main
-from decode.build import ChainBuilder, configured_builder, configured_spec, eos_of
-from decode.engine.chain import Chain, check_new_tokens
-from decode.engine.sampling import Sampling
+from decode.chains.build import chain_from_config, configured_builder, eos_of, sampling_of
+from decode.engine.chain import check_new_tokens
 from decode.engine.errors import DecodeError
 from decode.engine.levels import Generation
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def chain_from_config(cfg: DictConfig, name: str, builder: ChainBuilder) -> Chain:
-    """decode.chains[name], built."""
-    chains = cfg.decode.chains
-    if name not in chains or chains[name] is None:
-        raise DecodeError(f"decode.chain={name!r}: no such chain in conf/decode/chain.yaml; known: {', '.join(chains)}")
-    return builder.build(configured_spec(cfg, chains[name]))
-
-
-def sampling_of(cfg: DictConfig) -> Sampling:
-    """decode.temperature / top_k / top_p / seed as the one Sampling value chains and baselines take, checked
-    first: a bad value is a one-line DecodeError naming its key (e.g. decode.top_p must be in (0, 1])."""
-    d = cfg.decode
-    args = {key: d.get(key) for key in ("temperature", "top_k", "top_p", "seed")}
-    for key in ("temperature", "top_p"):
-        if isinstance(args[key], int) and not isinstance(args[key], bool):
-            args[key] = float(args[key])
-    try:
-        return Sampling(**args)
-    except DecodeError as err:
-        raise DecodeError(f"decode.{err}") from None
 
 
 def max_new_tokens(cfg: DictConfig) -> int:
@@ -121,8 +98,8 @@ def level_table(generation: Generation) -> str:
 
 def run(cfg: DictConfig) -> None:
     from data.sharegpt import chat_prompt_ids
-    from decode.baselines import autoregressive
-    from decode.build import load_target
+    from decode.chains.baselines import autoregressive
+    from decode.chains.build import load_target
 
     d = cfg.decode
     text, new_tokens, sampling = prompt_text(cfg), max_new_tokens(cfg), sampling_of(cfg)  # checked before any loading

@@ -1,8 +1,8 @@
 """`python -m decode.interop`: what polyspec publishes, loaded and decoded by a real serving engine (vLLM, CPU).
 
 The published head and the W4 model are meant to be served by engines that compute them natively, so this
-check runs the consumer itself: vLLM in its own venv (decode/vllm_venv.py; created on first use), one engine
-per process (decode/vllm_run.py). On the default prompts' first turns, greedy, single stream,
+check runs the consumer itself: vLLM in its own venv (decode/consumers/vllm_venv.py; created on first use), one engine
+per process (decode/consumers/vllm_run.py). On the default prompts' first turns, greedy, single stream,
 same threads:
 
   (a) vLLM's output with the head as its EAGLE drafter equals its output without (lossless in vLLM too);
@@ -107,8 +107,8 @@ def polyspec_side(cfg: DictConfig, head: Path, w4: Path, prompts: list[list[int]
     """AR and the dualistic chain (chain draft of k tokens), interleaved per prompt; then polyspec's W4 level's
     teacher-forced agreement with AR's continuations."""
     from data.models import load_model
-    from decode.baselines import autoregressive
-    from decode.build import configured_chain, eos_of, load_target
+    from decode.chains.baselines import autoregressive
+    from decode.chains.build import configured_chain, eos_of, load_target
     from quantize.evaluation import teacher_forced_matches
 
     icfg = cfg.interop
@@ -155,14 +155,14 @@ def vllm_jobs(icfg: Any, target: str, head: Path, w4: Path, prompts: list[list[i
 
 
 def run_engine(python: Path, venv: Path, name: str, job: dict, threads: int, log: Path) -> dict[str, Any]:
-    """Run one job in the venv (decode/vllm_run.py), vLLM's output appended to `log`. A failure (vLLM refusing a
+    """Run one job in the venv (decode/consumers/vllm_run.py), vLLM's output appended to `log`. A failure (vLLM refusing a
     checkpoint, a crash) is returned as the job's `error`, not raised: it is what the checks are for.
 
     One process per engine (a second engine in one process fails in vLLM 0.32's CPU kernel registration), but
     its engine core and worker inside it (VLLM_ENABLE_V1_MULTIPROCESSING=0): one vLLM import per engine, not three."""
-    from decode.vllm_venv import engine_env
+    from decode.consumers.vllm_venv import RUNNER, engine_env
 
-    script = Path(__file__).with_name("vllm_run.py")
+    script = RUNNER
     env = engine_env(venv, threads) | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     with tempfile.TemporaryDirectory(prefix="polyspec-vllm-") as tmp:
         jobs_file, out_file = Path(tmp) / "jobs.json", Path(tmp) / "results.json"
@@ -279,7 +279,7 @@ def validate(icfg: Any) -> None:
 def run(cfg: DictConfig) -> int:
     from data.models import load_tokenizer
     from infra.tracking import write_json_atomic
-    from decode.vllm_venv import ensure_venv, w4_kernel_missing
+    from decode.consumers.vllm_venv import ensure_venv, w4_kernel_missing
 
     icfg = cfg.interop
     validate(icfg)

@@ -76,13 +76,13 @@ def test_synchronized_clock_on_the_cpu_is_perf_counter():
 
 def test_cpu_device_keeps_the_packed_cpu_path():
     """device=cpu: decode.gemm is checked and used as before; on a GPU nothing is packed (None)."""
-    from decode.build import gemm_choice
+    from decode.chains.build import gemm_choice
 
     assert gemm_choice(OmegaConf.create({"device": "cpu", "decode": {"gemm": "onednn"}})) == "onednn"
 
 
 def test_nothing_is_packed_on_cuda(two_gpus):
-    from decode.build import gemm_choice
+    from decode.chains.build import gemm_choice
 
     assert gemm_choice(OmegaConf.create({"device": "cuda:1", "decode": {"gemm": "onednn"}})) is None
 

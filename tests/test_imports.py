@@ -68,3 +68,17 @@ def test_layers_import_downward_only():
                       else 3 if m.startswith("decode.backends") else 4)
     upward = {f"{n} -> {d}" for n, deps in GRAPH.items() for d in deps if rank(d) > rank(n)}
     assert not upward, sorted(upward)
+
+
+APPS = {name for name, path in MODULES.items() if 'if __name__ == "__main__"' in path.read_text()}
+
+
+def test_no_app_imports_another_app():
+    assert {"decode.eval", "decode.bench", "train.eagle", "quantize.w4"} <= APPS
+    crossing = {f"{n} -> {d}" for n in APPS for d in GRAPH[n] if d in APPS}
+    assert not crossing, sorted(crossing)
+
+
+def test_the_decode_root_holds_only_apps():
+    root = {name for name, path in MODULES.items() if path.parent == ROOT / "decode" and path.stem != "__init__"}
+    assert root and root <= APPS, sorted(root - APPS)

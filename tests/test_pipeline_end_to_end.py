@@ -74,7 +74,7 @@ def check_in_vllm(run_dir: Path, prompts: Path) -> None:
     log = (done.stdout + done.stderr)[-3000:]
     record = json.loads((run_dir / "interop" / "interop.json").read_text())
     checks = {c["name"]: c for c in record["checks"]}
-    from decode.vllm_venv import w4_kernel_missing
+    from decode.consumers.vllm_venv import w4_kernel_missing
 
     w4_loads = None if w4_kernel_missing() else True  # AVX2-only CPUs: vLLM has no W4 kernel, said as not applicable
     assert checks["head_lossless"]["passed"] and checks["acceptance"]["passed"] is None, log

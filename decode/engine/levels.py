@@ -36,7 +36,7 @@ class LevelStats:
     acceptance_lengths: list[int] = field(default_factory=list)  # per verification call, bonus included (L_i)
     proposed: int = 0  # tokens the level below proposed to this level
     accepted: int = 0  # of those, accepted
-    forwards: list[tuple[int, float]] = field(default_factory=list)  # (tokens fed, seconds) of each forward (decode.plan)
+    forwards: list[tuple[int, float]] = field(default_factory=list)  # (tokens fed, seconds) of each forward (decode.chains.plan)
 
     @property
     def mean_forward_time_s(self) -> float:  # T_i

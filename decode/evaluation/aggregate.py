@@ -1,5 +1,5 @@
 """From per-turn records to what the report says per method and category: pooled times and acceptance per level,
-Spec-Bench and time speedups with their paired intervals (decode.speedup), Theorem 3.1 and refined predictions."""
+Spec-Bench and time speedups with their paired intervals (decode.evaluation.speedup), Theorem 3.1 and refined predictions."""
 from __future__ import annotations
 
 import statistics
@@ -11,7 +11,7 @@ from decode.evaluation.runner import Record
 
 
 def summarize(records: list[Record]) -> dict[str, Any]:
-    """decode.measure's pooled per-level numbers and both predictions, over these turns."""
+    """decode.evaluation.measure's pooled per-level numbers and both predictions, over these turns."""
     return measure.summarize([r.stats for r in records])
 
 
@@ -33,7 +33,7 @@ def time_speedup(summary: dict[str, Any], reference: dict[str, Any]) -> float:
 
 
 def speedup_interval(records: list[Record], reference: list[Record], confidence: float) -> dict[str, Any]:
-    """The pooled time speedup over the same turns of the reference, with its paired interval (decode.speedup)."""
+    """The pooled time speedup over the same turns of the reference, with its paired interval (decode.evaluation.speedup)."""
     def timed(recs: list[Record]) -> list[tuple[float, int]]:
         return [(r.stats.wall_time_s, r.stats.new_tokens) for r in recs]
 
@@ -42,7 +42,7 @@ def speedup_interval(records: list[Record], reference: list[Record], confidence:
 
 def error_intervals(result: dict[str, Any], rows: list[dict[str, Any]], confidence: float) -> None:
     """Each prediction's error gets an interval: the turns' spread of predicted over measured decoding time
-    (a paired ratio, decode.speedup), around the pooled prediction's error."""
+    (a paired ratio, decode.evaluation.speedup), around the pooled prediction's error."""
     for name, p in result["predictions"].items():
         turns = [(r["predicted_time_s"][name], r["decode_time_s"]) for r in rows
                  if r["predicted_time_s"].get(name) is not None and r["decode_time_s"] > 0]

@@ -182,7 +182,7 @@ def evaluate(decoded: Decoded, margin_fn: Callable[[list[int]], tuple[float, lis
              reference: str = "ar") -> dict[str, Any]:
     """Everything the report holds, computed from the decoded records: summaries, theory, checks, plans.
 
-    `decoded.plans` maps a configured chain to its plan (decode.plan.plan_chain, plus "chain": the planned chain's
+    `decoded.plans` maps a configured chain to its plan (decode.chains.plan.plan_chain, plus "chain": the planned chain's
     name); insertions pair configured chains with configured ones and planned with planned."""
     records, chains, plans, confidence = decoded.records, decoded.names, decoded.plans, checks_cfg.confidence
     summaries = {name: summarize(recs) for name, recs in records.items()}

@@ -60,7 +60,7 @@ def failed_lines(checks: list[dict[str, Any]]) -> list[str]:
 
 
 def level_folder(level_cfg: Any, artifacts: RunLayout) -> Path | None:
-    """The folder a level loads from (head, W4 model), resolved as decode.build does; None for the target,
+    """The folder a level loads from (head, W4 model), resolved as decode.chains.build does; None for the target,
     `untrained` and models that are no folder (bundled:, hub ids)."""
     kind = level_cfg.get("kind", "model")
     source = level_cfg.get("path") if kind == "eagle" else level_cfg.get("model") if kind == "model" else None
@@ -111,10 +111,10 @@ def chain_manifest(
 
 
 def serve_of(cfg: DictConfig, levels: list[dict[str, Any]]) -> dict[str, Any]:
-    """chain.json's `serve` (decode.serving) for the published bundle's target, drafter and W4 level, by their
+    """chain.json's `serve` (decode.consumers.serving) for the published bundle's target, drafter and W4 level, by their
     paths once published."""
     from data.models import ModelSourceError, resolve_model_path
-    from decode.serving import serve_section
+    from decode.consumers.serving import serve_section
 
     bundle = Path(cfg.eval.publish.dir).resolve()
     where = [str(bundle / l["bundled_as"]) if "bundled_as" in l else None for l in levels]

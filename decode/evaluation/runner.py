@@ -1,5 +1,5 @@
 """Decoding for the eval: every question with every method, interleaved after a warm-up (records per turn), the
-sampled decodes of Theorem 3.3, and the planned chains (decode.plan) decoded next to the configured ones."""
+sampled decodes of Theorem 3.3, and the planned chains (decode.chains.plan) decoded next to the configured ones."""
 from __future__ import annotations
 
 import sys
@@ -102,7 +102,7 @@ def chain_decoder(chain, eos: Any) -> Decoder:
 
 def build_decoders(cfg: DictConfig, builder, eos: Any) -> tuple[dict[str, Decoder], dict[str, Any]]:
     """The AR reference and every configured chain, as decoders; and the chains' specs."""
-    from decode.build import configured_spec, reference_decoders
+    from decode.chains.build import configured_spec, reference_decoders
 
     decoders: dict[str, Decoder] = reference_decoders(cfg, builder.target, eos)
     specs = {}
@@ -138,7 +138,7 @@ def plan_chains(cfg: DictConfig, builder: Any, specs: dict[str, Any], decoders: 
                 eos: Any) -> dict[str, dict[str, Any]]:
     """Plan the chains of eval.plan.chains (null: all) on held-out prompts. A plan that changes the knobs adds
     the decoder `<chain>_planned` (a chain built from the planned spec), decoded next to the configured chain."""
-    from decode.plan import plan_chain
+    from decode.chains.plan import plan_chain
 
     pcfg, plans = cfg.eval.plan, {}
     prompts = calibration_prompts(cfg.eval, questions, builder.tokenizer)

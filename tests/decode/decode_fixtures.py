@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from decode.baselines import autoregressive
+from decode.chains.baselines import autoregressive
 
 
 def tiny_model(seed: int = 0, vocab: int = 300, layers: int = 4, hidden: int = 64, init: float = 0.08) -> LlamaForCausalLM:

@@ -1,4 +1,4 @@
-"""decode.measure: the per-level summary and both predictions (Theorem 3.1, refined) that decode.bench and
+"""decode.evaluation.measure: the per-level summary and both predictions (Theorem 3.1, refined) that decode.bench and
 decode.eval share, on synthetic engine stats; and the same numbers printed by both."""
 from __future__ import annotations
 
@@ -58,8 +58,8 @@ def test_bench_and_eval_print_the_same_per_level_numbers_for_the_same_generation
     from decode.evaluation.checks import evaluate
     from decode.evaluation.runner import Decoded, Record
     from decode.evaluation.publish import gate
-    from decode.report import markdown
-    from decode.speedup import Interval
+    from decode.evaluation.report import markdown
+    from decode.evaluation.speedup import Interval
 
     ar = [Generation(list(range(17)), GenerationStats(1.7, 0.1, 17, 0.0, [LevelStats("target", "model", 16, verify_time_s=1.6)]))
           for _ in range(2)]

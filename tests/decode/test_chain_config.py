@@ -14,7 +14,7 @@ from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
 from infra.layout import RunLayout
-from decode.build import build_chain, configured_chain
+from decode.chains.build import build_chain, configured_chain
 from decode.engine.errors import DecodeError
 from decode.engine.levels import EagleLevel, ModelLevel, NgramLevel
 from decode.engine.chain import read_features

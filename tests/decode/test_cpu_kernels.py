@@ -9,7 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from decode.build import gemm_choice
+from decode.chains.build import gemm_choice
 from decode.engine.errors import DecodeError
 from decode.backends.cpu.dense import GEMMS, PackedLinear, gemm_for, pack_weight, _packed_mm
 from decode.backends.cpu.attention import KERNEL_ATTENTION

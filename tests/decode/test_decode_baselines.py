@@ -5,7 +5,7 @@ import pytest
 import torch
 from decode_fixtures import noisy_copy, prompts, tiny_model
 
-from decode.baselines import autoregressive, hf_assisted, hf_prompt_lookup
+from decode.chains.baselines import autoregressive, hf_assisted, hf_prompt_lookup
 from decode.engine.levels import Generation
 pytestmark = pytest.mark.usefixtures("one_thread")
 

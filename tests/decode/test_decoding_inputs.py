@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from decode.baselines import autoregressive
+from decode.chains.baselines import autoregressive
 from decode.engine.chain import Chain
 from decode.engine.errors import DecodeError
 from decode.engine.levels import ModelLevel, NgramLevel

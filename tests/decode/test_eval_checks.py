@@ -11,7 +11,7 @@ from decode.evaluation.checks import check_agreement, check_insertion, check_los
 from decode.evaluation.publish import clean_stale, folder_hash, gate, publish_bundle, set_aside
 from decode.evaluation.aggregate import summarize, time_speedup
 from decode.engine.levels import GenerationStats, LevelStats
-from decode.speedup import Interval
+from decode.evaluation.speedup import Interval
 
 
 def record(tokens, levels, turn=0, qid=1, wall=1.0, depth=0.0):

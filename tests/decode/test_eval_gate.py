@@ -10,7 +10,7 @@ import torch
 
 from infra.cli import EXIT_NOT_PUBLISHED
 from infra.tracking import Tracker
-from decode.baselines import autoregressive
+from decode.chains.baselines import autoregressive
 from decode.engine.chain import Chain
 from decode.engine.levels import ModelLevel
 from decode.engine.spec import ChainSpec
@@ -165,7 +165,7 @@ def test_planned_chain_runs_next_to_the_configured_one_and_its_plan_is_published
         assert plan[side]["predicted"]["s_per_token"] > 0 and plan[side]["measured_s_per_token"] > 0
         assert plan[side]["error"] == pytest.approx(plan[side]["predicted"]["s_per_token"] / plan[side]["measured_s_per_token"] - 1)
     assert plan["levels"][-1]["draft"] == plan["planned"]["knobs"]["draft"]
-    assert "## Plan (decode.plan)" in (tmp_path / "eval" / "report.md").read_text()
+    assert "## Plan (decode.chains.plan)" in (tmp_path / "eval" / "report.md").read_text()
     assert code == 0, report["gate"]
     manifest = json.loads((tmp_path / "publish" / "chain.json").read_text())
     assert manifest["plan"]["planned"]["knobs"] == plan["planned"]["knobs"] and manifest["measured"]["speedup_over_ar"] > 1

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from decode.interop import InteropError, check_w4_layout
-from decode.serving import TWO_LEVELS, serve_section
+from decode.consumers.serving import TWO_LEVELS, serve_section
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -83,7 +83,7 @@ def test_interop_refuses_bad_input_in_one_line_before_installing_or_loading(tmp_
 
 
 def test_venv_install_order_and_a_failed_step_in_one_line(tmp_path, monkeypatch):
-    import decode.vllm_venv as venv_mod
+    import decode.consumers.vllm_venv as venv_mod
 
     ran = []
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from decode_fixtures import greedy_equal, noisy_copy, packed, prompts, tiny_model
 
-from decode.build import build_chain
+from decode.chains.build import build_chain
 from decode.engine.chain import Chain
 from decode.engine.levels import EagleLevel, ModelLevel, NgramLevel
 
@@ -306,7 +306,7 @@ def test_real_packed_target_decodes_like_the_eager_target(bundled_target):
     """decode.fast changes only the summation order of the target's matrix products: its greedy output
     equals the plain eager target's, except at a numerical near-tie of the eager target's top-2 logits."""
     from data.sharegpt import chat_prompt_ids
-    from decode.baselines import autoregressive
+    from decode.chains.baselines import autoregressive
     from decode_fixtures import packed as packed_copy
 
     model, tokenizer = bundled_target

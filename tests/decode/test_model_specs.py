@@ -5,7 +5,7 @@ import pytest
 
 from infra.layout import RunLayout
 from data.models import ModelSourceError, is_hub_id, load_model, resolve_model_path
-from decode.build import level_model
+from decode.chains.build import level_model
 from decode.engine.spec import LevelSpec
 from decode.engine.errors import DecodeError
 from decode_fixtures import tiny_model

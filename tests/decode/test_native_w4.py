@@ -267,7 +267,7 @@ def test_a_native_w4_drafter_keeps_decoding_lossless(w4, tiny_source, draft, one
 def test_decode_native_is_checked_before_anything_loads():
     from omegaconf import OmegaConf
 
-    from decode.build import configured_builder
+    from decode.chains.build import configured_builder
     from decode.engine.errors import DecodeError
 
     with pytest.raises(DecodeError, match="decode.native must be one of auto, on, off"):

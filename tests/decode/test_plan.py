@@ -1,4 +1,4 @@
-"""decode.plan: the acceptance model, the prediction it feeds the refined formula, and the minimiser, on
+"""decode.chains.plan: the acceptance model, the prediction it feeds the refined formula, and the minimiser, on
 synthetic calibrations; then a calibration of a real (tiny) chain."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from decode.engine.planner import ChainModel, Shape, best, capped, first_passage, predict
-from decode.plan import plan_chain
+from decode.chains.plan import plan_chain
 
 
 def test_first_passage_hands_up_the_buffer_that_first_reaches_mu():

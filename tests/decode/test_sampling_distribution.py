@@ -65,7 +65,7 @@ def models(request):
 
 def draft_vocab_chain(models, draft: dict) -> Chain:
     """target <- EAGLE head that can propose only 4 of the 8 tokens: the others come only from residuals."""
-    from decode.build import build_chain
+    from decode.chains.build import build_chain
     from decode.engine.head import EagleHead
 
     chain = build_chain([{"kind": "model"}, {"kind": "eagle", "path": "untrained", "draft": draft}], models[0], tokenizer=None)
@@ -125,7 +125,7 @@ def test_broken_acceptance_rule_is_caught(models, monkeypatch, chain):
 
 
 def test_sampling_is_reproducible_per_seed_for_every_level_kind(models):
-    from decode.build import build_chain
+    from decode.chains.build import build_chain
 
     target = models[0]
     tree = {"mode": "tree", "depth": 3, "top_k": 2, "total_tokens": 6}

@@ -56,7 +56,7 @@ def test_as_config_round_trips_and_keeps_only_the_kinds_keys():
 
 
 def test_a_built_chain_leaves_its_spec_unchanged():
-    from decode.build import ChainBuilder
+    from decode.chains.build import ChainBuilder
     from decode_fixtures import tiny_model
 
     spec = ChainSpec.parse([{"name": "t"}, {"kind": "model", "name": "exit", "layers": 2, "mu": 2},

@@ -1,4 +1,4 @@
-"""decode.speedup and the gate on synthetic paired timings (no models): a chain is published only when its
+"""decode.evaluation.speedup and the gate on synthetic paired timings (no models): a chain is published only when its
 speedup's interval clears 1, and report.md and chain.json say so beside the speedup."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from decode.evaluation.runner import Decoded, Record
 from decode.eval import checked_confidence, conclude
 from decode.evaluation.publish import gate
 from decode.evaluation.aggregate import time_speedup as pooled_time_speedup
-from decode.speedup import IntervalError, ratio, t_quantile, time_speedup
+from decode.evaluation.speedup import IntervalError, ratio, t_quantile, time_speedup
 from eval_fixtures import eval_cfg
 
 ROOT = Path(__file__).resolve().parents[2]

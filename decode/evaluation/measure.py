@@ -7,7 +7,7 @@ time is time_to_first_token_s); N is the tokens decoded after the first, pooled 
   refined  each level's rounds counted from the tokens it hands up, at its measured cost per forward
            (decode.theory.refined_time). On measured values its rounds equal the levels' forward calls
            (the tokens a level hands up are the sum of its acceptance lengths), so its error is the time
-           spent outside forwards; the planner's prediction (decode.plan) is the same formula fed from a
+           spent outside forwards; the planner's prediction (decode.chains.plan) is the same formula fed from a
            model of the chain instead, and is checked against the planned chain's measurement.
 """
 from __future__ import annotations

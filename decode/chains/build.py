@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from infra.layout import RunLayout
@@ -70,7 +70,7 @@ def reference_decoders(cfg: Any, target: PreTrainedModel, eos: Any, sampling: Sa
                        onednn: bool = False) -> dict[str, Callable]:
     """The autoregressive reference on the configured target (`ar`), and beside it, where they differ, AR on the
     plain eager target (`ar_eager`, when decode.fast) and on oneDNN (`ar_onednn`, asked for and the target on AVX2)."""
-    from decode.baselines import autoregressive
+    from decode.chains.baselines import autoregressive
 
     models = {"ar": target}
     if cfg.decode.get("fast"):
@@ -269,3 +269,25 @@ def _eagle_head(level: LevelSpec, tokenizer, artifacts: RunLayout, target: PreTr
         return EagleHead.from_pretrained(str(folder), target, tokenizer).eval()
     except (OSError, ValueError, RuntimeError) as err:
         raise DecodeError(f"{folder}: cannot load the EAGLE head ({str(err).splitlines()[0]})") from None
+
+
+def chain_from_config(cfg: DictConfig, name: str, builder: ChainBuilder) -> Chain:
+    """decode.chains[name], built."""
+    chains = cfg.decode.chains
+    if name not in chains or chains[name] is None:
+        raise DecodeError(f"decode.chain={name!r}: no such chain in conf/decode/chain.yaml; known: {', '.join(chains)}")
+    return builder.build(configured_spec(cfg, chains[name]))
+
+
+def sampling_of(cfg: DictConfig) -> Sampling:
+    """decode.temperature / top_k / top_p / seed as the one Sampling value chains and baselines take, checked
+    first: a bad value is a one-line DecodeError naming its key (e.g. decode.top_p must be in (0, 1])."""
+    d = cfg.decode
+    args = {key: d.get(key) for key in ("temperature", "top_k", "top_p", "seed")}
+    for key in ("temperature", "top_p"):
+        if isinstance(args[key], int) and not isinstance(args[key], bool):
+            args[key] = float(args[key])
+    try:
+        return Sampling(**args)
+    except DecodeError as err:
+        raise DecodeError(f"decode.{err}") from None

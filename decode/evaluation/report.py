@@ -32,7 +32,7 @@ def _error(prediction: dict[str, Any]) -> str:
 
 
 def _interval(result: dict[str, Any], key: str = "time_speedup_interval") -> str:
-    """'1.01x [0.96, 1.06]: not shown to be faster' (decode.speedup), or the point alone (AR against itself)."""
+    """'1.01x [0.96, 1.06]: not shown to be faster' (decode.evaluation.speedup), or the point alone (AR against itself)."""
     interval = result.get(key)
     return interval["text"] if interval else _f(result.get("time_speedup", 1.0))
 
@@ -70,7 +70,7 @@ def _gate_section(report: dict[str, Any]) -> list[str]:
 
 def _chains_section(report: dict[str, Any]) -> list[str]:
     """AR, the baselines and every chain: speed, both predictions, T_i and L_i per level."""
-    from decode.measure import level_line, prediction_line
+    from decode.evaluation.measure import level_line, prediction_line
 
     chains, baselines = list(report["chains"]), report.get("baselines", {})
     rows = []
@@ -91,7 +91,7 @@ def _chains_section(report: dict[str, Any]) -> list[str]:
     lines += _table(["chain", "levels", "tok/s", "speedup", "time speedup [interval]", "Thm 3.1 speedup", "refined speedup", "T_i ms",
                      "L_i (var)", "beta", "Thm 3.1 time error", "refined time error"], rows)
     lines += ["", "speedup: Spec-Bench's (mean tokens/s over the AR's); time speedup: AR seconds per token over the "
-              "chain's, pooled over all turns, with its paired interval over turns (decode.speedup; the gate needs its lower "
+              "chain's, pooled over all turns, with its paired interval over turns (decode.evaluation.speedup; the gate needs its lower "
               "bound above 1). Time errors: predicted decoding time (after the first token) over the measured one, minus 1, "
               "with the turns' spread as an interval. Theorem 3.1 is the paper's formula; the refined "
               "prediction counts each middle level's rounds from the tokens it hands up (P) and those the level above keeps.",
@@ -101,7 +101,7 @@ def _chains_section(report: dict[str, Any]) -> list[str]:
 
 
 def _plan_section(report: dict[str, Any]) -> list[str]:
-    """decode.plan's choice per chain, predicted against measured, and what each plan was calibrated on."""
+    """decode.chains.plan's choice per chain, predicted against measured, and what each plan was calibrated on."""
     if not report.get("plans"):
         return []
     rows = []
@@ -112,7 +112,7 @@ def _plan_section(report: dict[str, Any]) -> list[str]:
                          ", ".join(f"{a}={b}" for a, b in k["draft"].items() if a != "mode") + f" ({k['draft']['mode']})",
                          _ms(pr["predicted"]["s_per_token"]), _ms(pr.get("measured_s_per_token")), _f(pr.get("error"), "+.0%"),
                          _f(pr["predicted"]["speedup"]), _f(pr.get("measured_speedup"))])
-    lines = ["", "## Plan (decode.plan)", ""]
+    lines = ["", "## Plan (decode.chains.plan)", ""]
     lines += _table(["chain", "mu", "draft", "predicted ms/token", "measured ms/token", "error", "predicted speedup",
                      "measured speedup"], rows)
     lines += ["", "Decoding time after the first token; speedups over AR's own decoding (predicted: the target's "

