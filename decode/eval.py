@@ -31,7 +31,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from infra.cli import EXIT_NOT_PUBLISHED, run_main
-from decode import speedup as paired
+from decode.evaluation import speedup as paired
 from decode.evaluation import EvalError
 from decode.evaluation.checks import evaluate, top2_margin
 from decode.evaluation.publish import chain_manifest, clean_stale, gate, publish_bundle, set_aside

@@ -5,8 +5,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from decode import measure
-from decode import speedup as paired
+from decode.evaluation import measure
+from decode.evaluation import speedup as paired
 from decode.evaluation.runner import Record
 
 

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import torch
 
-from decode import speedup as paired
+from decode.evaluation import speedup as paired
 from decode.evaluation import EvalError
 from decode.engine.theory import TheoryError, insertion_conditions, insertion_improves
 from decode.evaluation.aggregate import (by_category, chain_result, error_intervals, record_row, speedup, speedup_interval,

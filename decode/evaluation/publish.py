@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from infra.layout import RunLayout
 from infra.tracking import atomic_dir
-from decode import speedup as paired
+from decode.evaluation import speedup as paired
 
 
 def folder_hash(path: str | Path) -> str:

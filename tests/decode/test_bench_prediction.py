@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from decode import measure
+from decode.evaluation import measure
 from decode.engine.levels import Generation, GenerationStats, LevelStats
 
 

@@ -121,7 +121,7 @@ def test_a_w4_vllm_cannot_run_here_is_not_applicable_not_a_pass(monkeypatch):
 
 
 def test_the_w4_kernel_is_missing_only_on_a_cpu_without_avx512(monkeypatch, tmp_path):
-    from decode import vllm_venv
+    from decode.consumers import vllm_venv
 
     real_open = Path.read_text
     for flags, missing in (("fpu avx2 fma", True), ("fpu avx2 avx512f avx512bw", False)):

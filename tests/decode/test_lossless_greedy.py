@@ -244,7 +244,7 @@ def test_packed_grouped_query_attention_skips_repeat_kv_with_the_same_logits(mon
 
 
 def test_restricted_vocabulary_comes_from_the_chains_head_and_never_on_the_target(models, monkeypatch):
-    from decode import build
+    from decode.chains import build
     from decode.engine.errors import DecodeError
     from decode.engine.head import EagleHead
 
