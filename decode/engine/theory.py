@@ -174,19 +174,29 @@ class Insertion:
         return {**asdict(self), "first_holds": self.first_holds, "second_holds": self.second_holds, "improves": self.improves}
 
 
-def insertion_conditions(
-    t_i: float, l_i_new: float, t_new: float, l_new: float, t_next: float, l_i: float,
-    draft_depth: float, l_new_next: float,
-) -> Insertion:  # Theorem 3.2's eight quantities, as the paper names them
-    """Theorem 3.2's two closed-form conditions for inserting M_new between M_i and M_{i+1}.
+@dataclass(frozen=True)
+class InsertionCase:
+    """Theorem 3.2's eight quantities for inserting M_new between M_i and M_{i+1}, as the paper names them and in
+    its table's order: T_i, L_{i-new}, T_new, L_new, T_{i+1}, L_i; then beta (the draft depth) and L_{new-(i+1)}
+    for the second condition (on measured chains, L_{new-(i+1)} is L_new)."""
 
-    Argument order follows the paper's table: T_i, L_{i-new}, T_new, L_new, T_{i+1}, L_i; then beta and
-    L_{new-(i+1)} for the second condition (on measured chains, L_{new-(i+1)} is L_new).
-    """
-    t_i, t_new, t_next = _time("T_i", t_i), _time("T_new", t_new), _time("T_i+1", t_next)
-    l_i, l_i_new = _acceptance("L_i", l_i), _acceptance("L_i-new", l_i_new)
-    l_new, l_new_next = _acceptance("L_new", l_new), _acceptance("L_new-(i+1)", l_new_next)
-    beta = _positive("beta (draft depth)", draft_depth)
+    t_i: float
+    l_i_new: float
+    t_new: float
+    l_new: float
+    t_next: float
+    l_i: float
+    draft_depth: float
+    l_new_next: float
+
+
+def insertion_conditions(case: InsertionCase) -> Insertion:
+    """Theorem 3.2's two closed-form conditions for inserting M_new between M_i and M_{i+1}; a bad quantity is a
+    one-line TheoryError naming it."""
+    t_i, t_new, t_next = _time("T_i", case.t_i), _time("T_new", case.t_new), _time("T_i+1", case.t_next)
+    l_i, l_i_new = _acceptance("L_i", case.l_i), _acceptance("L_i-new", case.l_i_new)
+    l_new, l_new_next = _acceptance("L_new", case.l_new), _acceptance("L_new-(i+1)", case.l_new_next)
+    beta = _positive("beta (draft depth)", case.draft_depth)
     return Insertion(
         lhs_first=t_new / t_i,
         rhs_first=l_new * (1 / l_i - 1 / l_i_new),

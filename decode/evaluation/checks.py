@@ -10,7 +10,7 @@ import torch
 
 from decode.evaluation import speedup as paired
 from decode.evaluation import EvalError
-from decode.engine.theory import TheoryError, insertion_conditions, insertion_improves
+from decode.engine.theory import InsertionCase, TheoryError, insertion_conditions, insertion_improves
 from decode.evaluation.aggregate import (by_category, chain_result, error_intervals, record_row, speedup, speedup_interval,
                                          summarize, theory_inputs, time_speedup)
 from decode.evaluation.runner import Decoded, Record
@@ -103,8 +103,9 @@ def evaluate_insertion(ins: dict[str, Any], summaries: dict[str, dict], rule: st
         "beta": w["draft_depth"],
     }
     try:
-        closed = insertion_conditions(values["T_i"], values["L_i_new"], values["T_new"], values["L_new"],
-                                      values["T_next"], values["L_i"], draft_depth=values["beta"], l_new_next=values["L_new"])
+        closed = insertion_conditions(InsertionCase(
+            values["T_i"], values["L_i_new"], values["T_new"], values["L_new"], values["T_next"], values["L_i"],
+            draft_depth=values["beta"], l_new_next=values["L_new"]))
         direct = insertion_improves(theory_inputs(wo), theory_inputs(w))
     except TheoryError as err:
         return {**ins, "values": values, "error": str(err), "improves": False}

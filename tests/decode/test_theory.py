@@ -8,6 +8,7 @@ from decimal import ROUND_DOWN, Decimal
 import pytest
 
 from decode.engine.theory import (
+    InsertionCase,
     TheoryError,
     forward_cost,
     insertion_conditions,
@@ -35,7 +36,7 @@ TABLE_1 = [
 
 @pytest.mark.parametrize("case,values,lhs,rhs,form,l_new_next,speedups,compliant", TABLE_1, ids=[r[0] for r in TABLE_1])
 def test_table_1_rows_reproduce_to_the_printed_digits(case, values, lhs, rhs, form, l_new_next, speedups, compliant):
-    result = insertion_conditions(*values, draft_depth=1, l_new_next=l_new_next)
+    result = insertion_conditions(InsertionCase(*values, draft_depth=1, l_new_next=l_new_next))
     assert printed(result.lhs_first, lhs)
     assert printed(result.rhs_first if form == "first" else result.rhs_second, rhs)
     assert result.improves is compliant
@@ -45,7 +46,7 @@ def test_table_1_rows_reproduce_to_the_printed_digits(case, values, lhs, rhs, fo
 
 def test_row_1_rhs_is_not_the_first_condition():
     """Documents the reading in decode/theory.py: the first form gives -0.11567, which prints as -0.115/-0.116."""
-    result = insertion_conditions(22, 3.83, 17.61, 3.77, 4, 4.34, draft_depth=1, l_new_next=3.83)
+    result = insertion_conditions(InsertionCase(22, 3.83, 17.61, 3.77, 4, 4.34, draft_depth=1, l_new_next=3.83))
     assert result.rhs_first == pytest.approx(-0.115671, abs=1e-6)
     assert not printed(result.rhs_first, "-0.117")
     assert result.rhs_second == pytest.approx(3.83 / 4.34 - 1)
@@ -53,7 +54,7 @@ def test_row_1_rhs_is_not_the_first_condition():
 
 
 def test_truncation_not_rounding_is_the_printing_rule():
-    result = insertion_conditions(47.52, 3.50, 19.16, 3.02, 12.42, 2.28, draft_depth=1, l_new_next=3.02)
+    result = insertion_conditions(InsertionCase(47.52, 3.50, 19.16, 3.02, 12.42, 2.28, draft_depth=1, l_new_next=3.02))
     assert round(result.rhs_first, 3) == 0.462  # rounding would not give the printed 0.461
     assert printed(result.rhs_first, "0.461")
 
@@ -78,7 +79,7 @@ def test_direct_test_matches_closed_form_when_it_is_exact():
     for t_new, l_i_new, l_new in [(2, 6.0, 2.5), (9, 3.5, 1.2), (4, 4.0, 2.0)]:
         with_new = ([20, t_new, 5, 1], [l_i_new, l_new, 2.0], 4)
         direct = insertion_improves(without, with_new, new_tokens=100)
-        closed = insertion_conditions(20, l_i_new, t_new, l_new, 5, 3.0, draft_depth=4, l_new_next=l_new)
+        closed = insertion_conditions(InsertionCase(20, l_i_new, t_new, l_new, 5, 3.0, draft_depth=4, l_new_next=l_new))
         assert direct.improves is closed.first_holds
         assert direct.time_without == pytest.approx(predicted_time(*without, new_tokens=100))
 
@@ -104,7 +105,7 @@ def test_direct_test_on_table_1_with_unit_depth():
 def test_insertion_rejects_bad_values_with_one_line(kwargs, message):
     values = dict(t_i=22, l_i_new=6.26, t_new=7.0, l_new=4.67, t_next=4, l_i=4.34, draft_depth=1, l_new_next=4.67)
     with pytest.raises(TheoryError, match=re.escape(message)) as err:
-        insertion_conditions(**{**values, **kwargs})
+        insertion_conditions(InsertionCase(**{**values, **kwargs}))
     assert "\n" not in str(err.value)
 
 

@@ -7,6 +7,7 @@ k-token forward gives the bits of its k one-token forwards (row-exact verificati
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,32 +22,34 @@ KERNEL_ATTENTION = "polyspec_attend"
 
 
 def grouped_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                           attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                           is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:  # transformers' AttentionInterface signature
+                           attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """HF's sdpa attention without `repeat_kv` when a mask is given on the CPU (see the module docstring);
-    every other case (no mask, one K/V head per query head, position bias, paged caches) is HF's own."""
+    every other case (no mask, one K/V head per query head, position bias, paged caches) is HF's own.
+    transformers passes `dropout`, `scaling` and `is_causal` among the keyword arguments."""
     if (attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1 or query.device.type != "cpu"
             or _special(kwargs)):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    out = nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                                     scale=scaling, enable_gqa=True)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    out = nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                     dropout_p=kwargs.get("dropout", 0.0),
+                                                     scale=kwargs.get("scaling"), enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
 
 
 def kernel_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                     is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:  # transformers' AttentionInterface signature
+                     attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """fp32 attention on the AVX2 `attend` kernel (row-exact, grouped heads read in place, see the module
     docstring); anything it does not cover (other dtypes, dropout, position bias, softcapping, attention
     sinks) goes to `grouped_sdpa_attention`."""
     kernels = avx2_kernel()[0]
-    if (kernels is None or query.device.type != "cpu" or dropout or _special(kwargs)
-            or not query.dtype == key.dtype == value.dtype == torch.float32 or query.shape[-1] % 8 or query.shape[-1] > 256
+    if (kernels is None or query.device.type != "cpu" or kwargs.get("dropout") or _special(kwargs)
+            or not query.dtype == key.dtype == value.dtype == torch.float32
+            or query.shape[-1] % 8 or query.shape[-1] > 256
             or attention_mask is not None and attention_mask.dtype not in (torch.bool, torch.float32)):
-        return grouped_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    causal = attention_mask is None and query.shape[2] > 1 and (is_causal if is_causal is not None else getattr(module, "is_causal", True))
+        return grouped_sdpa_attention(module, query, key, value, attention_mask, **kwargs)
+    is_causal = kwargs.get("is_causal")
+    causal = attention_mask is None and query.shape[2] > 1 and (
+        is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    scaling = kwargs.get("scaling")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return kernels.attend(query, key, value, attention_mask, scale, causal), None
 
