@@ -222,7 +222,7 @@ def real_text_agreement(model, tokenizer, activations: str) -> tuple[float, floa
 # Bounds from both CPU kinds' code paths on the real model quantized with the reduced settings below (BENCHMARKS.md,
 # "Tolerances"): GPTQ's own float arithmetic differs between AVX2 and AVX-512 hosts, so the W4 weights do too, and
 # near-tied logits flip; the worst logit gap grows on int8 activations (per-16 rounding of every layer's input).
-AGREEMENT = {"fp32": (0.97, 1.0), "int8": (0.95, 2.0)}
+AGREEMENT = {"fp32": (0.97, 1.5), "int8": (0.95, 3.0)}
 DATA = {"source": "bundled", "max_len": 1024, "held_out_fraction": 0.02, "max_conversations": None}
 
 
