@@ -57,7 +57,8 @@ def load_questions(path: str | Path | None = None, per_category: int | None = No
     `per_category` keeps the first n questions of each category, for quick runs. A malformed line is a
     one-line DataError naming the file and line.
     """
-    if per_category is not None and (isinstance(per_category, bool) or not isinstance(per_category, int) or per_category < 1):
+    if per_category is not None and (isinstance(per_category, bool) or not isinstance(per_category, int)
+                                     or per_category < 1):
         raise DataError(f"per_category must be null or an integer >= 1, got {per_category!r}")
     path = Path(path).expanduser() if path else DEFAULT_PROMPTS
     check_input_file(path, "question file")
@@ -71,7 +72,8 @@ def load_questions(path: str | Path | None = None, per_category: int | None = No
             raise DataError(f"{path}:{lineno}: not a Spec-Bench question (nested too deeply)") from None
         except (KeyError, TypeError, ValueError) as err:  # JSONDecodeError and the integer digit limit are ValueErrors
             message = (str(err).splitlines() or [""])[0]
-            raise DataError(f"{path}:{lineno}: not a Spec-Bench question ({err.__class__.__name__}: {message})") from None
+            raise DataError(f"{path}:{lineno}: not a Spec-Bench question "
+                            f"({err.__class__.__name__}: {message})") from None
         first = lines_of.setdefault(str(question.question_id), lineno)
         if first != lineno:  # results are keyed by question_id: a repeat would mix two questions' pairs
             raise DataError(f"{path}:{lineno}: question_id {question.question_id!r} repeats line {first}")

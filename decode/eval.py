@@ -59,7 +59,8 @@ def run(cfg: DictConfig) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise EvalError(f"eval.{key} must be >= {least} (an integer), got {value!r}")
     per_category = ecfg.get("per_category")
-    if per_category is not None and (isinstance(per_category, bool) or not isinstance(per_category, int) or per_category < 1):
+    if per_category is not None and (isinstance(per_category, bool) or not isinstance(per_category, int)
+                                     or per_category < 1):
         raise EvalError(f"eval.per_category must be null or an integer >= 1, got {per_category!r}")
     flag(ecfg.publish, "force", error=EvalError)  # a string such as 'false' would be truthy
     checked_confidence(ecfg.get("confidence"))
@@ -67,7 +68,8 @@ def run(cfg: DictConfig) -> int:
     check_writable(ecfg.out_dir, "eval.out_dir", error=EvalError)  # fail now, not after the decoding
     check_writable(ecfg.publish.dir, "eval.publish.dir", error=EvalError)
     if ecfg.publish.chain != "best" and ecfg.chains.get(ecfg.publish.chain) is None:
-        raise EvalError(f"eval.publish.chain={ecfg.publish.chain!r} is not one of eval.chains ({', '.join(ecfg.chains)}) nor 'best'")
+        raise EvalError(f"eval.publish.chain={ecfg.publish.chain!r} is not one of eval.chains "
+                        f"({', '.join(ecfg.chains)}) nor 'best'")
     questions = load_questions(ecfg.prompts, ecfg.per_category)
     if cfg.decode.get("threads"):
         torch.set_num_threads(int(cfg.decode.threads))
@@ -82,7 +84,8 @@ def run(cfg: DictConfig) -> int:
     t33 = ecfg.theorem_3_3
     sampled = decode_sampled({n: decoders[n] for n in specs}, questions[: int(t33.questions)], tokenizer,
                              ecfg.max_new_tokens, float(t33.temperature), int(t33.seed)) if t33.questions else {}
-    chains = {name: spec.as_config() for name, spec in specs.items()} | {p["chain"]: p["levels"] for p in plans.values()}
+    chains = ({name: spec.as_config() for name, spec in specs.items()}
+              | {p["chain"]: p["levels"] for p in plans.values()})
     decoded = Decoded(records, chains, len(questions), plans, sampled)
     return conclude(cfg, decoded, lambda ids: top2_margin(target, ids), weights_hash(target), tracker)
 
@@ -97,7 +100,8 @@ def conclude(cfg: DictConfig, decoded: Decoded, margin_fn: Callable[[list[int]],
     if near_tie is None:
         raise EvalError(f"eval.checks.near_tie_relative has no tolerance for dtype {cfg.model.dtype!r}")
     confidence = checked_confidence(ecfg.get("confidence"))
-    checks_cfg = OmegaConf.create({**OmegaConf.to_container(ecfg.checks), "near_tie_relative": near_tie, "confidence": confidence})
+    checks_cfg = OmegaConf.create({**OmegaConf.to_container(ecfg.checks), "near_tie_relative": near_tie,
+                                   "confidence": confidence})
     removed = clean_stale([ecfg.out_dir, ecfg.publish.dir])
     report = evaluate(decoded, margin_fn, checks_cfg)
     speedups = {n: paired.Interval.from_dict(r["time_speedup_interval"]) for n, r in report["chains"].items()}
@@ -135,10 +139,14 @@ def summary_metrics(report: dict[str, Any], chains: dict[str, list[str]], decisi
         **{f"{n}/speedup": r["measured_speedup"] for n, r in results.items()},
         **{f"{n}/time_speedup": r["time_speedup"] for n, r in results.items()},
         **{f"{n}/time_speedup_low": r["time_speedup_interval"]["low"] for n, r in results.items()},
-        **{f"{n}/{k}/predicted_speedup": p.get("speedup") for n, r in results.items() for k, p in r["predictions"].items()},
-        **{f"{n}/{k}/prediction_error": p.get("error") for n, r in results.items() for k, p in r["predictions"].items()},
-        **{f"{n}/L_{i + 1}": l["L_mean"] for n in chains for i, l in enumerate(summaries[n]["levels"][:-1])},
-        **{f"{n}/T_{i + 1}_ms": (l["T_s"] or 0) * 1e3 for n in chains for i, l in enumerate(summaries[n]["levels"])},
+        **{f"{n}/{k}/predicted_speedup": p.get("speedup")
+           for n, r in results.items() for k, p in r["predictions"].items()},
+        **{f"{n}/{k}/prediction_error": p.get("error")
+           for n, r in results.items() for k, p in r["predictions"].items()},
+        **{f"{n}/L_{i + 1}": level["L_mean"]
+           for n in chains for i, level in enumerate(summaries[n]["levels"][:-1])},
+        **{f"{n}/T_{i + 1}_ms": (level["T_s"] or 0) * 1e3
+           for n in chains for i, level in enumerate(summaries[n]["levels"])},
         **{f"{n}/{cat}/speedup": row[n]["speedup"] for cat, row in report["categories"].items() for n in chains},
         **{f"check/{c['name']}": c["passed"] for c in report["checks"]},
         "published": decision["publish"], "published_chain": decision["chain"] or "", "forced": decision["forced"],

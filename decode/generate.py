@@ -49,7 +49,8 @@ def prompt_text(cfg: DictConfig) -> str:
     if prompt_file is not None:
         where = "decode.prompt_file=-" if str(prompt_file) == "-" else f"decode.prompt_file={prompt_file}"
         try:
-            data = sys.stdin.buffer.read() if str(prompt_file) == "-" else Path(str(prompt_file)).expanduser().read_bytes()
+            data = (sys.stdin.buffer.read() if str(prompt_file) == "-"
+                    else Path(str(prompt_file)).expanduser().read_bytes())
         except OSError as err:
             raise DecodeError(f"{where}: cannot read ({err.strerror or err.__class__.__name__})") from None
         try:
@@ -76,18 +77,21 @@ def check_context(prompt: list[int], new_tokens: int, model) -> None:
     context = getattr(model.config, "max_position_embeddings", None)
     if context and len(prompt) + new_tokens > context:
         raise DecodeError(
-            f"the prompt is {len(prompt):,} tokens; with decode.max_new_tokens={new_tokens} it needs {len(prompt) + new_tokens:,} "
-            f"positions, more than the model's context of {context:,} (max_position_embeddings): shorten the prompt"
+            f"the prompt is {len(prompt):,} tokens; with decode.max_new_tokens={new_tokens} "
+            f"it needs {len(prompt) + new_tokens:,} positions, "
+            f"more than the model's context of {context:,} (max_position_embeddings): shorten the prompt"
             + (" or lower decode.max_new_tokens" if len(prompt) < context else ""))
 
 
 def level_table(generation: Generation) -> str:
-    rows = [f"{'level':<10} {'kind':<6} {'forwards':>8} {'T_i ms':>8} {'L_i':>6} {'var':>6} {'accepted':>13} {'bookkeeping s':>13}"]
+    rows = [f"{'level':<10} {'kind':<6} {'forwards':>8} {'T_i ms':>8} {'L_i':>6} {'var':>6} {'accepted':>13} "
+            f"{'bookkeeping s':>13}"]
     for i, s in enumerate(generation.stats.levels):
         verifies = i < len(generation.stats.levels) - 1
         rows.append(
             f"{s.name:<10} {s.kind:<6} {s.forward_calls:>8} {1000 * s.mean_forward_time_s:>8.1f} "
-            f"{(f'{s.mean_acceptance_length:.2f}' if verifies else '-'):>6} {(f'{s.acceptance_variance:.2f}' if verifies else '-'):>6} "
+            f"{(f'{s.mean_acceptance_length:.2f}' if verifies else '-'):>6} "
+            f"{(f'{s.acceptance_variance:.2f}' if verifies else '-'):>6} "
             f"{(f'{s.accepted}/{s.proposed}' if verifies else '-'):>13} {s.bookkeeping_time_s:>13.3f}"
         )
     st = generation.stats
@@ -132,7 +136,8 @@ def run(cfg: DictConfig) -> None:
     if compare_ar:
         reference = autoregressive(target, prompt, new_tokens, sampling, eos_token_id=eos)
         same = reference.tokens == result.tokens
-        ratio = result.stats.tokens_per_s / reference.stats.tokens_per_s if reference.stats.tokens_per_s else float("nan")
+        ratio = (result.stats.tokens_per_s / reference.stats.tokens_per_s if reference.stats.tokens_per_s
+                 else float("nan"))
         print(f"target alone: {reference.stats.tokens_per_s:.1f} tok/s; speedup {ratio:.2f}x; "
               f"outputs {'identical' if same else 'differ'}"
               + ("" if same or not sampling.greedy else " (greedy: a near-tie or a bug; decode.eval checks which)")

@@ -65,5 +65,6 @@ class RunLayout:
         """A model level's `model:` as data.models.load_model takes it: the folder it names (`folder`), or the
         spec itself when it names no folder: bundled:, hf:, or a hub id (org/name, no org/ folder in run_dir)."""
         path = Path(spec).expanduser()
-        hub = "/" in spec and not path.is_absolute() and not path.exists() and not (self.run_dir / path.parts[0]).exists()
+        hub = ("/" in spec and not path.is_absolute() and not path.exists()
+               and not (self.run_dir / path.parts[0]).exists())
         return spec if spec.startswith(("bundled:", "hf:")) or hub else str(self.folder(spec))

@@ -29,7 +29,8 @@ def unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return codes.reshape(packed.shape[0] * per_word, *packed.shape[1:])
 
 
-def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor, bits: int) -> torch.Tensor:
+def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
+               bits: int) -> torch.Tensor:
     """The [in, out] weight a GPTQ (v1 format) linear stands for: scale[g] * (code - (zero[g] + 1))."""
     codes = unpack_rows(qweight, bits)[: g_idx.numel()].float()
     zeros = unpack_rows(qzeros.t().contiguous(), bits).t()[:, : scales.shape[1]].float() + 1
@@ -69,17 +70,20 @@ def regroup_checkpoint(folder: Path, group_size: int, bits: int) -> dict[str, An
         "quantized_group_size": group_size, "stored_group_size": storage,
         "handling": "ragged last group" if ragged else "exact",
         "ragged_modules": len(ragged), "quantized_modules": len(widths),
-        "ragged_example": f"{ragged[0]}: in_features {widths[ragged[0]]} = {widths[ragged[0]] // group_size} x {group_size} + {widths[ragged[0]] % group_size}" if ragged else None,
+        "ragged_example": (f"{ragged[0]}: in_features {widths[ragged[0]]} = {widths[ragged[0]] // group_size} x "
+                           f"{group_size} + {widths[ragged[0]] % group_size}") if ragged else None,
     }
     info["description"] = (
         f"ragged last group: {len(ragged)}/{len(widths)} modules have inputs not a multiple of {group_size} "
         f"(e.g. {info['ragged_example']}); stored as {storage}-wide groups repeating each {group_size}-wide group's "
-        "scale and zero (lossless, verified)" if storage != group_size else f"exact: every input width is a multiple of {group_size}"
+        "scale and zero (lossless, verified)" if storage != group_size
+        else f"exact: every input width is a multiple of {group_size}"
     )
     if storage == group_size:
         return info
     if storage < 16:
-        raise QuantizeError(f"input widths {sorted(set(widths.values()))} leave no stored group size >= 16 the CPU kernels support")
+        raise QuantizeError(f"input widths {sorted(set(widths.values()))} leave no stored group size >= 16 "
+                            "the CPU kernels support")
     ratio = group_size // storage
     for f, p in prefixes:
         ts = tensors[f]

@@ -35,7 +35,8 @@ def perplexity(model: PreTrainedModel, convs: list[TokenizedConversation]) -> fl
 @torch.no_grad()
 def greedy_continuation(model: PreTrainedModel, prompt: list[int], n: int, eos: int | None) -> list[int]:
     out = model.generate(
-        torch.tensor([prompt], device=model.device), attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device),
+        torch.tensor([prompt], device=model.device),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device),
         max_new_tokens=n,
         do_sample=False, eos_token_id=eos, pad_token_id=eos,
     )
@@ -66,9 +67,11 @@ def acceptance_lengths(matches: list[bool], depth: int) -> list[int]:
 
 
 @torch.no_grad()
-def forward_ms(models: dict[str, PreTrainedModel], context: list[int], new_tokens: list[int], repeats: int, warmup: int = 2) -> dict[str, dict[int, float]]:
+def forward_ms(models: dict[str, PreTrainedModel], context: list[int], new_tokens: list[int], repeats: int,
+               warmup: int = 2) -> dict[str, dict[int, float]]:
     """Median ms of one forward of `n` new tokens over a KV cache of `context`, models interleaved per repeat."""
-    return median_ms({name: cached_forward(model, context) for name, model in models.items()}, new_tokens, repeats, warmup)
+    return median_ms({name: cached_forward(model, context) for name, model in models.items()}, new_tokens, repeats,
+                     warmup)
 
 
 def folder_mb(path: str | Path) -> float:
@@ -76,17 +79,22 @@ def folder_mb(path: str | Path) -> float:
 
 
 def evaluate(
-    target: PreTrainedModel, w4: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, held_out: list[Conversation], ecfg: DictConfig
+    target: PreTrainedModel, w4: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, held_out: list[Conversation],
+    ecfg: DictConfig,
 ) -> dict[str, Any]:
-    ppl_convs = [t for t in (tokenize_conversation(tokenizer, c, ecfg.ppl_max_len) for c in held_out[: ecfg.ppl_conversations]) if any(t.loss_mask)]
+    ppl_convs = [t for t in (tokenize_conversation(tokenizer, c, ecfg.ppl_max_len)
+                             for c in held_out[: ecfg.ppl_conversations]) if any(t.loss_mask)]
     if not ppl_convs:
-        raise QuantizeError("the held-out split has no conversation with an assistant reply; raise data.held_out_fraction")
+        raise QuantizeError("the held-out split has no conversation with an assistant reply; "
+                            "raise data.held_out_fraction")
     metrics: dict[str, Any] = {
-        "ppl_target": perplexity(target, ppl_convs), "ppl_w4": perplexity(w4, ppl_convs), "ppl_conversations": len(ppl_convs),
+        "ppl_target": perplexity(target, ppl_convs), "ppl_w4": perplexity(w4, ppl_convs),
+        "ppl_conversations": len(ppl_convs),
     }
     metrics["ppl_ratio"] = metrics["ppl_w4"] / metrics["ppl_target"]
 
-    prompts = [p for p in (chat_prompt_ids(tokenizer, c.messages()[:1]) for c in held_out) if len(p) <= ecfg.max_prompt_len]
+    prompts = [p for p in (chat_prompt_ids(tokenizer, c.messages()[:1]) for c in held_out)
+               if len(p) <= ecfg.max_prompt_len]
     matches: list[bool] = []
     lengths: list[int] = []
     for prompt in tqdm(prompts[: ecfg.agreement_prompts], desc="greedy agreement", leave=False):
@@ -110,12 +118,17 @@ def evaluate(
 
 def report(metrics: dict[str, Any]) -> str:
     m = metrics
-    rows = [("held-out perplexity", f"{m['ppl_target']:.3f}", f"{m['ppl_w4']:.3f}", f"{100 * (m['ppl_ratio'] - 1):+.1f}%")]
+    rows = [("held-out perplexity", f"{m['ppl_target']:.3f}", f"{m['ppl_w4']:.3f}",
+             f"{100 * (m['ppl_ratio'] - 1):+.1f}%")]
     for k in m["timing_tokens"]:
         target, w4 = m[f"forward_ms_target_{k}tok"], m[f"forward_ms_w4_{k}tok"]
-        rows.append((f"forward ms, {k} new token{'s' if k > 1 else ''}", f"{target:.1f}", f"{w4:.1f}", f"{w4 / target:.2f}x"))
-    rows.append(("size on disk, MB", f"{m['size_mb_target']:.1f}", f"{m['size_mb_w4']:.1f}", f"{m['size_mb_w4'] / m['size_mb_target']:.2f}x"))
-    lines = [f"{'':26s}{'target':>10s}{'W4':>10s}{'W4/target':>12s}"] + [f"{a:26s}{b:>10s}{c:>10s}{d:>12s}" for a, b, c, d in rows]
-    lines.append(f"greedy agreement {100 * m['greedy_agreement']:.1f}%  ->  L(M1 <- M2) = {m['acceptance_length_m1_m2']:.2f} tokens/round at draft depth {m['draft_depth']}")
+        rows.append((f"forward ms, {k} new token{'s' if k > 1 else ''}", f"{target:.1f}", f"{w4:.1f}",
+                     f"{w4 / target:.2f}x"))
+    rows.append(("size on disk, MB", f"{m['size_mb_target']:.1f}", f"{m['size_mb_w4']:.1f}",
+                 f"{m['size_mb_w4'] / m['size_mb_target']:.2f}x"))
+    lines = ([f"{'':26s}{'target':>10s}{'W4':>10s}{'W4/target':>12s}"]
+             + [f"{a:26s}{b:>10s}{c:>10s}{d:>12s}" for a, b, c, d in rows])
+    lines.append(f"greedy agreement {100 * m['greedy_agreement']:.1f}%  ->  "
+                 f"L(M1 <- M2) = {m['acceptance_length_m1_m2']:.2f} tokens/round at draft depth {m['draft_depth']}")
     lines.append(f"quantization wall time {m['quantize_s']:.0f} s; group handling: {m['group_handling']}")
     return "\n".join(lines)

@@ -28,12 +28,14 @@ def calibration_samples(
             if len(samples) == n:
                 return samples
     raise QuantizeError(
-        f"calibration: asked for {n} samples of at least {min_len} tokens, but the training split has only {len(samples)}"
+        f"calibration: asked for {n} samples of at least {min_len} tokens, "
+        f"but the training split has only {len(samples)}"
     )
 
 
 def cpu_recipe(qcfg: DictConfig) -> None:
-    """The 2-core recipe (docs/design.md, "Libraries the defaults rest on"): GPTQModel's CPU worker pool sized to the cores. Set before it is built."""
+    """The 2-core recipe (docs/design.md, "Libraries the defaults rest on"): GPTQModel's CPU worker pool sized to
+    the cores. Set before it is built."""
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(qcfg.cpu_workers or os.cpu_count() or 1))
 
 
@@ -43,7 +45,8 @@ def gptq_quantize(src: str, dst: Path, qcfg: DictConfig, calibration: list[list[
     from gptqmodel import GPTQModel, QuantizeConfig
     from gptqmodel.looper import loop_processor
 
-    loop_processor._PROJECT_LOG_DIR = dst.parent / "gptq_logs"  # its per-module log, else written to ./logs (pinned 7.6.0)
+    # its per-module log, else written to ./logs (pinned 7.6.0)
+    loop_processor._PROJECT_LOG_DIR = dst.parent / "gptq_logs"
     config = QuantizeConfig(
         bits=qcfg.bits, group_size=qcfg.group_size, sym=qcfg.sym, desc_act=qcfg.desc_act,
         act_group_aware=qcfg.act_group_aware and not qcfg.desc_act, damp_percent=qcfg.damp_percent,
@@ -51,5 +54,6 @@ def gptq_quantize(src: str, dst: Path, qcfg: DictConfig, calibration: list[list[
         offload_to_disk=False,  # disk offload: much slower here
     )
     model = GPTQModel.load(src, config, device=device, dtype=getattr(torch, qcfg.calibration.dtype))
-    model.quantize([{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in calibration], batch_size=qcfg.calibration.batch_size)
+    model.quantize([{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in calibration],
+                   batch_size=qcfg.calibration.batch_size)
     model.save(str(dst))

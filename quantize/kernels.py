@@ -1,9 +1,10 @@
 """`python -m quantize.kernels`: which CPU kernel runs the W4 checkpoint fastest, next to the target.
 
-Times one forward of `quantize.eval.timing_tokens` new tokens (1 and 8) over a KV cache of `quantize.eval.timing_context` tokens
-for the full-precision target (fp32, bf16) and for the W4 model under each GPTQModel CPU kernel and
-under plain `transformers` loading (its own kernel choice), all in one process, interleaved per
-repeat, medians. The winner is what `data.models.load_model` uses for GPTQ folders (GPTQ_CPU_BACKEND).
+Times one forward of `quantize.eval.timing_tokens` new tokens (1 and 8) over a KV cache of
+`quantize.eval.timing_context` tokens for the full-precision target (fp32, bf16) and for the W4 model
+under each GPTQModel CPU kernel and under plain `transformers` loading (its own kernel choice), all in
+one process, interleaved per repeat, medians. The winner is what `data.models.load_model` uses for GPTQ
+folders (GPTQ_CPU_BACKEND).
 Writes `${run_dir}/w4_kernels.json`.
 """
 from __future__ import annotations

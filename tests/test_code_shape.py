@@ -20,7 +20,8 @@ def oversized() -> list[str]:
             length = node.end_lineno - node.lineno + 1
             signature = "\n".join(lines[node.lineno - 1: node.body[0].lineno - 1])
             if (length > 60 or len(params) > 6) and "#" not in signature:
-                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {length} lines, {len(params)} parameters")
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {length} lines, "
+                             f"{len(params)} parameters")
     return found
 
 

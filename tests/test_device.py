@@ -118,8 +118,10 @@ def test_stages_check_the_device_before_loading_a_model(no_cuda, stage, tmp_path
 def test_a_stage_refuses_cuda_without_cuda_in_one_line(tmp_path):
     """Exit 2 and one `error:` line, before any model loads."""
     result = subprocess.run(
-        [sys.executable, "-m", "decode.generate", "device=cuda", f"run_dir={tmp_path}", f"model.name={tmp_path / 'no-model'}",
-         "prompt=hi"], cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "WANDB_MODE": "disabled"})
+        [sys.executable, "-m", "decode.generate", "device=cuda", f"run_dir={tmp_path}",
+         f"model.name={tmp_path / 'no-model'}", "prompt=hi"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "WANDB_MODE": "disabled"})
     assert result.returncode == 2, result.stderr[-2000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert errors == [errors[0]] and errors[0].startswith("error: device=cuda: CUDA is not available"), result.stderr[-2000:]
+    assert (errors == [errors[0]]
+            and errors[0].startswith("error: device=cuda: CUDA is not available")), result.stderr[-2000:]

@@ -1,5 +1,6 @@
-"""The packages' imports flow one way: infra <- data <- quantize, train <- decode apps; inside decode, engine <- backends <-
-apps. Read from the source (every import, lazy ones inside functions too), so nothing has to be imported to check."""
+"""The packages' imports flow one way: infra <- data <- quantize, train <- decode apps; inside decode, engine <-
+backends <- apps. Read from the source (every import, lazy ones inside functions too), so nothing has to be
+imported to check."""
 from __future__ import annotations
 
 import ast
@@ -55,17 +56,22 @@ def test_no_import_cycles():
 
 
 def test_engine_imports_no_backend_app_or_cli():
-    allowed = lambda dep: dep.startswith(("decode.engine", "data")) or dep.startswith("infra") and dep != "infra.cli"
-    bad = {name: sorted(d for d in deps if not allowed(d)) for name, deps in GRAPH.items() if name.startswith("decode.engine")}
+    def allowed(dep):
+        return dep.startswith(("decode.engine", "data")) or dep.startswith("infra") and dep != "infra.cli"
+
+    bad = {name: sorted(d for d in deps if not allowed(d))
+           for name, deps in GRAPH.items() if name.startswith("decode.engine")}
     assert not {n: d for n, d in bad.items() if d}, bad
     for name in (n for n in MODULES if n.startswith("decode.engine")):
         assert "hydra" not in MODULES[name].read_text(), f"{name} imports a CLI framework"
 
 
 def test_layers_import_downward_only():
-    rank = lambda m: (0 if m.startswith("infra") else 1 if m.startswith("data")
-                      else 2 if m.startswith(("quantize", "train", "decode.engine"))
-                      else 3 if m.startswith("decode.backends") else 4)
+    def rank(m):
+        return (0 if m.startswith("infra") else 1 if m.startswith("data")
+                else 2 if m.startswith(("quantize", "train", "decode.engine"))
+                else 3 if m.startswith("decode.backends") else 4)
+
     upward = {f"{n} -> {d}" for n, deps in GRAPH.items() for d in deps if rank(d) > rank(n)}
     assert not upward, sorted(upward)
 

@@ -40,7 +40,8 @@ def stage_config(source: Path, data: Path, run_dir: Path, **quantize):
     })
     small = {
         "calibration.samples": 8, "calibration.min_len": 32, "calibration.batch_size": 4,
-        "eval.ppl_conversations": 4, "eval.agreement_prompts": 2, "eval.continuation_tokens": 16, "eval.timing_repeats": 1,
+        "eval.ppl_conversations": 4, "eval.agreement_prompts": 2, "eval.continuation_tokens": 16,
+        "eval.timing_repeats": 1,
     }
     for key, value in {**small, **quantize}.items():
         OmegaConf.update(cfg, f"quantize.{key}", value)

@@ -34,8 +34,8 @@ class Progress:
 def checkpoint_fingerprint(cfg: DictConfig, world: int) -> dict[str, Any]:
     """What must not change between a checkpoint and its resumption (else the data order or schedule differ)."""
     t = cfg.train
-    keys = ("feature_source", "max_conversations", "max_len", "epochs", "max_steps", "lr", "warmup_steps", "min_lr_ratio",
-            "draft_vocab", "init", "store_dtype", "unroll")
+    keys = ("feature_source", "max_conversations", "max_len", "epochs", "max_steps", "lr", "warmup_steps",
+            "min_lr_ratio", "draft_vocab", "init", "store_dtype", "unroll")
     return {**{k: t[k] for k in keys}, "global_batch": t.micro_batch * t.grad_accum * world, "seed": cfg.seed,
             "data_source": cfg.data.source, "model": cfg.model.name}
 
@@ -99,18 +99,21 @@ def resume_progress(engine: Any, cfg: DictConfig, ckpt_dir: Path, world: int, to
         return Progress()
     tag = (ckpt_dir / "latest").read_text().strip()
     if not CHECKPOINT_TAG.fullmatch(tag) or (ckpt_dir / tag).is_symlink() or not (ckpt_dir / tag).is_dir():
-        raise TrainError(f"{ckpt_dir / 'latest'}: names {tag[:40]!r}, not a checkpoint of this stage (stepNNNNNNN inside {ckpt_dir})")
+        raise TrainError(f"{ckpt_dir / 'latest'}: names {tag[:40]!r}, not a checkpoint of this stage "
+                         f"(stepNNNNNNN inside {ckpt_dir})")
     weights_only_loading(engine)
     try:
         _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
     except (pickle.UnpicklingError, RuntimeError, OSError, KeyError) as err:
-        raise TrainError(f"{ckpt_dir / tag}: unreadable checkpoint ({err.__class__.__name__}: {str(err).splitlines()[0][:200]})") from None
+        raise TrainError(f"{ckpt_dir / tag}: unreadable checkpoint "
+                         f"({err.__class__.__name__}: {str(err).splitlines()[0][:200]})") from None
     if client is None:
         raise TrainError(f"{ckpt_dir / tag}: unreadable checkpoint")
     fingerprint = checkpoint_fingerprint(cfg, world)
     if client["fingerprint"] != fingerprint:
         changed = sorted(k for k in fingerprint if client["fingerprint"].get(k) != fingerprint[k])
-        raise TrainError(f"{ckpt_dir / tag}: written with a different training setup ({', '.join(changed)} changed); resume needs the same")
+        raise TrainError(f"{ckpt_dir / tag}: written with a different training setup ({', '.join(changed)} changed); "
+                         "resume needs the same")
     if rank == 0:
         print(f"resumed from {ckpt_dir / tag} at step {client['progress']['step']}/{total_steps}")
     return Progress(**client["progress"])

@@ -18,7 +18,8 @@ def training_device(cfg: Any) -> torch.device:
     device = configured_device(cfg)
     if device.type == "cuda" and "RANK" in os.environ and device.index != int(os.environ.get("LOCAL_RANK", 0)):
         raise TrainError(f"device={cfg.device}: under torchrun use device=cuda or device=auto "
-                         f"(rank {os.environ['RANK']} trains on its LOCAL_RANK's GPU, cuda:{os.environ.get('LOCAL_RANK', 0)})")
+                         f"(rank {os.environ['RANK']} trains on its LOCAL_RANK's GPU, "
+                         f"cuda:{os.environ.get('LOCAL_RANK', 0)})")
     return device
 
 

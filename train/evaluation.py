@@ -23,7 +23,8 @@ class EvalSequence:
 
 
 @torch.no_grad()
-def prepare_eval(model: PreTrainedModel, tokenizer: Any, prompts: list[list[int]], gen_tokens: int, batch: int) -> list[EvalSequence]:
+def prepare_eval(model: PreTrainedModel, tokenizer: Any, prompts: list[list[int]], gen_tokens: int,
+                 batch: int) -> list[EvalSequence]:
     """Held-out prompts continued greedily by the verifier: on such text, a chain draft is accepted
     exactly while the head's argmax equals the verifier's, so acceptance is measured, not approximated."""
     out = []
@@ -66,8 +67,10 @@ def unroll(head: Any, ids: torch.Tensor, features: torch.Tensor, depth: int) -> 
 
 @torch.no_grad()
 def chain_drafts(head: EagleHead, ids: torch.Tensor, features: torch.Tensor, depth: int) -> torch.Tensor:
-    """Depth-`depth` chain drafts (target token ids) from every start of a sequence: [depth, n], n = len(ids) - 1 - depth."""
-    return torch.stack([head.token_ids(head.logits(h[0]).argmax(-1)) for h in unroll(head, ids[None], features[None], depth)])
+    """Depth-`depth` chain drafts (target token ids) from every start of a sequence: [depth, n],
+    n = len(ids) - 1 - depth."""
+    return torch.stack([head.token_ids(head.logits(h[0]).argmax(-1))
+                        for h in unroll(head, ids[None], features[None], depth)])
 
 
 @torch.no_grad()
@@ -90,7 +93,8 @@ def evaluate(head: EagleHead, sequences: list[EvalSequence], depth: int) -> dict
         accepted.append(hits.int().cumprod(0).sum(0))
         starts += hits.shape[1]
     if not starts:
-        raise TrainError("held-out evaluation: no usable held-out sequence (raise train.eval.gen_tokens or conversations)")
+        raise TrainError("held-out evaluation: no usable held-out sequence "
+                         "(raise train.eval.gen_tokens or conversations)")
     accepted = torch.cat(accepted).float()
     metrics = {f"top1_depth{j}": (hits_per_depth[j - 1] / starts).item() for j in range(1, depth + 1)}
     metrics[f"acceptance_length_depth{depth}"] = 1.0 + accepted.mean().item()

@@ -1,4 +1,5 @@
-"""The learning curve of a training run as a PNG (held-out top-1 per depth and acceptance length against tokens seen)."""
+"""The learning curve of a training run as a PNG (held-out top-1 per depth and acceptance length against
+tokens seen)."""
 from __future__ import annotations
 
 

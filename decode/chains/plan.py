@@ -47,13 +47,14 @@ def cost_curves(chain: Chain, context: list[int], cfg: Any) -> tuple[list[dict[i
 
     stored = json.loads(Path(cfg.costs).read_text())["ms"] if cfg.get("costs") and Path(cfg.costs).is_file() else {}
     verifiers: list[ModelLevel] = chain.levels[:-1]
-    timed = {l.name: level_forward(l, context) for l in verifiers if l.name not in stored}
+    timed = {level.name: level_forward(level, context) for level in verifiers if level.name not in stored}
     ms = stored | (median_ms(timed, [int(k) for k in cfg.ks], int(cfg.repeats)) if timed else {})
-    curves = [{int(k): v / 1e3 for k, v in ms[l.name].items()} for l in verifiers]
-    return curves, ["costs.json" if l.name in stored else "timed" for l in verifiers]
+    curves = [{int(k): v / 1e3 for k, v in ms[level.name].items()} for level in verifiers]
+    return curves, ["costs.json" if level.name in stored else "timed" for level in verifiers]
 
 
-def calibrate(spec: ChainSpec, build: Build, prompts: list[list[int]], cfg: Any, eos: Any) -> tuple[ChainModel, dict[str, Any]]:
+def calibrate(spec: ChainSpec, build: Build, prompts: list[list[int]], cfg: Any,
+              eos: Any) -> tuple[ChainModel, dict[str, Any]]:
     """Decode `prompts` at each calibration setting (a variant of `spec` each); the model of the chain, and what was
     measured."""
     configured = spec.knobs()
@@ -93,8 +94,8 @@ def calibrate(spec: ChainSpec, build: Build, prompts: list[list[int]], cfg: Any,
     measured = {
         "prompts": len(prompts), "max_new_tokens": int(cfg.max_new_tokens), "decodes": len(settings) * len(prompts),
         "mu": mu_max, "seconds": time.perf_counter() - start,
-        "costs": {l.name: {"source": src, "scale": scale, "ms": {k: 1e3 * v for k, v in curve.items()}}
-                  for l, src, scale, curve in zip(chain.levels, sources, scales, curves)},
+        "costs": {level.name: {"source": src, "scale": scale, "ms": {k: 1e3 * v for k, v in curve.items()}}
+                  for level, src, scale, curve in zip(chain.levels, sources, scales, curves)},
     }
     return model, measured
 
@@ -105,7 +106,8 @@ def plan_chain(spec: ChainSpec, build: Build, prompts: list[list[int]], cfg: Any
     than `cfg.min_gain` faster keeps the configured values: the calibration is short and noisy."""
     configured = spec.knobs()
     model, calibration = calibrate(spec, build, prompts, cfg, eos)
-    mine = predict(model, list(configured["mu"].values()), next(s for s in model.shapes if s.draft == configured["draft"]))
+    mine = predict(model, list(configured["mu"].values()),
+                   next(s for s in model.shapes if s.draft == configured["draft"]))
     mus, shape, predicted = best(model, [int(m) for m in cfg.mu])
     planned = {"mu": dict(zip(configured["mu"], mus)), "draft": shape.draft}
     if predicted["s_per_token"] > (1 - float(cfg.min_gain)) * mine["s_per_token"]:

@@ -16,7 +16,8 @@ import json
 import sys
 import time
 
-SPEC_METRICS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
+SPEC_METRICS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                "vllm:spec_decode_num_accepted_tokens")
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
@@ -44,7 +45,8 @@ def decode(llm, prompts: list, max_tokens: int, warmup_tokens: int) -> dict:
     from vllm import SamplingParams, TokensPrompt
 
     if warmup_tokens:
-        llm.generate(TokensPrompt(prompt_token_ids=prompts[0]), SamplingParams(temperature=0.0, max_tokens=warmup_tokens), use_tqdm=False)
+        llm.generate(TokensPrompt(prompt_token_ids=prompts[0]),
+                     SamplingParams(temperature=0.0, max_tokens=warmup_tokens), use_tqdm=False)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     before, tokens, seconds = spec_counters(llm), [], []
     for ids in prompts:
@@ -103,7 +105,10 @@ def main(jobs_path: str, results_path: str) -> None:
             results[job["name"]] = run_job(job)
         except Exception as err:  # the check reports it: vLLM refusing a checkpoint is a finding, not a crash
             traceback.print_exc()
-            results[job["name"]] = {"name": job["name"], "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]}
+            results[job["name"]] = {
+                "name": job["name"],
+                "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300],
+            }
         with open(results_path, "w") as fh:
             json.dump(results, fh)
 

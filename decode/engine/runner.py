@@ -12,7 +12,8 @@ from transformers import DynamicCache, PreTrainedModel
 class Runner(Protocol):
     """A decoder with a KV cache. `forward` feeds ids [1, T] after the cached positions (mask None = causal, else an
     additive float mask [1, 1, T, cached + T]; positions None = cached .. cached + T - 1, else ids [1, T]) and returns
-    the last hidden states after the final norm, [1, T, hidden]. The LM head is not the runner's: the level applies it."""
+    the last hidden states after the final norm, [1, T, hidden]. The LM head is not the runner's: the level applies
+    it."""
 
     config: Any
     device: torch.device

@@ -84,7 +84,7 @@ class ChainSpec:
         if not raw:
             raise SpecError("empty chain: list at least the target and one drafter")
         levels = [parse(LevelSpec, level, f"{where} level {i + 1}") for i, level in enumerate(raw)]
-        levels = [dataclasses.replace(l, name=l.name or f"L{i + 1}") for i, l in enumerate(levels)]
+        levels = [dataclasses.replace(level, name=level.name or f"L{i + 1}") for i, level in enumerate(levels)]
         last = levels[-1]
         draft = Draft.of(last.draft)
         defaults = parse(Draft, {"mode": draft.mode, **(draft_defaults or {}).get(draft.mode, {})}, "draft_defaults")
@@ -112,7 +112,8 @@ class ChainSpec:
 
     def with_knobs(self, knobs: dict[str, Any]) -> ChainSpec:
         """A new spec with these mus (by level name) and this draft."""
-        middle = [dataclasses.replace(l, mu=int(knobs["mu"].get(l.name, l.mu))) for l in self.levels[1:-1]]
+        middle = [dataclasses.replace(level, mu=int(knobs["mu"].get(level.name, level.mu)))
+                  for level in self.levels[1:-1]]
         drafter = dataclasses.replace(self.drafter, draft=Draft.of(knobs["draft"]))
         return ChainSpec((self.levels[0], *middle, drafter))
 

@@ -88,7 +88,8 @@ def predicted_time(
         raise TheoryError("forward times are missing (need T_1 .. T_n)")
     if acceptance is None or len(acceptance) != len(forward_times) - 1:
         got = "none" if acceptance is None else len(acceptance)
-        raise TheoryError(f"need {len(forward_times) - 1} acceptance lengths (L_1 .. L_n-1) for {len(forward_times)} levels, got {got}")
+        raise TheoryError(f"need {len(forward_times) - 1} acceptance lengths (L_1 .. L_n-1) "
+                          f"for {len(forward_times)} levels, got {got}")
     times = [_time(f"T_{i}", t) for i, t in enumerate(forward_times, 1)]
     lengths = [_acceptance(f"L_{i}", a) for i, a in enumerate(acceptance, 1)]
     n_tokens = _positive("N", new_tokens)
@@ -113,9 +114,11 @@ def refined_time(
     if n == 0:
         raise TheoryError("forward costs are missing (need c_1 .. c_n)")
     if acceptance is None or len(acceptance) != n - 1:
-        raise TheoryError(f"need {n - 1} acceptance lengths (L_1 .. L_n-1) for {n} levels, got {0 if acceptance is None else len(acceptance)}")
+        raise TheoryError(f"need {n - 1} acceptance lengths (L_1 .. L_n-1) for {n} levels, "
+                          f"got {0 if acceptance is None else len(acceptance)}")
     if handed_up is None or len(handed_up) != max(n - 2, 0):
-        raise TheoryError(f"need {max(n - 2, 0)} hand-up sizes (P_2 .. P_n-1) for {n} levels, got {0 if handed_up is None else len(handed_up)}")
+        raise TheoryError(f"need {max(n - 2, 0)} hand-up sizes (P_2 .. P_n-1) for {n} levels, "
+                          f"got {0 if handed_up is None else len(handed_up)}")
     c = [_time(f"c_{i}", t) for i, t in enumerate(costs, 1)]
     lengths = [_acceptance(f"L_{i}", a) for i, a in enumerate(acceptance, 1)]
     sizes = [_positive(f"P_{i}", p) for i, p in enumerate(handed_up, 2)]
@@ -171,7 +174,8 @@ class Insertion:
         return self.first_holds or self.second_holds
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "first_holds": self.first_holds, "second_holds": self.second_holds, "improves": self.improves}
+        return {**asdict(self), "first_holds": self.first_holds, "second_holds": self.second_holds,
+                "improves": self.improves}
 
 
 @dataclass(frozen=True)

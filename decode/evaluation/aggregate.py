@@ -1,5 +1,6 @@
 """From per-turn records to what the report says per method and category: pooled times and acceptance per level,
-Spec-Bench and time speedups with their paired intervals (decode.evaluation.speedup), Theorem 3.1 and refined predictions."""
+Spec-Bench and time speedups with their paired intervals (decode.evaluation.speedup), Theorem 3.1 and refined
+predictions."""
 from __future__ import annotations
 
 import statistics
@@ -18,7 +19,7 @@ def summarize(records: list[Record]) -> dict[str, Any]:
 def theory_inputs(summary: dict[str, Any]) -> tuple[list, list, Any]:
     """(forward_times, acceptance, draft_depth) for decode.theory from a chain's summary."""
     levels = summary["levels"]
-    return [l["T_s"] for l in levels], [l["L_mean"] for l in levels[:-1]], summary["draft_depth"]
+    return [level["T_s"] for level in levels], [level["L_mean"] for level in levels[:-1]], summary["draft_depth"]
 
 
 def speedup(records: list[Record], reference: list[Record]) -> float:
@@ -33,7 +34,8 @@ def time_speedup(summary: dict[str, Any], reference: dict[str, Any]) -> float:
 
 
 def speedup_interval(records: list[Record], reference: list[Record], confidence: float) -> dict[str, Any]:
-    """The pooled time speedup over the same turns of the reference, with its paired interval (decode.evaluation.speedup)."""
+    """The pooled time speedup over the same turns of the reference, with its paired interval
+    (decode.evaluation.speedup)."""
     def timed(recs: list[Record]) -> list[tuple[float, int]]:
         return [(r.stats.wall_time_s, r.stats.new_tokens) for r in recs]
 
@@ -75,12 +77,14 @@ def record_row(record: Record, reference: Record) -> dict[str, Any]:
         "speedup": record.tokens_per_s / reference.tokens_per_s if reference.tokens_per_s else None,
         "draft_depth": summary["draft_depth"],
         "predicted_time_s": {name: p.get("time_s") for name, p in summary["predictions"].items()},
-        "levels": [{k: l[k] for k in ("name", "forward_calls", "T_s", "L_mean", "L_var")} | {"acceptance_lengths": list(raw.acceptance_lengths)}
-                   for l, raw in zip(summary["levels"], record.stats.levels)],
+        "levels": [{k: level[k] for k in ("name", "forward_calls", "T_s", "L_mean", "L_var")}
+                   | {"acceptance_lengths": list(raw.acceptance_lengths)}
+                   for level, raw in zip(summary["levels"], record.stats.levels)],
     }
 
 
-def by_category(records: dict[str, list[Record]], confidence: float, reference: str = "ar") -> dict[str, dict[str, Any]]:
+def by_category(records: dict[str, list[Record]], confidence: float,
+                reference: str = "ar") -> dict[str, dict[str, Any]]:
     table: dict[str, dict[str, Any]] = {}
     for category in dict.fromkeys(r.category for r in records[reference]):
         ref = [r for r in records[reference] if r.category == category]
@@ -91,8 +95,9 @@ def by_category(records: dict[str, list[Record]], confidence: float, reference: 
             row[name] = {
                 "tokens_per_s": summary["tokens_per_s"], "speedup": speedup(mine, ref),
                 "time_speedup_interval": speedup_interval(mine, ref, confidence),
-                "T_s": [l["T_s"] for l in summary["levels"]], "L": [l["L_mean"] for l in summary["levels"][:-1]],
-                "L_var": [l["L_var"] for l in summary["levels"][:-1]],
+                "T_s": [level["T_s"] for level in summary["levels"]],
+                "L": [level["L_mean"] for level in summary["levels"][:-1]],
+                "L_var": [level["L_var"] for level in summary["levels"][:-1]],
             }
         table[category] = row
     return table

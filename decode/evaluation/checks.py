@@ -11,8 +11,8 @@ import torch
 from decode.evaluation import speedup as paired
 from decode.evaluation import EvalError
 from decode.engine.theory import InsertionCase, TheoryError, insertion_conditions, insertion_improves
-from decode.evaluation.aggregate import (by_category, chain_result, error_intervals, record_row, speedup, speedup_interval,
-                                         summarize, theory_inputs, time_speedup)
+from decode.evaluation.aggregate import (by_category, chain_result, error_intervals, record_row, speedup,
+                                         speedup_interval, summarize, theory_inputs, time_speedup)
 from decode.evaluation.runner import Decoded, Record
 
 PREDICTIONS = {"refined": "the refined prediction", "paper": "Theorem 3.1"}
@@ -36,7 +36,8 @@ class Check:
         return not self.by_chain
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "passed": self.passed, "reasons": self.reasons, "by_chain": self.by_chain, "details": self.details}
+        return {"name": self.name, "passed": self.passed, "reasons": self.reasons, "by_chain": self.by_chain,
+                "details": self.details}
 
 
 def top2_margin(target, ids: list[int]) -> tuple[float, list[int]]:
@@ -72,7 +73,8 @@ def check_lossless(
                 continue
             margin, top2 = margin_fn(ref.prompt_ids + ref.tokens[:pos])
             if margin <= near_tie and {mine.tokens[pos], ref.tokens[pos]} <= set(top2):
-                ties.append({"chain": name, "question_id": ref.question_id, "turn": ref.turn, "position": pos, "margin": margin})
+                ties.append({"chain": name, "question_id": ref.question_id, "turn": ref.turn, "position": pos,
+                             "margin": margin})
             else:
                 check.fail(name, f"{where}: token {pos} is {mine.tokens[pos]}, AR has {ref.tokens[pos]} "
                                  f"(target top-2 margin {margin:.2e} > near-tie tolerance {near_tie:.0e})")
@@ -110,19 +112,22 @@ def evaluate_insertion(ins: dict[str, Any], summaries: dict[str, dict], rule: st
     except TheoryError as err:
         return {**ins, "values": values, "error": str(err), "improves": False}
     verdict = {"theorem": closed.improves, "direct": direct.improves, "both": closed.improves and direct.improves}[rule]
-    return {**ins, "values": values, "theorem_3_2": closed.as_dict(), "direct": direct.as_dict(), "rule": rule, "improves": verdict}
+    return {**ins, "values": values, "theorem_3_2": closed.as_dict(), "direct": direct.as_dict(), "rule": rule,
+            "improves": verdict}
 
 
 def check_insertion(insertions: list[dict[str, Any]]) -> Check:
     check = Check("insertion", details={"insertions": len(insertions)})
     for ins in insertions:
         if ins.get("error"):
-            check.fail(ins["with"], f"{ins['level']} in {ins['with']}: Theorem 3.2 cannot be evaluated ({ins['error']})")
+            check.fail(ins["with"], f"{ins['level']} in {ins['with']}: Theorem 3.2 cannot be evaluated "
+                                    f"({ins['error']})")
         elif not ins["improves"]:
             t, d = ins["theorem_3_2"], ins["direct"]
             why = []
             if ins["rule"] in ("theorem", "both") and not t["improves"]:
-                why.append(f"Theorem 3.2 fails both conditions (T_new/T_i {t['lhs_first']:.3f} >= {t['rhs_first']:.3f}, "
+                why.append("Theorem 3.2 fails both conditions "
+                           f"(T_new/T_i {t['lhs_first']:.3f} >= {t['rhs_first']:.3f}, "
                            f"T_new/T_i+1 {t['lhs_second']:.3f} >= {t['rhs_second']:.3f})")
             if ins["rule"] in ("direct", "both") and not d["improves"]:
                 why.append(f"Theorem 3.1 predicts {d['time_with'] * 1e3:.2f} ms/token with it vs "
@@ -133,30 +138,35 @@ def check_insertion(insertions: list[dict[str, Any]]) -> Check:
 
 
 def check_agreement(
-    chain_results: dict[str, dict[str, Any]], insertions: list[dict[str, Any]], tolerance: float, prediction: str = "refined",
+    chain_results: dict[str, dict[str, Any]], insertions: list[dict[str, Any]], tolerance: float,
+    prediction: str = "refined",
 ) -> Check:
     """A prediction of each chain's decoding time (refined by default) against the measured one, and an
     insertion the theory admits measured faster. Each fails only where the measurement shows it: the error's
     interval lies wholly outside the tolerance, or the insertion's paired speedup interval lies below 1."""
     if prediction not in PREDICTIONS:
-        raise EvalError(f"eval.checks.agreement_prediction must be one of {', '.join(PREDICTIONS)}, got {prediction!r}")
-    check, label = Check("agreement", details={"prediction": prediction, "tolerance": tolerance}), PREDICTIONS[prediction]
+        raise EvalError(f"eval.checks.agreement_prediction must be one of {', '.join(PREDICTIONS)}, "
+                        f"got {prediction!r}")
+    check, label = (Check("agreement", details={"prediction": prediction, "tolerance": tolerance}),
+                    PREDICTIONS[prediction])
     for name, res in chain_results.items():
         p = res["predictions"][prediction]
         if p.get("error") is None:
-            check.fail(name, f"{name}: {label} cannot be evaluated ({p.get('error_reason', 'no decoding time measured')})")
+            check.fail(name, f"{name}: {label} cannot be evaluated "
+                             f"({p.get('error_reason', 'no decoding time measured')})")
             continue
         bounds = p.get("error_interval")
         low, high = bounds or (p["error"], p["error"])  # no interval (one turn): the point itself
         if low > tolerance or high < -tolerance:
             spread = f" [{low:+.0%}, {high:+.0%}]" if bounds else ""
-            check.fail(name, f"{name}: {label} predicts {p['time_s']:.2f}s of decoding, measured {res['decode_time_s']:.2f}s "
+            check.fail(name, f"{name}: {label} predicts {p['time_s']:.2f}s of decoding, "
+                             f"measured {res['decode_time_s']:.2f}s "
                              f"({p['error']:+.0%}{spread}, tolerance {tolerance:.0%})")
     for ins in insertions:
         gain = paired.Interval.from_dict(ins["measured_gain"])
         if ins["improves"] and gain.below_one:
-            check.fail(ins["with"], f"{ins['with']}: the theory says inserting {ins['level']} is faster, but it measured "
-                                    f"slower than {ins['without']}: {gain.verdict()}")
+            check.fail(ins["with"], f"{ins['with']}: the theory says inserting {ins['level']} is faster, "
+                                    f"but it measured slower than {ins['without']}: {gain.verdict()}")
     return check
 
 
@@ -171,8 +181,9 @@ def theorem_3_3(greedy: dict[str, list[Record]], sampled: dict[str, list[Record]
         pair = summarize(same), summarize(recs)
         rows = []
         for g, s in zip(pair[0]["levels"][:-1], pair[1]["levels"][:-1]):
-            row = {"level": g["name"], **{side: {"L": l["L_mean"], "var": l["L_var"], "verifications": l["verifications"]}
-                                          for side, l in (("greedy", g), ("sampling", s))}}
+            row = {"level": g["name"],
+                   **{side: {"L": level["L_mean"], "var": level["L_var"], "verifications": level["verifications"]}
+                      for side, level in (("greedy", g), ("sampling", s))}}
             row["claim_holds"] = None if None in (g["L_var"], s["L_var"]) else s["L_var"] < g["L_var"]
             rows.append(row)
         out[name] = rows
@@ -183,8 +194,8 @@ def evaluate(decoded: Decoded, margin_fn: Callable[[list[int]], tuple[float, lis
              reference: str = "ar") -> dict[str, Any]:
     """Everything the report holds, computed from the decoded records: summaries, theory, checks, plans.
 
-    `decoded.plans` maps a configured chain to its plan (decode.chains.plan.plan_chain, plus "chain": the planned chain's
-    name); insertions pair configured chains with configured ones and planned with planned."""
+    `decoded.plans` maps a configured chain to its plan (decode.chains.plan.plan_chain, plus "chain": the planned
+    chain's name); insertions pair configured chains with configured ones and planned with planned."""
     records, chains, plans, confidence = decoded.records, decoded.names, decoded.plans, checks_cfg.confidence
     summaries = {name: summarize(recs) for name, recs in records.items()}
     rows = {name: [record_row(r, ref) for r, ref in zip(recs, records[reference])] for name, recs in records.items()}
@@ -202,24 +213,29 @@ def evaluate(decoded: Decoded, margin_fn: Callable[[list[int]], tuple[float, lis
                  for name in records if name != reference and name not in chains}
     planned = {plan["chain"] for base, plan in plans.items() if plan["chain"] != base}
     groups = [[n for n in chains if n not in planned], [plan["chain"] for plan in plans.values()]]
-    pairs = {(i["with"], i["without"], i["index"]): i for g in groups for i in find_insertions({n: chains[n] for n in g})}
+    pairs = {(i["with"], i["without"], i["index"]): i
+             for g in groups for i in find_insertions({n: chains[n] for n in g})}
     insertions = [evaluate_insertion(ins, summaries, checks_cfg.insertion_rule) for ins in pairs.values()]
     for ins in insertions:
         ins["speedups"] = {side: {"predicted": chain_results[ins[side]]["predictions"]["paper"].get("speedup"),
                                   "measured": chain_results[ins[side]]["time_speedup"]} for side in ("without", "with")}
-        ins["measured_gain"] = speedup_interval(records[ins["with"]], records[ins["without"]], confidence)  # with over without
+        # with over without
+        ins["measured_gain"] = speedup_interval(records[ins["with"]], records[ins["without"]], confidence)
     per_token = {name: s["decode_time_s"] / max(s["decode_tokens"], 1) for name, s in summaries.items()}
     for base, plan in plans.items():  # the planner's predictions against what the chains measured
         for side, name in (("configured", base), ("planned", plan["chain"])):
-            plan[side] |= {"measured_s_per_token": per_token[name], "measured_speedup": per_token[reference] / per_token[name],
+            plan[side] |= {"measured_s_per_token": per_token[name],
+                           "measured_speedup": per_token[reference] / per_token[name],
                            "error": plan[side]["predicted"]["s_per_token"] / per_token[name] - 1}
     checks = [
         check_lossless(records, margin_fn, checks_cfg.near_tie_relative, reference),
         check_insertion(insertions),
-        check_agreement(chain_results, insertions, checks_cfg.agreement_tolerance, checks_cfg.get("agreement_prediction", "refined")),
+        check_agreement(chain_results, insertions, checks_cfg.agreement_tolerance,
+                        checks_cfg.get("agreement_prediction", "refined")),
     ]
     return {
-        "summaries": summaries, "chains": chain_results, "baselines": baselines, "insertions": insertions, "plans": plans,
+        "summaries": summaries, "chains": chain_results, "baselines": baselines, "insertions": insertions,
+        "plans": plans,
         "theorem_3_3": theorem_3_3(records, decoded.sampled),
         "categories": by_category(records, confidence, reference), "checks": [c.as_dict() for c in checks],
         "records": rows,

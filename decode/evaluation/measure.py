@@ -26,18 +26,18 @@ def summarize(stats: Sequence[GenerationStats]) -> dict[str, Any]:
     levels = []
     for i, first in enumerate(stats[0].levels):
         per = [s.levels[i] for s in stats]
-        calls = sum(l.forward_calls for l in per)
-        lengths = [x for l in per for x in l.acceptance_lengths]
-        carried = [k for l in per for k, _ in l.forwards]
+        calls = sum(stat.forward_calls for stat in per)
+        lengths = [x for stat in per for x in stat.acceptance_lengths]
+        carried = [k for stat in per for k, _ in stat.forwards]
         levels.append({
             "name": first.name, "kind": first.kind, "forward_calls": calls,
-            "T_s": sum(l.draft_time_s + l.verify_time_s for l in per) / calls if calls else None,
+            "T_s": sum(stat.draft_time_s + stat.verify_time_s for stat in per) / calls if calls else None,
             "L_mean": statistics.fmean(lengths) if lengths else None,
             "L_var": statistics.variance(lengths) if len(lengths) > 1 else None,
             "verifications": len(lengths), "L_histogram": dict(sorted(_count(lengths).items())),
-            "proposed": sum(l.proposed for l in per), "accepted": sum(l.accepted for l in per),
+            "proposed": sum(stat.proposed for stat in per), "accepted": sum(stat.accepted for stat in per),
             "tokens_per_forward": statistics.fmean(carried) if carried else None,
-            "bookkeeping_s": sum(l.bookkeeping_time_s for l in per),
+            "bookkeeping_s": sum(stat.bookkeeping_time_s for stat in per),
         })
     for above, level in zip(levels, levels[1:-1]):  # P_i: what a middle level hands up per round above it
         level["handed_up"] = above["proposed"] / above["verifications"] if above["verifications"] else None
@@ -66,10 +66,11 @@ def predictions(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """{"paper": ..., "refined": ...}: each the predicted decoding time and its error against the measured
     one, or the reason it cannot be evaluated (a level never measured, too few tokens)."""
     levels, n = summary["levels"], summary["decode_tokens"]
-    times, lengths = [l["T_s"] for l in levels], [l["L_mean"] for l in levels[:-1]]
+    times, lengths = [level["T_s"] for level in levels], [level["L_mean"] for level in levels[:-1]]
     inputs = {
         "paper": lambda: predicted_time(times, lengths, summary["draft_depth"] or 0, n),
-        "refined": lambda: refined_time(lengths, [l["handed_up"] for l in levels[1:-1]], summary["draft_depth"] or 0, n, times),
+        "refined": lambda: refined_time(lengths, [level["handed_up"] for level in levels[1:-1]],
+                                        summary["draft_depth"] or 0, n, times),
     }
     out = {}
     for name, predict in inputs.items():
@@ -85,7 +86,7 @@ def predictions(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def level_line(summary: dict[str, Any]) -> str:
     """Per level: mean forward time, acceptance length and (middle levels) tokens handed up per round."""
-    return ", ".join(_level(l) for l in summary["levels"])
+    return ", ".join(_level(level) for level in summary["levels"])
 
 
 def _level(level: dict[str, Any]) -> str:

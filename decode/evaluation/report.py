@@ -32,7 +32,8 @@ def _error(prediction: dict[str, Any]) -> str:
 
 
 def _interval(result: dict[str, Any], key: str = "time_speedup_interval") -> str:
-    """'1.01x [0.96, 1.06]: not shown to be faster' (decode.evaluation.speedup), or the point alone (AR against itself)."""
+    """'1.01x [0.96, 1.06]: not shown to be faster' (decode.evaluation.speedup), or the point alone (AR against
+    itself)."""
     interval = result.get(key)
     return interval["text"] if interval else _f(result.get("time_speedup", 1.0))
 
@@ -55,9 +56,11 @@ def _gate_section(report: dict[str, Any]) -> list[str]:
         lines.append(f"- rejected {name}: " + "; ".join(reasons))
     agreement = next(c for c in report["checks"] if c["name"] == "agreement")["details"]
     lines += ["", f"Admissible: lossless, every inserted level passes Theorem 3.2, the {agreement['prediction']} "
-              f"prediction within {agreement['tolerance']:.0%} of the measured decoding time (unless its interval overlaps "
-              f"the tolerance), and shown faster than AR: the lower bound of its speedup's {report['config']['confidence']:.0%} "
-              "interval (paired over turns) above 1. The admissible chain with the highest lower bound is published.", ""]
+              f"prediction within {agreement['tolerance']:.0%} of the measured decoding time "
+              "(unless its interval overlaps the tolerance), and shown faster than AR: "
+              f"the lower bound of its speedup's {report['config']['confidence']:.0%} "
+              "interval (paired over turns) above 1. "
+              "The admissible chain with the highest lower bound is published.", ""]
     lines += _table(["check", "result", "why"], [
         [c["name"], "pass" if c["passed"] else "FAIL", "; ".join(c["reasons"]) or "-"] for c in report["checks"]
     ])
@@ -80,23 +83,28 @@ def _chains_section(report: dict[str, Any]) -> list[str]:
         pred = res.get("predictions", {})
         levels = s["levels"]
         rows.append([
-            name, " <- ".join(l["name"] for l in levels), _f(s["tokens_per_s"], ".1f"),
+            name, " <- ".join(level["name"] for level in levels), _f(s["tokens_per_s"], ".1f"),
             _f(res.get("measured_speedup", 1.0)), _interval(res),
             _f(pred.get("paper", {}).get("speedup")), _f(pred.get("refined", {}).get("speedup")),
-            " / ".join(_ms(l["T_s"]) for l in levels),
-            " / ".join(f"{_f(l['L_mean'])} (var {_f(l['L_var'])})" for l in levels[:-1]) or "-",
+            " / ".join(_ms(level["T_s"]) for level in levels),
+            " / ".join(f"{_f(level['L_mean'])} (var {_f(level['L_var'])})" for level in levels[:-1]) or "-",
             _f(s["draft_depth"]), _error(pred.get("paper", {})), _error(pred.get("refined", {})),
         ])
     lines = ["## Chains", ""]
-    lines += _table(["chain", "levels", "tok/s", "speedup", "time speedup [interval]", "Thm 3.1 speedup", "refined speedup", "T_i ms",
-                     "L_i (var)", "beta", "Thm 3.1 time error", "refined time error"], rows)
+    lines += _table(["chain", "levels", "tok/s", "speedup", "time speedup [interval]", "Thm 3.1 speedup",
+                     "refined speedup", "T_i ms", "L_i (var)", "beta", "Thm 3.1 time error",
+                     "refined time error"], rows)
     lines += ["", "speedup: Spec-Bench's (mean tokens/s over the AR's); time speedup: AR seconds per token over the "
-              "chain's, pooled over all turns, with its paired interval over turns (decode.evaluation.speedup; the gate needs its lower "
-              "bound above 1). Time errors: predicted decoding time (after the first token) over the measured one, minus 1, "
+              "chain's, pooled over all turns, with its paired interval over turns "
+              "(decode.evaluation.speedup; the gate needs its lower bound above 1). "
+              "Time errors: predicted decoding time (after the first token) over the measured one, minus 1, "
               "with the turns' spread as an interval. Theorem 3.1 is the paper's formula; the refined "
-              "prediction counts each middle level's rounds from the tokens it hands up (P) and those the level above keeps.",
-              "", "Per level (T = ms per forward, L = acceptance length, P = tokens handed up per round; as decode.bench prints it):", ""]
-    lines += [f"- {name}: {level_line(report['summaries'][name])} | {prediction_line(report['summaries'][name])}" for name in chains]
+              "prediction counts each middle level's rounds from the tokens it hands up (P) "
+              "and those the level above keeps.",
+              "", "Per level (T = ms per forward, L = acceptance length, P = tokens handed up per round; "
+              "as decode.bench prints it):", ""]
+    lines += [f"- {name}: {level_line(report['summaries'][name])} | {prediction_line(report['summaries'][name])}"
+              for name in chains]
     return lines
 
 
@@ -109,8 +117,10 @@ def _plan_section(report: dict[str, Any]) -> list[str]:
         for side, name in (("configured", base), ("planned", plan["chain"])):
             k, pr = plan[side]["knobs"], plan[side]
             rows.append([f"{name} ({side})", ", ".join(f"{n}={m}" for n, m in k["mu"].items()) or "-",
-                         ", ".join(f"{a}={b}" for a, b in k["draft"].items() if a != "mode") + f" ({k['draft']['mode']})",
-                         _ms(pr["predicted"]["s_per_token"]), _ms(pr.get("measured_s_per_token")), _f(pr.get("error"), "+.0%"),
+                         ", ".join(f"{a}={b}" for a, b in k["draft"].items() if a != "mode")
+                         + f" ({k['draft']['mode']})",
+                         _ms(pr["predicted"]["s_per_token"]), _ms(pr.get("measured_s_per_token")),
+                         _f(pr.get("error"), "+.0%"),
                          _f(pr["predicted"]["speedup"]), _f(pr.get("measured_speedup"))])
     lines = ["", "## Plan (decode.chains.plan)", ""]
     lines += _table(["chain", "mu", "draft", "predicted ms/token", "measured ms/token", "error", "predicted speedup",
@@ -120,7 +130,8 @@ def _plan_section(report: dict[str, Any]) -> list[str]:
     for base, plan in report["plans"].items():
         cal = plan["calibration"]
         costs = ", ".join(f"{n} ({c['source']}, x{c['scale']:.2f})" for n, c in cal["costs"].items())
-        lines.append(f"- {base}: {plan['candidates']} configurations predicted from {cal['decodes']} calibration decodes "
+        lines.append(f"- {base}: {plan['candidates']} configurations predicted "
+                     f"from {cal['decodes']} calibration decodes "
                      f"({cal['prompts']} held-out prompts x {cal['max_new_tokens']} tokens, mu {cal['mu']}, "
                      f"{cal['seconds']:.0f}s); cost curves: {costs}.")
     return lines
@@ -145,10 +156,12 @@ def _theorem_3_3_section(report: dict[str, Any]) -> list[str]:
 def _categories_section(report: dict[str, Any]) -> list[str]:
     """Each chain's speedups and acceptance lengths per question category."""
     chains = list(report["chains"])
-    rows = [[category] + [f"{_f(row[n]['speedup'])}x, time {_interval(row[n])}, L {'/'.join(_f(x) for x in row[n]['L'])}"
+    rows = [[category] + [f"{_f(row[n]['speedup'])}x, time {_interval(row[n])}, "
+                          f"L {'/'.join(_f(x) for x in row[n]['L'])}"
                           for n in chains]
             for category, row in report["categories"].items()]
-    return ["", "## Per category", "", "Spec-Bench's speedup, then the time speedup with its interval over the category's turns.",
+    return ["", "## Per category", "",
+            "Spec-Bench's speedup, then the time speedup with its interval over the category's turns.",
             ""] + _table(["category", *chains], rows)
 
 
@@ -160,7 +173,8 @@ def _insertions_section(report: dict[str, Any]) -> list[str]:
         sp = ins.get("speedups", {})
         rows.append([
             f"{ins['level']} in {ins['with']} (vs {ins['without']})", _ms(v["T_i"]), _f(v["L_i_new"]), _ms(v["T_new"]),
-            _f(v["L_new"]), _ms(v["T_next"]), _f(v["L_i"]), _f(t.get("lhs_first"), ".3f"), _f(t.get("rhs_first"), ".3f"),
+            _f(v["L_new"]), _ms(v["T_next"]), _f(v["L_i"]), _f(t.get("lhs_first"), ".3f"),
+            _f(t.get("rhs_first"), ".3f"),
             f"{_f(t.get('lhs_second'), '.3f')} < {_f(t.get('rhs_second'), '.3f')}",
             ins.get("error") or ("improves" if ins["improves"] else "rejected"),
             f"{_f(sp.get('without', {}).get('predicted'))}x -> {_f(sp.get('with', {}).get('predicted'))}x",

@@ -32,7 +32,8 @@ class Record:
 
 
 def _record(question, turn: int, prompt_ids: list[int], generation) -> Record:
-    return Record(question.question_id, question.category, turn, list(prompt_ids), list(generation.tokens), generation.stats)
+    return Record(question.question_id, question.category, turn, list(prompt_ids), list(generation.tokens),
+                  generation.stats)
 
 
 def decode_questions(

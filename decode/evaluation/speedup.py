@@ -52,7 +52,8 @@ class Interval:
 
     def text(self) -> str:
         """'1.01x [0.96, 1.06]'."""
-        bounds = f"[{self.low:.2f}, {self.high:.2f}]" if self.low is not None else f"[no interval: {self.turns} turn(s)]"
+        bounds = (f"[{self.low:.2f}, {self.high:.2f}]" if self.low is not None
+                  else f"[no interval: {self.turns} turn(s)]")
         return f"{self.estimate:.2f}x {bounds}"
 
     def verdict(self) -> str:

@@ -9,7 +9,8 @@ import tempfile
 import pytest
 from omegaconf import OmegaConf
 
-from infra.cli import EXIT_INTERRUPTED, EXIT_NOT_PUBLISHED, EXIT_USER_ERROR, ConfigError, Interrupted, check_writable, flag, run_main
+from infra.cli import (EXIT_INTERRUPTED, EXIT_NOT_PUBLISHED, EXIT_USER_ERROR, ConfigError, Interrupted, check_writable,
+                       flag, run_main)
 
 
 @pytest.mark.parametrize("value", [True, False])
@@ -109,7 +110,8 @@ def quantize_config(tmp_path, **quantize):
     from pathlib import Path
 
     cfg = OmegaConf.create({
-        "run_name": "t", "run_dir": str(tmp_path), "seed": 0, "model": {"name": str(tmp_path / "no-model"), "dtype": "float32"},
+        "run_name": "t", "run_dir": str(tmp_path), "seed": 0,
+        "model": {"name": str(tmp_path / "no-model"), "dtype": "float32"},
         "quantize": OmegaConf.load(Path(__file__).resolve().parents[2] / "conf" / "quantize" / "w4.yaml"),
     })
     cfg.quantize.output = str(tmp_path / "w4")
@@ -175,7 +177,8 @@ def test_bench_refuses_an_unwritable_output_before_decoding(tmp_path, monkeypatc
     from decode.bench import run
 
     read_only_mount(monkeypatch)
-    with pytest.raises(ConfigError, match=r"^decode.bench.out=.*bench.json: cannot write there \(.*Read-only file system\)$"):
+    with pytest.raises(ConfigError,
+                       match=r"^decode.bench.out=.*bench.json: cannot write there \(.*Read-only file system\)$"):
         run(eval_config(tmp_path))  # nothing is loaded: the output check comes first
 
 

@@ -111,10 +111,13 @@ def bad_inputs(tmp_path_factory) -> Path:
 
 STAGES = {  # stage -> (overrides, the error it must give before touching the model)
     "data.prepare": ([], "bad.json: no valid ShareGPT conversation found (1 unreadable JSON)"),
-    "quantize.w4": (["~train", "~decode", "~eval"], "bad.json: no valid ShareGPT conversation found (1 unreadable JSON)"),
+    "quantize.w4": (["~train", "~decode", "~eval"],
+                    "bad.json: no valid ShareGPT conversation found (1 unreadable JSON)"),
     "train.eagle": ([], "bad.json: no valid ShareGPT conversation found (1 unreadable JSON)"),
-    "decode.costs": (["decode.costs.out={}/costs.json"], "bad.json: no valid ShareGPT conversation found (1 unreadable JSON)"),
-    "decode.bench": (["decode.bench.prompts={}/q.jsonl", "decode.bench.out={}/bench.json"], "q.jsonl:2: question_id 1 repeats line 1"),
+    "decode.costs": (["decode.costs.out={}/costs.json"],
+                     "bad.json: no valid ShareGPT conversation found (1 unreadable JSON)"),
+    "decode.bench": (["decode.bench.prompts={}/q.jsonl", "decode.bench.out={}/bench.json"],
+                     "q.jsonl:2: question_id 1 repeats line 1"),
 }
 
 

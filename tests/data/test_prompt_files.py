@@ -29,7 +29,8 @@ def test_unicode_line_separators_inside_a_turn_do_not_split_the_line(tmp_path):
 
 @pytest.mark.parametrize("content, message", [
     (line(1).encode() + b"\n" + line(2).encode().replace(b"What", b"Wh\xe9t"), r"q.jsonl:2: not UTF-8 text"),
-    ((line(1) + "\n" + line(2, ("bad \\ud800 turn",)).replace("\\\\ud800", "\\ud800")).encode(), r"q.jsonl:2: .*lone surrogate"),
+    ((line(1) + "\n" + line(2, ("bad \\ud800 turn",)).replace("\\\\ud800", "\\ud800")).encode(),
+     r"q.jsonl:2: .*lone surrogate"),
     (("[" * 100_000 + "]" * 100_000).encode(), r"q.jsonl:1: not a Spec-Bench question \(nested too deeply\)"),
     (('{"question_id": ' + "1" * 5000 + ', "turns": ["x"]}').encode(), r"q.jsonl:1: .*ValueError: Exceeds the limit"),
     (line(qid=[1]).encode(), r"q.jsonl:1: .*'question_id' must be a string or an integer"),

@@ -35,13 +35,15 @@ def test_malformed_records_are_skipped_and_counted(tmp_path):
     with pytest.warns(UserWarning, match=r"kept 1 of 7 records; skipped 6") as caught:
         convs = load_conversations(path)
     message = str(caught[0].message)
-    for reason in ("empty turn", "unknown role 'alien'", "non-string role or value", "does not start with the user", "no conversation"):
+    for reason in ("empty turn", "unknown role 'alien'", "non-string role or value", "does not start with the user",
+                   "no conversation"):
         assert reason in message
     assert [c.id for c in convs] == ["ok"]
 
 
 def test_broken_json_lines_are_counted_not_fatal(tmp_path):
-    good = json.dumps({"id": "a", "conversations": [{"from": "user", "value": "q"}, {"from": "assistant", "value": "a"}]})
+    good = json.dumps({"id": "a",
+                       "conversations": [{"from": "user", "value": "q"}, {"from": "assistant", "value": "a"}]})
     path = _write(tmp_path, "data.jsonl", good + "\n{not json\n" + good.replace('"a"', '"b"', 1) + "\n")
     with pytest.warns(UserWarning, match="1 unreadable JSON"):
         convs = load_conversations(path)

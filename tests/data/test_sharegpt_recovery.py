@@ -111,7 +111,8 @@ def test_non_utf8_bytes_skip_only_their_records(tmp_path):
 
 def test_lone_surrogate_escapes_are_a_counted_skip(tmp_path):
     lines = [json.dumps(record(0)), json.dumps(record(1)).replace("Question", "Quest\\ud800ion"),
-             json.dumps({"id": "\\udfff", **{k: v for k, v in record(2).items() if k != "id"}}).replace("\\\\udfff", "\\udfff")]
+             json.dumps({"id": "\\udfff", **{k: v for k, v in record(2).items() if k != "id"}})
+             .replace("\\\\udfff", "\\udfff")]
     (tmp_path / "a.jsonl").write_text("\n".join(lines))
     with pytest.warns(UserWarning, match=r"kept 1 of 3 records; skipped 2: 2 text not valid UTF-8"):
         assert [c.id for c in load_conversations(str(tmp_path / "a.jsonl"))] == ["c0"]
@@ -149,7 +150,8 @@ class CharTokenizer:
     name_or_path = "chars"
 
     def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
-        return "".join(f"<{m['role']}>{m['content']}|" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+        return ("".join(f"<{m['role']}>{m['content']}|" for m in messages)
+                + ("<assistant>" if add_generation_prompt else ""))
 
     def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
         return {"input_ids": [ord(c) % 1000 for c in text], "offset_mapping": [(i, i + 1) for i in range(len(text))]}
@@ -175,7 +177,8 @@ def test_load_tokenized_warns_about_cut_conversations(tmp_path):
     records = [record(i) for i in range(6)] + [{"id": "long", "conversations": [
         {"from": "human", "value": "y" * 5000}, {"from": "gpt", "value": "fine"}]}]
     (tmp_path / "a.json").write_text(json.dumps(records))
-    cfg = OmegaConf.create({"source": str(tmp_path / "a.json"), "held_out_fraction": 0.0, "max_len": 200, "max_conversations": None})
+    cfg = OmegaConf.create({"source": str(tmp_path / "a.json"), "held_out_fraction": 0.0, "max_len": 200,
+                            "max_conversations": None})
     with pytest.warns(UserWarning, match=r"1 of 7 conversations are longer than data.max_len=200"):
         train, held_out = load_tokenized(cfg, CharTokenizer())
     assert len(train) == 6 and not held_out  # the cut one kept no assistant token

@@ -67,7 +67,8 @@ QUESTIONS = [
 ]
 
 
-def eval_cfg(run_dir, chains: dict, force: bool = False, tolerance: float = 0.3, rule: str = "both", publish: str = "best"):
+def eval_cfg(run_dir, chains: dict, force: bool = False, tolerance: float = 0.3, rule: str = "both",
+             publish: str = "best"):
     """The eval config as decode.eval.conclude and plan_chains read it (the chains' level lists only carry
     names and sources here)."""
     return OmegaConf.create({
@@ -76,9 +77,11 @@ def eval_cfg(run_dir, chains: dict, force: bool = False, tolerance: float = 0.3,
         "decode": {"draft_defaults": {"chain": {"length": 4}, "tree": {"depth": 2, "top_k": 2, "total_tokens": 6}}},
         "eval": {
             "prompts": None, "max_new_tokens": 12, "out_dir": f"{run_dir}/eval", "chains": chains, "confidence": 0.95,
-            "checks": {"near_tie_relative": {"float32": 1e-4}, "insertion_rule": rule, "agreement_tolerance": tolerance},
+            "checks": {"near_tie_relative": {"float32": 1e-4}, "insertion_rule": rule,
+                       "agreement_tolerance": tolerance},
             "plan": {"enabled": True, "chains": None, "questions": 2, "max_new_tokens": 12, "mu": [1, 2, 4],
-                     "lengths": [1, 2, 4], "min_gain": 0.0, "trees": [], "costs": None, "ks": [1, 4, 8], "repeats": 1, "context": 32},
+                     "lengths": [1, 2, 4], "min_gain": 0.0, "trees": [], "costs": None, "ks": [1, 4, 8], "repeats": 1,
+                     "context": 32},
             "theorem_3_3": {"questions": 2, "temperature": 1.0, "seed": 0},
             "publish": {"chain": publish, "dir": f"{run_dir}/publish", "force": force, "lineage": []},
         },

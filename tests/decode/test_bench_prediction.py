@@ -11,7 +11,8 @@ from decode.engine.levels import Generation, GenerationStats, LevelStats
 
 def _two_level(new_tokens: int, wall: float, ttft: float) -> Generation:
     # target: 4 verifications of 50 ms accepting 4 tokens each; drafter: 12 forwards of 10 ms (beta = 3)
-    target = LevelStats("target", "model", forward_calls=4, verify_time_s=0.2, acceptance_lengths=[4, 4, 4, 4], proposed=12, accepted=12)
+    target = LevelStats("target", "model", forward_calls=4, verify_time_s=0.2, acceptance_lengths=[4, 4, 4, 4],
+                        proposed=12, accepted=12)
     drafter = LevelStats("draft", "model", forward_calls=12, draft_time_s=0.12)
     return Generation(list(range(new_tokens)), GenerationStats(wall, ttft, new_tokens, 3.0, [target, drafter]))
 
@@ -61,7 +62,8 @@ def test_bench_and_eval_print_the_same_per_level_numbers_for_the_same_generation
     from decode.evaluation.report import markdown
     from decode.evaluation.speedup import Interval
 
-    ar = [Generation(list(range(17)), GenerationStats(1.7, 0.1, 17, 0.0, [LevelStats("target", "model", 16, verify_time_s=1.6)]))
+    ar = [Generation(list(range(17)),
+                     GenerationStats(1.7, 0.1, 17, 0.0, [LevelStats("target", "model", 16, verify_time_s=1.6)]))
           for _ in range(2)]
     chain = [_three_level(wall=1.3), _three_level(wall=1.4)]
     bench = summarise({"ar": ar, "polybasic": chain}, [g.tokens for g in ar], 0.95)
@@ -69,11 +71,13 @@ def test_bench_and_eval_print_the_same_per_level_numbers_for_the_same_generation
 
     records = {name: [Record(i, "qa", 0, [1, 2], g.tokens, g.stats) for i, g in enumerate(gens)]
                for name, gens in (("ar", ar), ("polybasic", chain))}
-    checks_cfg = OmegaConf.create({"near_tie_relative": 1e-4, "insertion_rule": "both", "agreement_tolerance": 0.1, "confidence": 0.95})
+    checks_cfg = OmegaConf.create({"near_tie_relative": 1e-4, "insertion_rule": "both", "agreement_tolerance": 0.1,
+                                   "confidence": 0.95})
     levels = [{"name": name} for name in ("target", "w4", "head")]
     report = evaluate(Decoded(records, {"polybasic": levels}, 2), lambda ids: (1.0, [0, 0]), checks_cfg)
     speedups = {n: Interval.from_dict(r["time_speedup_interval"]) for n, r in report["chains"].items()}
-    report |= {"run_name": "t", "gate": gate(report["checks"], speedups), "config": {"theorem_3_3": {"temperature": 1.0}, "confidence": 0.95}}
+    report |= {"run_name": "t", "gate": gate(report["checks"], speedups),
+               "config": {"theorem_3_3": {"temperature": 1.0}, "confidence": 0.95}}
     md = markdown(report)
 
     line = measure.level_line(report["summaries"]["polybasic"])

@@ -7,7 +7,8 @@ import shutil
 import pytest
 
 from decode.evaluation.runner import Record
-from decode.evaluation.checks import check_agreement, check_insertion, check_lossless, evaluate_insertion, find_insertions
+from decode.evaluation.checks import (check_agreement, check_insertion, check_lossless, evaluate_insertion,
+                                      find_insertions)
 from decode.evaluation.publish import clean_stale, folder_hash, gate, publish_bundle, set_aside
 from decode.evaluation.aggregate import summarize, time_speedup
 from decode.engine.levels import GenerationStats, LevelStats
@@ -24,7 +25,8 @@ def level(name, calls, time_s, lengths):
 
 def summary(times, lengths, beta):
     """A chain summary as decode.eval.summarize makes it, from T_i and L_i."""
-    levels = [{"name": f"m{i}", "T_s": t, "L_mean": l} for i, (t, l) in enumerate(zip(times, [*lengths, None]))]
+    levels = [{"name": f"m{i}", "T_s": t, "L_mean": length}
+              for i, (t, length) in enumerate(zip(times, [*lengths, None]))]
     return {"levels": levels, "draft_depth": beta}
 
 
@@ -78,7 +80,8 @@ def test_insertion_uses_measured_values_in_the_paper_columns():
     without, with_ = summary([0.022, 0.004], [4.34], 1), summary([0.022, 0.007, 0.004], [6.26, 4.67], 1)
     ins = evaluate_insertion({"with": "p", "without": "d", "index": 1, "level": "w4", "between": ["m0", "m1"]},
                              {"p": with_, "d": without}, "both")
-    assert ins["values"] == {"T_i": 0.022, "L_i_new": 6.26, "T_new": 0.007, "L_new": 4.67, "T_next": 0.004, "L_i": 4.34, "beta": 1}
+    assert ins["values"] == {"T_i": 0.022, "L_i_new": 6.26, "T_new": 0.007, "L_new": 4.67, "T_next": 0.004, "L_i": 4.34,
+                             "beta": 1}
     assert ins["theorem_3_2"]["lhs_first"] == pytest.approx(7 / 22)
     assert ins["improves"] and check_insertion([ins]).passed
 
@@ -96,7 +99,8 @@ def test_insertion_rules_differ_where_the_closed_forms_do():
     # first condition holds, but the drafter's extra rounds make the whole chain slower
     without, with_ = summary([0.02, 0.01], [4.0], 8), summary([0.02, 0.002, 0.01], [8.0, 1.2], 8)
     base = {"with": "p", "without": "d", "index": 1, "level": "x", "between": ["a", "b"]}
-    verdicts = {rule: evaluate_insertion(base, {"p": with_, "d": without}, rule)["improves"] for rule in ("theorem", "direct", "both")}
+    verdicts = {rule: evaluate_insertion(base, {"p": with_, "d": without}, rule)["improves"]
+                for rule in ("theorem", "direct", "both")}
     assert verdicts == {"theorem": True, "direct": False, "both": False}
 
 
@@ -126,9 +130,11 @@ def test_agreement_uses_the_refined_prediction_within_tolerance_and_direction():
     off = {"d": result(1.2, 1.0), "p": result(1.0, 1.0)}
     check = check_agreement(off, [], 0.1)
     assert not check.passed and list(check.by_chain) == ["d"]
-    assert "d: the refined prediction predicts 1.20s of decoding, measured 1.00s (+20%, tolerance 10%)" in check.reasons[0]
+    assert ("d: the refined prediction predicts 1.20s of decoding, measured 1.00s (+20%, tolerance 10%)"
+            in check.reasons[0])
     wrong_way = {"d": result(1.0, 1.0, speedup=2.0), "p": result(1.0, 1.0, speedup=1.9)}
-    ins = {"with": "p", "without": "d", "level": "w4", "improves": True, "measured_gain": interval(0.95, 0.91, 0.99).as_dict()}
+    ins = {"with": "p", "without": "d", "level": "w4", "improves": True,
+           "measured_gain": interval(0.95, 0.91, 0.99).as_dict()}
     check = check_agreement(wrong_way, [ins], 0.3)
     assert list(check.by_chain) == ["p"] and "the theory says inserting w4 is faster" in check.reasons[0]
     assert "measured slower than d: 0.95x [0.91, 0.99]: shown slower" in check.reasons[0]
@@ -143,13 +149,15 @@ def test_agreement_uses_the_refined_prediction_within_tolerance_and_direction():
 def test_agreement_fails_only_where_the_errors_interval_clears_the_tolerance():
     noisy = check_agreement({"d": result(1.15, 1.0, spread=[0.05, 0.25])}, [], 0.1)
     assert noisy.passed  # +15%, but the turns' spread reaches inside the tolerance
-    shown = check_agreement({"d": result(1.15, 1.0, spread=[0.12, 0.18]), "p": result(0.85, 1.0, spread=[-0.2, -0.11])}, [], 0.1)
+    shown = check_agreement({"d": result(1.15, 1.0, spread=[0.12, 0.18]), "p": result(0.85, 1.0, spread=[-0.2, -0.11])},
+                            [], 0.1)
     assert list(shown.by_chain) == ["d", "p"]
     assert "measured 1.00s (+15% [+12%, +18%], tolerance 10%)" in shown.reasons[0]
 
 
 CHECKS = [{"name": "lossless", "passed": True, "reasons": [], "by_chain": {}},
-          {"name": "insertion", "passed": False, "reasons": ["w4 too slow"], "by_chain": {"polybasic": ["w4 too slow"]}},
+          {"name": "insertion", "passed": False, "reasons": ["w4 too slow"],
+           "by_chain": {"polybasic": ["w4 too slow"]}},
           {"name": "agreement", "passed": True, "reasons": [], "by_chain": {}}]
 
 
@@ -178,10 +186,12 @@ def test_gate_never_publishes_a_chain_not_shown_faster_than_ar():
     passing = [{**c, "passed": True, "reasons": [], "by_chain": {}} for c in CHECKS]
     decision = gate(passing, {"dualistic": interval(1.01, 0.96, 1.06), "polybasic": interval(0.9, 0.85, 0.95)})
     assert not decision["publish"] and decision["chain"] is None
-    assert decision["explanation"] == ("no chain is shown faster than AR: dualistic 1.01x [0.96, 1.06]: not shown to be faster; "
+    assert decision["explanation"] == ("no chain is shown faster than AR: "
+                                       "dualistic 1.01x [0.96, 1.06]: not shown to be faster; "
                                        "polybasic 0.90x [0.85, 0.95]: shown slower (95% intervals).")
     assert decision["rejected"]["dualistic"] == ["faster than AR: 1.01x [0.96, 1.06]: not shown to be faster"]
-    assert decision["failures"][1].startswith("check failed: faster than AR: polybasic measured 0.90x [0.85, 0.95]: shown slower")
+    assert decision["failures"][1].startswith("check failed: faster than AR: "
+                                              "polybasic measured 0.90x [0.85, 0.95]: shown slower")
     for choice in ("best", "dualistic"):  # neither force nor the strict gate publishes a chain within the noise
         assert not gate(CHECKS, {"dualistic": interval(1.01, 0.96, 1.06)}, choice, force=True)["publish"]
     single = gate(passing, {"dualistic": interval(1.5, None, None)})  # one turn: no interval, nothing shown
@@ -195,9 +205,11 @@ def test_strict_gate_needs_every_check_and_force_overrides_checks_only():
     passing = [{**c, "passed": True, "reasons": [], "by_chain": {}} for c in CHECKS]
     assert gate(passing, {"dualistic": shown(1.3), "polybasic": shown(1.8)}, choice="dualistic")["chain"] == "dualistic"
     within_noise = gate(passing, {"dualistic": interval(1.3, 0.99, 1.7), "polybasic": shown(1.8)}, choice="dualistic")
-    assert within_noise["explanation"].startswith("eval.publish.chain=dualistic (strict): it is not shown faster than AR (1.30x")
+    assert within_noise["explanation"].startswith("eval.publish.chain=dualistic (strict): "
+                                                  "it is not shown faster than AR (1.30x")
     forced = gate(CHECKS, {"polybasic": shown(1.8)}, choice="polybasic", force=True)
-    assert forced["publish"] and forced["forced"] and "publish.force=true overrode: insertion: w4 too slow" in forced["explanation"]
+    assert (forced["publish"] and forced["forced"]
+            and "publish.force=true overrode: insertion: w4 too slow" in forced["explanation"])
     best_forced = gate(CHECKS, {"polybasic": shown(1.8)}, force=True)
     assert best_forced["chain"] == "polybasic" and best_forced["decision"] == "published (forced)"
 

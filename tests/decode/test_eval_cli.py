@@ -79,7 +79,8 @@ def test_smoke_eval_on_the_bundled_model_evaluates_every_check(tmp_path):
     for reason in (r for c in checks.values() for r in c["reasons"]):
         assert reason in proc.stderr
     assert report["gate"]["explanation"] in (tmp_path / "eval" / "report.md").read_text()
-    for name, result in report["chains"].items():  # every speedup carries its interval, and only a shown one is published
+    # every speedup carries its interval, and only a shown one is published
+    for name, result in report["chains"].items():
         interval = result["time_speedup_interval"]
         assert interval["turns"] == 4 and interval["text"] in (tmp_path / "eval" / "report.md").read_text()
         assert (name in report["gate"]["admissible"]) <= (interval["low"] > 1)

@@ -46,7 +46,8 @@ def dualistic(models, drafter=None):
 
 def slow_polybasic(models):
     target, w4, drafter = models
-    return Chain([ModelLevel("target", target), ModelLevel("w4", SlowModel(w4, 0.03), mu=4), ModelLevel("draft", drafter, draft=DRAFT)])
+    return Chain([ModelLevel("target", target), ModelLevel("w4", SlowModel(w4, 0.03), mu=4),
+                  ModelLevel("draft", drafter, draft=DRAFT)])
 
 
 class LevelBuilder:
@@ -58,7 +59,8 @@ class LevelBuilder:
         self.levels = {level.name: level for chain in chains.values() for level in chain.levels}
 
     def build(self, spec: ChainSpec) -> Chain:
-        return Chain([type(self.levels[l.name])(l.name, self.levels[l.name].model, l.mu, l.draft) for l in spec.levels])
+        return Chain([type(self.levels[level.name])(level.name, self.levels[level.name].model, level.mu, level.draft)
+                      for level in spec.levels])
 
 
 def run_eval(models, tmp_path, chains: dict[str, Chain], plan: bool = False, **cfg_kwargs):
@@ -79,7 +81,8 @@ def run_eval(models, tmp_path, chains: dict[str, Chain], plan: bool = False, **c
 
 
 def test_rejected_w4_level_still_publishes_target_head(models, tmp_path, capsys):
-    code, report, checks = run_eval(models, tmp_path, {"dualistic": dualistic(models), "polybasic": slow_polybasic(models)})
+    code, report, checks = run_eval(models, tmp_path,
+                                    {"dualistic": dualistic(models), "polybasic": slow_polybasic(models)})
     out = capsys.readouterr()
     assert checks["lossless"]["passed"], checks["lossless"]["reasons"]
     (ins,) = report["insertions"]
@@ -99,11 +102,13 @@ def test_rejected_w4_level_still_publishes_target_head(models, tmp_path, capsys)
     assert manifest["checks"] == {"lossless": True, "insertion": True, "agreement": True, "faster_than_ar": True}
     assert any(r.startswith("insertion: w4 between") for r in manifest["rejected"]["polybasic"])
     md = (tmp_path / "eval" / "report.md").read_text()
-    assert md.splitlines()[2].startswith(f"**Published: dualistic.** dualistic, the fastest admissible chain by its interval's "
+    assert md.splitlines()[2].startswith("**Published: dualistic.** dualistic, "
+                                         "the fastest admissible chain by its interval's "
                                          f"lower bound: {interval['text']} than AR")
     assert "- rejected polybasic: insertion: w4 between target and draft" in md
     assert "| w4 in polybasic (vs dualistic) |" in md and "## Theorem 3.3" in md
-    for name in ("report.md", "speedup_by_category.png", "acceptance_polybasic.png", "predicted_vs_measured.png", "metrics.json"):
+    for name in ("report.md", "speedup_by_category.png", "acceptance_polybasic.png", "predicted_vs_measured.png",
+                 "metrics.json"):
         assert (tmp_path / "eval" / name).stat().st_size > 0
     assert (tmp_path / "publish" / "report" / "report.md").exists()
     # the refined prediction holds for three levels where Theorem 3.1 does not count the middle level's waste
@@ -124,7 +129,8 @@ def test_no_chain_slower_than_ar_is_published_and_a_refusal_sets_the_old_bundle_
     capsys.readouterr()
     code, report, checks = run_eval(models, tmp_path, {"dualistic": slow}, tolerance=100.0, force=True)
     out = capsys.readouterr().out
-    assert code == EXIT_NOT_PUBLISHED and all(c["passed"] for c in checks.values())  # every check passed, force too: still refused
+    # every check passed, force too: still refused
+    assert code == EXIT_NOT_PUBLISHED and all(c["passed"] for c in checks.values())
     assert report["chains"]["dualistic"]["time_speedup"] < 1 and report["gate"]["decision"] == "not published"
     interval = report["chains"]["dualistic"]["time_speedup_interval"]
     assert interval["high"] < 1 and report["gate"]["rejected"]["dualistic"][-1] == f"faster than AR: {interval['text']}"
@@ -147,7 +153,8 @@ def test_lossy_chain_fails_the_lossless_check(models, tmp_path, capsys):
 def test_strict_gate_refuses_when_any_check_fails_and_force_records_it(models, tmp_path):
     chains = {"polybasic": slow_polybasic(models), "dualistic": dualistic(models)}
     code, report, _ = run_eval(models, tmp_path, chains, publish="dualistic")
-    assert code == EXIT_NOT_PUBLISHED and report["gate"]["explanation"].startswith("eval.publish.chain=dualistic (strict): a check failed")
+    assert code == EXIT_NOT_PUBLISHED and report["gate"]["explanation"].startswith(
+        "eval.publish.chain=dualistic (strict): a check failed")
     (tmp_path / "w4").mkdir()
     (tmp_path / "w4" / "model.safetensors").write_bytes(b"w4 weights")
     code, report, _ = run_eval(models, tmp_path, chains, publish="dualistic", force=True)
@@ -163,11 +170,14 @@ def test_planned_chain_runs_next_to_the_configured_one_and_its_plan_is_published
     assert plan["chain"] in ("dualistic", "dualistic_planned") and plan["chain"] in report["chains"]
     for side in ("configured", "planned"):
         assert plan[side]["predicted"]["s_per_token"] > 0 and plan[side]["measured_s_per_token"] > 0
-        assert plan[side]["error"] == pytest.approx(plan[side]["predicted"]["s_per_token"] / plan[side]["measured_s_per_token"] - 1)
+        assert plan[side]["error"] == pytest.approx(plan[side]["predicted"]["s_per_token"]
+                                                    / plan[side]["measured_s_per_token"] - 1)
     assert plan["levels"][-1]["draft"] == plan["planned"]["knobs"]["draft"]
     assert "## Plan (decode.chains.plan)" in (tmp_path / "eval" / "report.md").read_text()
     assert code == 0, report["gate"]
     manifest = json.loads((tmp_path / "publish" / "chain.json").read_text())
-    assert manifest["plan"]["planned"]["knobs"] == plan["planned"]["knobs"] and manifest["measured"]["speedup_over_ar"] > 1
+    assert (manifest["plan"]["planned"]["knobs"] == plan["planned"]["knobs"]
+            and manifest["measured"]["speedup_over_ar"] > 1)
     if manifest["chain"] == "dualistic_planned":
-        assert manifest["plan"]["published"] == "planned" and manifest["levels"][-1]["config"]["draft"] == plan["planned"]["knobs"]["draft"]
+        assert (manifest["plan"]["published"] == "planned"
+                and manifest["levels"][-1]["config"]["draft"] == plan["planned"]["knobs"]["draft"])

@@ -16,12 +16,14 @@ from decode.engine.chain import Chain
 from decode.engine.levels import ModelLevel
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")]
+              pytest.mark.skipif(not torch.cuda.is_available(),
+                                 reason="needs a CUDA GPU (torch.cuda.is_available() is False)")]
 
 VOCAB = 300
 TREE = {"mode": "tree", "depth": 4, "top_k": 3, "total_tokens": 10}
 CHAINS = {
-    "model drafter, chain": [{"kind": "model"}, {"kind": "model", "model": "target", "layers": 2, "draft": {"length": 4}}],
+    "model drafter, chain": [{"kind": "model"},
+                             {"kind": "model", "model": "target", "layers": 2, "draft": {"length": 4}}],
     "3 levels, tree, mu 3": [{"kind": "model"}, {"kind": "model", "model": "target", "layers": 3, "mu": 3},
                              {"kind": "model", "model": "target", "layers": 1, "draft": TREE}],
     "eagle chain": [{"kind": "model"}, {"kind": "eagle", "path": "untrained", "draft": {"length": 4}}],
@@ -52,7 +54,8 @@ def test_greedy_chain_equals_ar_on_cuda(shape, dtype, tol):
     for prompt in prompts(VOCAB):
         generation = chain.generate(prompt, 40)
         ok, tie = greedy_equal(target, prompt, generation.tokens, tol)
-        assert ok and len(generation.tokens) == 40, f"{shape} ({dtype}): differs from AR on the same GPU at a clear margin"
+        assert ok and len(generation.tokens) == 40, (f"{shape} ({dtype}): differs from AR on the same GPU "
+                                                     "at a clear margin")
         ties += tie
     assert ties <= 1, f"{shape} ({dtype}): {ties} near-ties in 3 prompts"
 
@@ -70,6 +73,7 @@ def test_three_level_chain_samples_like_the_target_on_cuda(cuda_trio):
     chain = Chain([ModelLevel("target", target), ModelLevel("middle", middle, mu=2),
                    ModelLevel("drafter", drafter, draft={"mode": "chain", "length": 2})])
     p = chi_square_pvalue(chain_counts(chain), exact_joint(cpu_target))
-    assert p > 1e-3, f"chain sampling on CUDA differs from the target's (chi-square p={p:.2e}, T={SAMPLING.temperature})"
+    assert p > 1e-3, ("chain sampling on CUDA differs from the target's "
+                      f"(chi-square p={p:.2e}, T={SAMPLING.temperature})")
 
 

@@ -49,7 +49,8 @@ def _chain_shapes(accepted: dict[int, float], lengths: list[int], cost: float) -
 def test_best_picks_the_draft_length_that_minimises_on_a_synthetic_curve():
     # flat up to 4 tokens, then 2.5 per token; the target accepts 5 of any longer draft; drafter 1 per forward.
     # time/token(K) = (T(1 + K) + K) / (1 + min(5, K)): K=1 5.5, 2 4.0, 3 3.25, 4 3.3, 5 3.33, 6 3.92 -> K = 3
-    model = ChainModel([{1: 10.0, 2: 10.0, 4: 10.0, 8: 20.0, 16: 40.0}], [], _chain_shapes({5: 1.0}, [1, 2, 3, 4, 5, 6, 8], 1.0))
+    model = ChainModel([{1: 10.0, 2: 10.0, 4: 10.0, 8: 20.0, 16: 40.0}], [],
+                       _chain_shapes({5: 1.0}, [1, 2, 3, 4, 5, 6, 8], 1.0))
     mus, shape, p = best(model, [1, 2, 4])
     assert mus == () and shape.draft["length"] == 3 and p["s_per_token"] == pytest.approx(13 / 4)
     flat = ChainModel([{1: 10.0}], [], model.shapes)  # flat cost: longer drafts pay until acceptance stops at 5
@@ -60,7 +61,8 @@ def test_best_picks_mu_for_a_middle_level():
     # the target keeps 3 of whatever the middle level hands up; each target forward costs 10 + 1 per token fed,
     # each middle round 1 (2 tokens gained). mu = 1 or 2 -> buffer 2: (13 + 1 + 1) / 3 = 5;
     # mu = 3 or 4 -> buffer 4: (15 + 2 * 1 + 2 * 1) / 4 = 4.75; mu = 6 -> buffer 6: (17 + 3 + 3) / 4 = 5.75
-    model = ChainModel([{1: 11.0, 2: 12.0}, {1: 1.0}], [{3: 1.0}], [Shape({"mode": "chain", "length": 1}, {1: 1.0}, 1, 1, 1.0)])
+    model = ChainModel([{1: 11.0, 2: 12.0}, {1: 1.0}], [{3: 1.0}],
+                       [Shape({"mode": "chain", "length": 1}, {1: 1.0}, 1, 1, 1.0)])
     mus, _, p = best(model, [1, 2, 3, 4, 6])
     assert mus == (3,) and p["s_per_token"] == pytest.approx(4.75)
     assert predict(model, (6,), model.shapes[0])["s_per_token"] == pytest.approx(5.75)
@@ -80,13 +82,14 @@ def test_plan_chain_calibrates_a_real_chain_and_predicts_the_configured_values(o
 
     def build(variant: ChainSpec) -> Chain:  # the spec's chain on the models above (a ChainBuilder loads them instead)
         built.append(variant)
-        return Chain([ModelLevel(l.name, models[l.model], l.mu, l.draft) for l in variant.levels])
+        return Chain([ModelLevel(level.name, models[level.model], level.mu, level.draft) for level in variant.levels])
 
-    cfg = OmegaConf.create({"mu": [1, 2, 4], "lengths": [1, 2, 4], "min_gain": 0.0, "trees": [], "costs": None, "ks": [1, 4, 8],
-                            "repeats": 1, "context": 32, "max_new_tokens": 12})
+    cfg = OmegaConf.create({"mu": [1, 2, 4], "lengths": [1, 2, 4], "min_gain": 0.0, "trees": [], "costs": None,
+                            "ks": [1, 4, 8], "repeats": 1, "context": 32, "max_new_tokens": 12})
     plan = plan_chain(spec, build, prompts(300, n=2), cfg, eos=None)
     assert plan["configured"]["knobs"] == {"mu": {"mid": 2}, "draft": {"mode": "chain", "length": 3}}
-    assert spec.knobs() == plan["configured"]["knobs"] and built[0] == spec  # the spec is never changed: variants are new ones
+    # the spec is never changed: variants are new ones
+    assert spec.knobs() == plan["configured"]["knobs"] and built[0] == spec
     assert {v.knobs()["mu"]["mid"] for v in built[1:]} == {4}  # calibration runs at the largest mu
     planned = plan["planned"]["knobs"]
     assert planned["mu"]["mid"] in (1, 2, 4) and planned["draft"]["length"] in (1, 2, 3, 4)

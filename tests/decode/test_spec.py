@@ -7,15 +7,17 @@ import pytest
 
 from decode.engine.spec import ChainSpec, Draft, LevelSpec, SpecError
 
-POLYBASIC = [{"kind": "model", "name": "target"}, {"kind": "model", "name": "w4", "model": "w4", "mu": 1, "lm_head": "int8"},
+POLYBASIC = [{"kind": "model", "name": "target"},
+             {"kind": "model", "name": "w4", "model": "w4", "mu": 1, "lm_head": "int8"},
              {"kind": "eagle", "name": "head", "draft": {"mode": "tree", "depth": 1, "top_k": 8, "total_tokens": 2}}]
 
 
 def test_parse_fills_names_and_draft_defaults():
     spec = ChainSpec.parse([{"kind": "model"}, {"kind": "ngram", "draft": {"length": 3}}, ][:1] + [{"kind": "ngram"}],
                            {"chain": {"length": 4}, "tree": {"depth": 5, "top_k": 8, "total_tokens": 48}})
-    assert [l.name for l in spec.levels] == ["L1", "L2"] and spec.drafter.draft == Draft("chain", length=4)
-    tree = ChainSpec.parse([{}, {"kind": "ngram", "draft": {"mode": "tree", "top_k": 2}}], {"tree": {"depth": 5, "top_k": 8, "total_tokens": 48}})
+    assert [level.name for level in spec.levels] == ["L1", "L2"] and spec.drafter.draft == Draft("chain", length=4)
+    tree = ChainSpec.parse([{}, {"kind": "ngram", "draft": {"mode": "tree", "top_k": 2}}],
+                           {"tree": {"depth": 5, "top_k": 8, "total_tokens": 48}})
     assert tree.drafter.draft == Draft("tree", depth=5, top_k=2, total_tokens=48)  # the level's own key wins
 
 
@@ -24,7 +26,8 @@ def test_parse_fills_names_and_draft_defaults():
     ([{"kind": "model"}, {"kind": "model", "mu": "2"}], "chain level 2: mu must be int, got '2'"),
     ([{"kind": "model"}, {"kind": "model", "mu": True}], "chain level 2: mu must be int, got True"),
     ([{"kind": "model"}, {"kind": "model", "moddel": "w4"}], "chain level 2: unknown key 'moddel'"),
-    ([{"kind": "model"}, {"kind": "eagle", "draft": {"mode": "beam"}}], "chain level 2: draft: mode must be one of chain, tree"),
+    ([{"kind": "model"}, {"kind": "eagle", "draft": {"mode": "beam"}}],
+     "chain level 2: draft: mode must be one of chain, tree"),
     ([{"kind": "model"}, {"kind": "model", "vocab": "all"}], "chain level 2: vocab must be one of head, got 'all'"),
     ([{"kind": "model", "layers": 3}, {"kind": "ngram"}], "level 1 must be the target"),
     ([{"name": "a"}, {"kind": "ngram", "name": "a"}], "level names must be unique"),

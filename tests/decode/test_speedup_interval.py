@@ -56,7 +56,8 @@ def test_one_percent_faster_in_five_percent_noise_is_not_published():
     x = time_speedup(ar, chain)
     assert x.low < 1 < x.high and not x.above_one and x.verdict().endswith(": not shown to be faster")
     decision = gate(PASSING, {"dualistic": x})
-    assert not decision["publish"] and decision["explanation"].startswith("no chain is shown faster than AR: dualistic ")
+    assert not decision["publish"] and decision["explanation"].startswith(
+        "no chain is shown faster than AR: dualistic ")
 
 
 def test_twenty_percent_faster_in_five_percent_noise_is_published():
@@ -132,21 +133,24 @@ def records(timed: list, drafted: bool) -> list[Record]:
     out = []
     for i, (seconds, n) in enumerate(timed):
         decode_s, calls = seconds * 0.9, (n - 1 if not drafted else math.ceil((n - 1) / 4))
-        target = LevelStats("target", "model", forward_calls=calls, verify_time_s=0.95 * decode_s * (0.8 if drafted else 1),
+        target = LevelStats("target", "model", forward_calls=calls,
+                            verify_time_s=0.95 * decode_s * (0.8 if drafted else 1),
                             acceptance_lengths=[4] * calls if drafted else [])
         levels = [target, LevelStats("draft", "model", forward_calls=4 * calls, draft_time_s=0.95 * decode_s * 0.2,
                                      proposed=0)] if drafted else [target]
-        out.append(Record(i, "qa", 0, [1, 2, 3], list(range(n)), GenerationStats(seconds, seconds * 0.1, n, 4.0 if drafted else 0, levels)))
+        out.append(Record(i, "qa", 0, [1, 2, 3], list(range(n)),
+                          GenerationStats(seconds, seconds * 0.1, n, 4.0 if drafted else 0, levels)))
     return out
 
 
 def conclude_synthetic(tmp_path, speed: float, capsys) -> tuple[int, dict, str]:
-    levels = [{"kind": "model", "name": "target", "model": "target"}, {"kind": "model", "name": "draft", "model": "draft"}]
+    levels = [{"kind": "model", "name": "target", "model": "target"},
+              {"kind": "model", "name": "draft", "model": "draft"}]
     cfg = eval_cfg(tmp_path, {"dualistic": levels})
     ar, chain = paired_turns(speed, 0.05, default_turns(), seed=0)
     recs = {"ar": records(ar, False), "dualistic": records(chain, True)}
-    code = conclude(cfg, Decoded(recs, {"dualistic": levels}, len(ar)), lambda ids: pytest.fail("no divergence"), "hash",
-                    Tracker(cfg, "eval"))
+    code = conclude(cfg, Decoded(recs, {"dualistic": levels}, len(ar)), lambda ids: pytest.fail("no divergence"),
+                    "hash", Tracker(cfg, "eval"))
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     return code, report, capsys.readouterr().out
 
@@ -158,7 +162,8 @@ def test_a_chain_shown_faster_is_published_with_its_interval_in_chain_json_and_r
     manifest = json.loads((tmp_path / "publish" / "chain.json").read_text())
     assert manifest["measured"]["speedup_over_ar_interval"] == interval and manifest["checks"]["faster_than_ar"]
     md = (tmp_path / "eval" / "report.md").read_text()
-    assert f"**Published: dualistic.** dualistic, the fastest admissible chain by its interval's lower bound: {interval['text']}" in md
+    assert ("**Published: dualistic.** dualistic, the fastest admissible chain by its interval's lower bound: "
+            f"{interval['text']}" in md)
     assert f"| {interval['text']} |" in md  # the chains table, beside the speedup
     assert "the lower bound of its speedup's 95% interval (paired over turns) above 1" in md and interval["text"] in out
 
@@ -166,6 +171,7 @@ def test_a_chain_shown_faster_is_published_with_its_interval_in_chain_json_and_r
 def test_a_chain_within_the_noise_is_refused_with_exit_3_and_its_interval(tmp_path, capsys):
     code, report, out = conclude_synthetic(tmp_path, 1.01, capsys)
     text = report["chains"]["dualistic"]["time_speedup_interval"]["text"]
-    assert code == EXIT_NOT_PUBLISHED and text.endswith(": not shown to be faster") and not (tmp_path / "publish").exists()
+    assert (code == EXIT_NOT_PUBLISHED and text.endswith(": not shown to be faster")
+            and not (tmp_path / "publish").exists())
     assert f"not published: no chain is shown faster than AR: dualistic {text} (95% intervals)." in out
     assert f"- rejected dualistic: faster than AR: {text}" in (tmp_path / "eval" / "report.md").read_text()

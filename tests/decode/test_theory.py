@@ -1,4 +1,5 @@
-"""Theorems 3.1 and 3.2 (and the refined prediction) against the paper's Table 1 (docs/design.md, "Theory") and hand-computed chains."""
+"""Theorems 3.1 and 3.2 (and the refined prediction) against the paper's Table 1 (docs/design.md, "Theory") and
+hand-computed chains."""
 from __future__ import annotations
 
 import math
@@ -28,9 +29,12 @@ def printed(value: float, text: str) -> bool:
 # case, (T_i, L_i-new, T_new, L_new, T_i+1, L_i), printed lhs, printed rhs, which form printed the rhs,
 # L_new-(i+1) for the second condition (beta = 1), speedup before -> after, compliant
 TABLE_1 = [
-    ("Vicuna-7B <- Vicuna-1B <- EAGLE", (22, 3.83, 17.61, 3.77, 4, 4.34), "0.80", "-0.117", "second", 3.83, (2.61, 1.08), False),
-    ("Vicuna-7B <- W4A4 Vicuna-7B <- EAGLE", (22, 6.26, 7.00, 4.67, 4, 4.34), "0.318", "0.330", "first", 4.67, (2.61, 3.48), True),
-    ("FLAN-T5-XXL <- base <- small", (47.52, 3.50, 19.16, 3.02, 12.42, 2.28), "0.403", "0.461", "first", 3.02, (3.19, 3.88), True),
+    ("Vicuna-7B <- Vicuna-1B <- EAGLE", (22, 3.83, 17.61, 3.77, 4, 4.34),
+     "0.80", "-0.117", "second", 3.83, (2.61, 1.08), False),
+    ("Vicuna-7B <- W4A4 Vicuna-7B <- EAGLE", (22, 6.26, 7.00, 4.67, 4, 4.34),
+     "0.318", "0.330", "first", 4.67, (2.61, 3.48), True),
+    ("FLAN-T5-XXL <- base <- small", (47.52, 3.50, 19.16, 3.02, 12.42, 2.28),
+     "0.403", "0.461", "first", 3.02, (3.19, 3.88), True),
 ]
 
 
@@ -128,8 +132,8 @@ def test_predicted_time_rejects_bad_values(args, message):
 
 
 def test_refined_reduces_to_theorem_3_1_on_two_levels_with_flat_costs():
-    for t, l, beta, n in [([10, 1], [3.0], 4, 100), ([22, 4], [4.34], 1, 7), ([5, 0.5], [1.0], 6, 64)]:
-        assert refined_time(l, [], beta, n, t) == pytest.approx(predicted_time(t, l, beta, n))
+    for t, lengths, beta, n in [([10, 1], [3.0], 4, 100), ([22, 4], [4.34], 1, 7), ([5, 0.5], [1.0], 6, 64)]:
+        assert refined_time(lengths, [], beta, n, t) == pytest.approx(predicted_time(t, lengths, beta, n))
     assert refined_time([], [], 0, 50, [10]) == pytest.approx(predicted_time([10], [], 1, 50))  # AR: N * T_1
 
 

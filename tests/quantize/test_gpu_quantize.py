@@ -1,4 +1,5 @@
-"""quantize.w4 through GPTQModel's GPU path writes the CPU path's checkpoint format. Marked `gpu`; skipped without CUDA."""
+"""quantize.w4 through GPTQModel's GPU path writes the CPU path's checkpoint format. Marked `gpu`; skipped without
+CUDA."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,8 @@ from omegaconf import OmegaConf
 from w4_fixtures import stage_config
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")]
+              pytest.mark.skipif(not torch.cuda.is_available(),
+                                 reason="needs a CUDA GPU (torch.cuda.is_available() is False)")]
 
 
 def test_quantize_w4_on_cuda_writes_the_cpu_checkpoint_format(tiny_source, chat_file, tmp_path):
@@ -29,5 +31,6 @@ def test_quantize_w4_on_cuda_writes_the_cpu_checkpoint_format(tiny_source, chat_
             layouts[device] = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
     assert layouts["cuda"] == layouts["cpu"]
     quant = {d: json.loads((out / "config.json").read_text())["quantization_config"] for d, out in outputs.items()}
-    assert {k: v for k, v in quant["cuda"].items() if k != "meta"} == {k: v for k, v in quant["cpu"].items() if k != "meta"}
+    assert ({k: v for k, v in quant["cuda"].items() if k != "meta"}
+            == {k: v for k, v in quant["cpu"].items() if k != "meta"})
     assert json.loads((outputs["cuda"] / "metrics.json").read_text())["device"].startswith("cuda")

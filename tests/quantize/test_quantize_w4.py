@@ -36,7 +36,8 @@ def test_output_is_complete_with_metrics_and_no_temp_dirs(quantized):
     metrics = json.loads((quantized / "metrics.json").read_text())
     for key in (
         "ppl_target", "ppl_w4", "greedy_agreement", "acceptance_length_m1_m2", "forward_ms_target_1tok",
-        "forward_ms_w4_1tok", "forward_ms_target_8tok", "forward_ms_w4_8tok", "size_mb_target", "size_mb_w4", "quantize_s",
+        "forward_ms_w4_1tok", "forward_ms_target_8tok", "forward_ms_w4_8tok", "size_mb_target", "size_mb_w4",
+        "quantize_s",
     ):
         assert metrics[key] > 0, key
     assert 0 <= metrics["greedy_agreement"] <= 1
@@ -53,7 +54,8 @@ def test_ragged_group_handling_is_recorded_in_the_checkpoint(quantized):
     assert groups["handling"] == "ragged last group"
     assert groups["ragged_modules"] == 12 and groups["quantized_modules"] == 14  # q,k,v,o,gate,up of 2 layers
     assert json.loads((quantized / "quantize_config.json").read_text())["group_size"] == 64
-    assert quant["desc_act"] is False and groups["static_g_idx"] is True  # the default layout vLLM loads (g_idx dropped)
+    # the default layout vLLM loads (g_idx dropped)
+    assert quant["desc_act"] is False and groups["static_g_idx"] is True
     assert "ragged last group" in json.loads((quantized / "metrics.json").read_text())["group_handling"]
 
 
@@ -147,8 +149,10 @@ def test_a_failure_after_quantizing_leaves_nothing_behind(tiny_source, chat_file
 
 def test_missing_model_is_a_one_line_cli_error(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "quantize.w4", "~train", "~decode", "~eval", f"run_dir={tmp_path}", f"model.name={tmp_path}/nope"],
-        cwd=REPO, capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "WANDB_MODE": "disabled"},
+        [sys.executable, "-m", "quantize.w4", "~train", "~decode", "~eval", f"run_dir={tmp_path}",
+         f"model.name={tmp_path}/nope"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**__import__("os").environ, "WANDB_MODE": "disabled"},
     )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == f"error: {tmp_path}/nope: no such model folder"
@@ -205,7 +209,8 @@ def test_bundled_model_quantizes_and_the_w4_level_is_close(tmp_path):
 
     cfg = stage_config(DEFAULT_MODEL, Path("bundled"), tmp_path, **{
         "calibration.samples": 16, "calibration.max_len": 256, "calibration.min_len": 64,
-        "eval.ppl_conversations": 8, "eval.agreement_prompts": 2, "eval.continuation_tokens": 32, "eval.timing_repeats": 3,
+        "eval.ppl_conversations": 8, "eval.agreement_prompts": 2, "eval.continuation_tokens": 32,
+        "eval.timing_repeats": 3,
     })
     cfg.model.name = DEFAULT_MODEL
     cfg.data = {"source": "bundled", "max_len": 1024, "held_out_fraction": 0.02, "max_conversations": None}
@@ -215,7 +220,8 @@ def test_bundled_model_quantizes_and_the_w4_level_is_close(tmp_path):
     assert quant["meta"]["polyspec"]["groups"]["ragged_modules"] == 30 * 6  # every module with a 576-wide input
     assert quant["group_size"] == 64 and quant["meta"]["polyspec"]["groups"]["quantized_group_size"] == 128
     assert quant["desc_act"] is False and quant["meta"]["polyspec"]["groups"]["static_g_idx"] is True
-    assert metrics["ppl_ratio"] < 1.5  # 4 bits on a 135M model: a loose sanity bound, the full run reports the real figure
+    # 4 bits on a 135M model: a loose sanity bound, the full run reports the real figure
+    assert metrics["ppl_ratio"] < 1.5
     assert metrics["greedy_agreement"] > 0.5
     assert metrics["size_mb_w4"] < 0.5 * metrics["size_mb_target"]
 

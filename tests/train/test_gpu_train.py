@@ -8,7 +8,8 @@ import torch
 from test_train_eagle import REPO, compose, head_weights, one_rank_and_two, overrides, tiny_setup  # noqa: F401,F811 (a fixture)
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")]
+              pytest.mark.skipif(not torch.cuda.is_available(),
+                                 reason="needs a CUDA GPU (torch.cuda.is_available() is False)")]
 
 
 def test_train_eagle_on_cuda_writes_a_loadable_head(tiny_setup, tmp_path):  # noqa: F811
