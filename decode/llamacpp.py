@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -133,3 +134,110 @@ def ensure_built(folder: Path | None = None, jobs: int | None = None) -> Path:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return folder / "bin"
+
+
+# ------------------------------------------------------------------------------------------------ running
+
+NGRAM_KINDS = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+CONTEXT = 4096  # tokens of KV cache: a chat prompt and its reply, without llama.cpp's 8k default allocation
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """What llama-speculative-simple drafts with: nothing (plain greedy decoding: one target token per step), a
+    draft GGUF (`draft-simple`, `draft_max` tokens per step), or an n-gram kind (NGRAM_KINDS) with its settings."""
+
+    kind: str = "none"
+    draft: Path | None = None
+    draft_max: int = 4
+    ngram: tuple[tuple[str, int], ...] = ()  # e.g. (("size-n", 3), ("size-m", 6)): --spec-<kind>-size-n 3 ...
+
+    def args(self, threads: int) -> list[str]:
+        if self.kind == "none":
+            return []
+        if self.kind == "draft-simple":
+            if self.draft is None:
+                raise LlamaCppError("speculation draft-simple needs a draft GGUF")
+            return ["--spec-type", self.kind, "-md", str(self.draft), "-td", str(threads),
+                    "--spec-draft-n-max", str(self.draft_max)]
+        if self.kind not in NGRAM_KINDS:
+            raise LlamaCppError(f"unknown llama.cpp speculation {self.kind!r}; known: none, draft-simple, "
+                                f"{', '.join(NGRAM_KINDS)}")
+        settings = [arg for key, value in self.ngram for arg in (f"--spec-{self.kind}-{key}", str(value))]
+        return ["--spec-type", self.kind, *settings]
+
+
+@dataclass(frozen=True)
+class LlamaOutput:
+    """One greedy decode by llama.cpp: the reply's text and what the tool reports about it."""
+
+    text: str
+    new_tokens: int  # tokens decoded, an end-of-generation token included
+    prompt_tokens: int
+    prompt_s: float  # the tool's time for the prompt (all of it but its last token)
+    decode_s: float  # the tool's time for decoding (the last prompt token on)
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """New tokens per second of prompt plus decoding, as polyspec's AR counts its prefill and decoding."""
+        wall = self.prompt_s + self.decode_s
+        return self.new_tokens / wall if wall > 0 else float("nan")
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+
+_REPORTED = {
+    "encoded": re.compile(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds"),
+    "decoded": re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds"),
+    "drafted": re.compile(r"n_drafted\s*=\s*(\d+)"),
+    "accepted": re.compile(r"n_accept\s*=\s*(\d+)"),
+}
+
+
+def parse_output(stdout: str, stderr: str, prompt: str) -> LlamaOutput:
+    """llama-speculative-simple's report: stdout is "\\n\\n" + the prompt's tokens + the reply + "\\n\\n" (special
+    tokens spelled out), stderr holds the counts and times."""
+    found = {key: pattern.search(stderr) for key, pattern in _REPORTED.items()}
+    if found["decoded"] is None or found["encoded"] is None:
+        raise LlamaCppError("llama-speculative-simple printed no decoding report: " + _last_line(stderr))
+    body = stdout.removeprefix("\n\n").removesuffix("\n\n")
+    if not body.startswith(prompt):
+        raise LlamaCppError(f"llama-speculative-simple echoed another prompt than it was given: {body[:80]!r}")
+    return LlamaOutput(text=body[len(prompt):], new_tokens=int(found["decoded"][1]),
+                       prompt_tokens=int(found["encoded"][1]), prompt_s=float(found["encoded"][2]),
+                       decode_s=float(found["decoded"][2]),
+                       drafted=int(found["drafted"][1]) if found["drafted"] else 0,
+                       accepted=int(found["accepted"][1]) if found["accepted"] else 0)
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "(nothing on stderr)"
+
+
+def decode(tools: Path, model: Path, prompt: str, new_tokens: int, threads: int,
+           speculation: Speculation = Speculation()) -> LlamaOutput:
+    """Greedy decoding of `prompt` (text; special tokens such as <|im_start|> are parsed) with llama.cpp's
+    llama-speculative-simple: `new_tokens` tokens (fewer at an end of generation), `threads` threads, drafting as
+    `speculation` says (by default not at all: plain decoding in the same program, the fair AR)."""
+    args = [str(tools / "llama-speculative-simple"), "-m", str(model), "-p", prompt, "-n", str(max(new_tokens - 1, 0)),
+            "--temp", "0", "--seed", "0", "-t", str(threads), "-tb", str(threads), "-c", str(CONTEXT),
+            *speculation.args(threads)]
+    done = subprocess.run(args, capture_output=True, text=True, errors="replace")
+    if done.returncode:
+        raise LlamaCppError(f"llama-speculative-simple exited {done.returncode} on {model.name} "
+                            f"({speculation.kind}): {_last_line(done.stderr)}")
+    return parse_output(done.stdout, done.stderr, prompt)
+
+
+def serve_commands(target: str, draft: str, draft_max: int) -> dict[str, str]:
+    """How llama.cpp serves the target with a draft GGUF: the `llama-server` command, and the one-prompt
+    `llama-speculative-simple` command decode.bench and decode.interop run (the same speculative code)."""
+    spec = ["-md", draft, "--spec-type", "draft-simple", "--spec-draft-n-max", str(draft_max)]
+    return {"llama_server": shlex.join(["llama-server", "-m", target, *spec]),
+            "llama_speculative_simple": shlex.join(["llama-speculative-simple", "-m", target, *spec, "--temp", "0",
+                                                    "-p", "PROMPT"])}

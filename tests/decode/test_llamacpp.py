@@ -1,0 +1,95 @@
+"""llama.cpp as a peer (decode/llamacpp.py, decode/llamacpp_peer.py): the tools' arguments and reports, the
+build's all-or-nothing marker, the bench peer's switch; the slow tests build llama.cpp (once, cached) and decode."""
+from __future__ import annotations
+
+import shlex
+
+import pytest
+from omegaconf import OmegaConf
+
+from decode import llamacpp
+from decode.llamacpp import LlamaCppError, Speculation, parse_output, serve_commands
+from decode.llamacpp_peer import peer_from_config
+
+PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+REPORT = """main: target: loaded
+encoded   12 tokens in    0.050 seconds, speed:  240.000 t/s
+decoded   16 tokens in    0.500 seconds, speed:   32.000 t/s
+
+n_draft   = 4
+n_predict = 16
+n_drafted = 20
+n_accept  = 11
+accept    = 55.000%
+"""
+
+
+def test_the_report_is_parsed_and_the_echoed_prompt_removed():
+    out = parse_output(f"\n\n{PROMPT}Hello there!\n\n", REPORT, PROMPT)
+    assert out.text == "Hello there!" and out.prompt_tokens == 12 and out.new_tokens == 16
+    assert out.prompt_s == 0.05 and out.decode_s == 0.5 and out.tokens_per_s == pytest.approx(16 / 0.55)
+    assert (out.drafted, out.accepted, out.acceptance) == (20, 11, 0.55)
+    plain = parse_output(f"\n\n{PROMPT}Hi\n\n", REPORT.split("\nn_draft")[0], PROMPT)
+    assert (plain.drafted, plain.accepted, plain.acceptance) == (0, 0, None)
+
+
+def test_a_missing_report_or_another_prompt_is_one_line():
+    with pytest.raises(LlamaCppError, match="no decoding report: error: failed to load model"):
+        parse_output("", "loading\nerror: failed to load model\n", PROMPT)
+    with pytest.raises(LlamaCppError, match="echoed another prompt"):
+        parse_output("\n\n<s>other\n\n", REPORT, PROMPT)
+
+
+def test_speculation_arguments(tmp_path):
+    assert Speculation().args(2) == []
+    draft = Speculation("draft-simple", draft=tmp_path / "w4.gguf", draft_max=5).args(2)
+    assert draft == ["--spec-type", "draft-simple", "-md", str(tmp_path / "w4.gguf"), "-td", "2", "--spec-draft-n-max", "5"]
+    ngram = Speculation("ngram-simple", ngram=(("size-m", 6), ("size-n", 3))).args(2)
+    assert ngram == ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-m", "6", "--spec-ngram-simple-size-n", "3"]
+    with pytest.raises(LlamaCppError, match="needs a draft GGUF"):
+        Speculation("draft-simple").args(2)
+    with pytest.raises(LlamaCppError, match="unknown llama.cpp speculation 'eagle'"):
+        Speculation("eagle").args(2)
+
+
+def test_serve_commands_name_the_target_and_the_draft():
+    commands = serve_commands("/c/target.gguf", "/p/levels/w4.Q4_0.gguf", 4)
+    server = shlex.split(commands["llama_server"])
+    assert server[:3] == ["llama-server", "-m", "/c/target.gguf"]
+    assert server[server.index("-md") + 1] == "/p/levels/w4.Q4_0.gguf" and server[-2:] == ["--spec-draft-n-max", "4"]
+    assert shlex.split(commands["llama_speculative_simple"])[0] == "llama-speculative-simple"
+
+
+def test_a_build_without_its_marker_is_not_ready(tmp_path):
+    (tmp_path / "bin").mkdir()
+    for tool in llamacpp.TOOLS:
+        (tmp_path / "bin" / tool).write_text("")
+    assert not llamacpp.is_ready(tmp_path)
+    (tmp_path / llamacpp.MARKER).write_text(llamacpp.SDIST + "\n")
+    assert llamacpp.is_ready(tmp_path)
+    (tmp_path / "bin" / llamacpp.TOOLS[0]).unlink()
+    assert not llamacpp.is_ready(tmp_path)
+
+
+def test_cpu_kind_names_the_widest_vector_isa():
+    kind = llamacpp.cpu_kind()
+    assert kind.split("-")[0] in ("avx512", "avx2", "generic") and len(kind.split("-")[1]) == 8
+
+
+def peer_config(enabled, model="bundled:smollm2-135m-instruct", dtype="float32"):
+    return OmegaConf.create({"model": {"name": model, "dtype": dtype}, "run_dir": "/nonexistent",
+                             "decode": {"bench": {"llamacpp": {"enabled": enabled, "draft_max": 4,
+                                                               "ngram": {"kind": "ngram-simple", "size-n": 3}}}}})
+
+
+def test_the_peer_is_off_by_switch_or_where_it_cannot_run(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("POLYSPEC_CACHE", str(tmp_path))  # nothing built there
+    assert peer_from_config(peer_config(False), 2) is None
+    assert capsys.readouterr().err == ""
+    assert peer_from_config(peer_config(True, model="/some/hf/folder"), 2) is None
+    assert "bundled fp32 target only" in capsys.readouterr().err
+    assert peer_from_config(peer_config("auto"), 2) is None
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and "not built" in said[0] and "enabled=true" in said[0]
+    with pytest.raises(LlamaCppError, match="must be auto, true or false"):
+        peer_from_config(peer_config("yes"), 2)
