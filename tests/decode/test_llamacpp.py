@@ -93,3 +93,26 @@ def test_the_peer_is_off_by_switch_or_where_it_cannot_run(capsys, tmp_path, monk
     assert len(said) == 1 and "not built" in said[0] and "enabled=true" in said[0]
     with pytest.raises(LlamaCppError, match="must be auto, true or false"):
         peer_from_config(peer_config("yes"), 2)
+
+
+def test_the_bundle_serves_llamacpp_only_where_it_can(tmp_path):
+    from decode.evaluation.publish import llamacpp_serve
+
+    cfg = OmegaConf.create({"model": {"name": str(tmp_path / "hf")}, "eval": {"publish": {"dir": str(tmp_path / "p")}}})
+    target = {"config": {"kind": "model", "model": "target"}}
+    w4 = {"config": {"kind": "model", "model": "w4"}, "bundled_as": "levels/w4", "source": str(tmp_path / "w4")}
+    head = {"config": {"kind": "eagle", "path": "eagle"}, "bundled_as": "levels/head", "source": str(tmp_path / "h")}
+    section, gguf = llamacpp_serve(cfg, [target, head])
+    assert gguf is None and section == {"not_served": "llama.cpp: the chain has no quantized model level"}
+    section, gguf = llamacpp_serve(cfg, [target, w4, head])
+    assert gguf is None and "is not a bundled GGUF" in section["not_served"]
+
+
+def test_a_bundle_entry_may_be_a_file(tmp_path):
+    from decode.evaluation.publish import publish_bundle
+
+    (tmp_path / "report").mkdir()
+    (tmp_path / "w4.gguf").write_bytes(b"GGUF")
+    bundle = publish_bundle(tmp_path / "publish", {"chain": "polybasic"}, tmp_path / "report",
+                            {"w4.Q4_0.gguf": tmp_path / "w4.gguf"})
+    assert (bundle / "levels" / "w4.Q4_0.gguf").read_bytes() == b"GGUF"
