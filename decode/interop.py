@@ -200,8 +200,10 @@ def check(name: str, passed: bool | None, detail: str) -> dict[str, Any]:
     return {"name": name, "passed": passed, "detail": detail}
 
 
-def checks(icfg: Any, vllm: dict[str, dict], poly: dict[str, Any]) -> list[dict[str, Any]]:
-    """(a) output with the head = without, (b) acceptance length vs polyspec's, (c) the W4 model loads and agrees."""
+def checks(icfg: Any, vllm: dict[str, dict], poly: dict[str, Any],
+           llama: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """(a) output with the head = without, (b) acceptance length vs polyspec's, (c) the W4 model loads and agrees
+    (in llama.cpp, `llama`, where vLLM cannot run it)."""
     ar, eagle, w4 = vllm["ar"], vllm["eagle"], vllm["w4"]
     found = []
     if "error" in ar or "error" in eagle:
@@ -215,7 +217,10 @@ def checks(icfg: Any, vllm: dict[str, dict], poly: dict[str, Any]) -> list[dict[
         ours, theirs = poly["chain"]["acceptance_length"], vllm_acceptance_length(eagle)
         ratio, tol = theirs / ours, float(icfg.checks.acceptance_tolerance)
         found.append(check("acceptance", abs(ratio - 1) <= tol, f"vLLM L {theirs:.3f} vs polyspec L {ours:.3f} (ratio {ratio:.3f}, tolerance {tol:.0%})"))
-    if "error" in w4:
+    if "error" in w4 and llama is not None:
+        detail = f"vLLM failed on the W4 model ({w4['error'][:120]}); {llama['detail']}"
+        found.append(check("w4_loads", llama["passed"], detail))
+    elif "error" in w4:
         found.append(check("w4_loads", False, f"vLLM failed on the W4 model: {w4['error']}"))
     else:
         ours, theirs = agreement(poly["w4_teacher_forced"]), agreement(w4["teacher_forced"])
@@ -270,6 +275,8 @@ def validate(icfg: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise InteropError(f"interop.{key} must be an integer >= {least}, got {value!r}")
     flag(icfg.checks, "acceptance", error=InteropError)
+    if icfg.get("llamacpp", False) not in (True, False, "auto"):
+        raise InteropError(f"interop.llamacpp must be auto, true or false, got {icfg.llamacpp!r}")
     check_writable(icfg.out, "interop.out", kind="file", error=InteropError)
 
 
@@ -297,7 +304,13 @@ def run(cfg: DictConfig) -> int:
     log.write_text("")
     jobs = vllm_jobs(icfg, target, head, w4, prompts, poly["ar"]["tokens"])
     vllm = {name: run_engine(python, venv, name, job, int(icfg.threads), log) for name, job in jobs.items()}
-    found, rows = checks(icfg, vllm, poly), table(vllm, poly, int(icfg.num_speculative_tokens))
+    llama = None
+    if "error" in vllm["w4"]:  # vLLM's CPU GPTQ kernel is missing on AVX2-only machines: check (c) in llama.cpp
+        from decode.llamacpp_peer import w4_draft_check
+
+        tokenizer = load_tokenizer(target)
+        llama = w4_draft_check(cfg, w4, [tokenizer.decode(p, skip_special_tokens=False) for p in prompts])
+    found, rows = checks(icfg, vllm, poly, llama), table(vllm, poly, int(icfg.num_speculative_tokens))
     print(f"\n{len(prompts)} prompts, {icfg.max_new_tokens} new tokens, greedy, single stream, {icfg.threads} threads "
           f"({platform.processor() or platform.machine()}); vLLM: {icfg.dtype} target, {icfg.w4_dtype} W4")
     print(render(rows, found, len(prompts)))
@@ -305,7 +318,8 @@ def run(cfg: DictConfig) -> int:
     print(f"vLLM's AR output = polyspec's AR output on {same}/{len(prompts)} prompts ({icfg.dtype} vs {cfg.model.dtype}; informational)")
     record = {"created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "target": target, "head": str(head),
               "w4": str(w4), "w4_layout": layout, "config": OmegaConf.to_container(icfg, resolve=True),
-              "checks": found, "table": rows, "vllm_ar_equals_polyspec_ar": same, "polyspec": poly, "vllm": vllm}
+              "checks": found, "table": rows, "vllm_ar_equals_polyspec_ar": same, "polyspec": poly, "vllm": vllm,
+              "llamacpp_w4": llama}
     write_json_atomic(icfg.out, record)
     print(f"written {icfg.out}")
     return EXIT_CHECK_FAILED if any(c["passed"] is False for c in found) else 0

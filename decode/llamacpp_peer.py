@@ -42,32 +42,44 @@ class LlamaPeer:
                 self.runs.setdefault(name, []).append(out)
 
 
+def usable(enabled: Any, model: str, dtype: str, key: str) -> bool:
+    """Whether llama.cpp is to run (`key`: auto | true | false): false, a target that is not the bundled fp32
+    GGUF, or (auto) no build yet each make it off, with one line on stderr but for false."""
+    if enabled not in (True, False, "auto"):
+        raise LlamaCppError(f"{key} must be auto, true or false, got {enabled!r}")
+    if enabled is False:
+        return False
+    if not model.startswith("bundled:") or dtype != "float32":
+        print(f"llama.cpp: off (it runs the bundled fp32 target only; model {model}, {dtype})", file=sys.stderr)
+        return False
+    if enabled == "auto" and not is_ready(default_folder()):
+        print(f"llama.cpp: off (not built in {default_folder()}; {key}=true builds it, once, tens of minutes)",
+              file=sys.stderr)
+        return False
+    return True
+
+
+def w4_draft(cfg: Any, w4_folder: Path | None, target: Path) -> tuple[Path, str]:
+    """The W4 level's Q4_0 GGUF and a note; where the run has no W4 checkpoint that exports exactly, the bundled
+    Q4_1 GGUF stands in and the note says why."""
+    from decode.llamacpp_gguf import GgufExportError, w4_gguf
+
+    try:
+        return w4_gguf(w4_folder, target), f"W4 Q4_0 GGUF from {w4_folder}"
+    except GgufExportError as err:
+        return _bundled_draft(str(cfg.model.name)), f"stand-in: the bundled Q4_1 GGUF ({err})"
+
+
 def peer_from_config(cfg: Any, threads: int) -> LlamaPeer | None:
-    """decode.bench.llamacpp as a peer, or None (one line on stderr saying why) where it is off or cannot run:
-    enabled false, a target that is not a bundled GGUF, or (enabled auto) llama.cpp not built yet."""
-    from decode.llamacpp_gguf import GgufExportError, target_gguf, w4_gguf
+    """decode.bench.llamacpp as a peer, or None where it is off or cannot run (see usable)."""
+    from decode.llamacpp_gguf import target_gguf
 
     lcfg, model = cfg.decode.bench.get("llamacpp"), str(cfg.model.name)
-    enabled = lcfg.enabled if lcfg is not None else False
-    if enabled not in (True, False, "auto"):
-        raise LlamaCppError(f"decode.bench.llamacpp.enabled must be auto, true or false, got {enabled!r}")
-    if enabled is False:
-        return None
-    if not model.startswith("bundled:") or cfg.model.dtype != "float32":
-        print(f"llama.cpp peer: off (it runs the bundled fp32 target only; model {model}, {cfg.model.dtype})",
-              file=sys.stderr)
-        return None
-    if enabled == "auto" and not is_ready(default_folder()):
-        print(f"llama.cpp peer: off (not built in {default_folder()}; decode.bench.llamacpp.enabled=true builds it, "
-              "once, tens of minutes)", file=sys.stderr)
+    if lcfg is None or not usable(lcfg.enabled, model, str(cfg.model.dtype), "decode.bench.llamacpp.enabled"):
         return None
     tools = ensure_built()
     target = target_gguf(model.removeprefix("bundled:"))
-    w4_folder = _w4_folder(cfg)
-    try:
-        draft, draft_note = w4_gguf(w4_folder, target), f"W4 Q4_0 GGUF from {w4_folder}"
-    except GgufExportError as err:
-        draft, draft_note = _bundled_draft(model), f"stand-in: the bundled Q4_1 GGUF ({err})"
+    draft, draft_note = w4_draft(cfg, _w4_folder(cfg), target)
     ngram = {str(k): int(v) for k, v in lcfg.ngram.items() if k != "kind"}
     engines = {AR: Speculation(),
                "llamacpp_w4": Speculation("draft-simple", draft=draft, draft_max=int(lcfg.draft_max)),
@@ -75,6 +87,35 @@ def peer_from_config(cfg: Any, threads: int) -> LlamaPeer | None:
     notes = {AR: f"llama.cpp, {target.name} alone", "llamacpp_w4": f"k {lcfg.draft_max}, {draft_note}",
              "llamacpp_ngram": f"{lcfg.ngram.kind} {ngram}"}
     return LlamaPeer(tools, target, threads, engines, notes)
+
+
+def w4_draft_check(cfg: Any, w4_folder: Path, prompts: list[str]) -> dict[str, Any] | None:
+    """decode.interop's check (c) in llama.cpp, for where vLLM cannot run the W4 model: the W4 level as a Q4_0
+    GGUF drafts for the F32 target (k = interop.num_speculative_tokens); passed when it loads and every output
+    equals llama.cpp's own AR. None where llama.cpp is off (interop.llamacpp)."""
+    from decode.llamacpp_gguf import GgufExportError, target_gguf, w4_gguf
+
+    icfg, model = cfg.interop, str(cfg.model.name)
+    if not usable(icfg.get("llamacpp", False), model, str(cfg.model.dtype), "interop.llamacpp"):
+        return None
+    tools = ensure_built()
+    target = target_gguf(model.removeprefix("bundled:"))
+    try:
+        draft = w4_gguf(w4_folder, target)
+    except GgufExportError as err:
+        return {"passed": False, "detail": f"llama.cpp: {err}"}
+    k = int(icfg.num_speculative_tokens)
+    peer = LlamaPeer(tools, target, int(icfg.threads), {AR: Speculation(), "w4": Speculation("draft-simple", draft, k)},
+                     {})
+    peer.decode_all(prompts[0], int(icfg.warmup_tokens), keep=False)
+    for prompt in prompts:
+        peer.decode_all(prompt, int(icfg.max_new_tokens))
+    same = sum(a.text == b.text for a, b in zip(peer.runs[AR], peer.runs["w4"]))
+    acceptance = _acceptance(peer.runs["w4"])
+    accepted = f"{acceptance:.0%} of drafted tokens accepted" if acceptance is not None else "no token drafted"
+    detail = f"llama.cpp loads {draft.name} as the draft model (k {k}): {same}/{len(prompts)} outputs equal its AR, {accepted}"
+    return {"passed": same == len(prompts), "detail": detail, "acceptance": acceptance, "identical": same,
+            "runs": {name: [vars(o) for o in outs] for name, outs in peer.runs.items()}}
 
 
 def _w4_folder(cfg: Any) -> Path | None:

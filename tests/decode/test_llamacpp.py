@@ -116,3 +116,16 @@ def test_a_bundle_entry_may_be_a_file(tmp_path):
     bundle = publish_bundle(tmp_path / "publish", {"chain": "polybasic"}, tmp_path / "report",
                             {"w4.Q4_0.gguf": tmp_path / "w4.gguf"})
     assert (bundle / "levels" / "w4.Q4_0.gguf").read_bytes() == b"GGUF"
+
+
+def test_interop_check_c_is_made_in_llamacpp_where_vllm_cannot_run_w4():
+    from decode.interop import checks
+
+    icfg = OmegaConf.create({"checks": {"acceptance": False, "agreement_tolerance": 0.05}})
+    vllm = {"ar": {"tokens": [[1, 2]]}, "eagle": {"tokens": [[1, 2]]},
+            "w4": {"error": "AttributeError: '_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16'"}}
+    llama = {"passed": True, "detail": "llama.cpp loads w4.Q4_0.gguf as the draft model (k 3): 1/1 outputs equal its AR"}
+    (w4,) = [c for c in checks(icfg, vllm, {}, llama) if c["name"] == "w4_loads"]
+    assert w4["passed"] is True and "cpu_gemm_wna16" in w4["detail"] and "1/1 outputs equal its AR" in w4["detail"]
+    (w4,) = [c for c in checks(icfg, vllm, {}) if c["name"] == "w4_loads"]
+    assert w4["passed"] is False
