@@ -139,6 +139,9 @@ def ensure_built(folder: Path | None = None, jobs: int | None = None) -> Path:
 # ------------------------------------------------------------------------------------------------ running
 
 NGRAM_KINDS = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+# llama-speculative-simple needs a drafter; plain decoding gets one that never drafts: an n-gram lookup whose key is
+# 1024 tokens (the longest it takes), which finds no earlier occurrence in a chat (and is checked to draft nothing)
+NO_DRAFT = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "1024", "--spec-ngram-simple-size-m", "1"]
 CONTEXT = 4096  # tokens of KV cache: a chat prompt and its reply, without llama.cpp's 8k default allocation
 
 
@@ -154,7 +157,7 @@ class Speculation:
 
     def args(self, threads: int) -> list[str]:
         if self.kind == "none":
-            return []
+            return list(NO_DRAFT)
         if self.kind == "draft-simple":
             if self.draft is None:
                 raise LlamaCppError("speculation draft-simple needs a draft GGUF")
@@ -190,6 +193,16 @@ class LlamaOutput:
         return self.accepted / self.drafted if self.drafted else None
 
 
+def same_greedy(a: LlamaOutput, b: LlamaOutput, new_tokens: int) -> bool:
+    """Whether two greedy decodes of one prompt agree. A drafting run may overshoot the token limit by part of
+    its last accepted draft, so the longer text must extend the shorter, which must have reached the limit (or
+    the two are equal, as when both ended at an end-of-generation token)."""
+    if a.text == b.text:
+        return True
+    short, long = sorted((a, b), key=lambda out: len(out.text))
+    return short.new_tokens >= new_tokens and long.text.startswith(short.text)
+
+
 _REPORTED = {
     "encoded": re.compile(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds"),
     "decoded": re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds"),
@@ -199,12 +212,12 @@ _REPORTED = {
 
 
 def parse_output(stdout: str, stderr: str, prompt: str) -> LlamaOutput:
-    """llama-speculative-simple's report: stdout is "\\n\\n" + the prompt's tokens + the reply + "\\n\\n" (special
-    tokens spelled out), stderr holds the counts and times."""
+    """llama-speculative-simple's report: stdout is "\\n\\n" + the prompt's tokens + the reply (special tokens
+    spelled out) + "\\n\\n" twice (after decoding, and at exit); stderr holds the counts and times."""
     found = {key: pattern.search(stderr) for key, pattern in _REPORTED.items()}
     if found["decoded"] is None or found["encoded"] is None:
         raise LlamaCppError("llama-speculative-simple printed no decoding report: " + _last_line(stderr))
-    body = stdout.removeprefix("\n\n").removesuffix("\n\n")
+    body = stdout.removeprefix("\n\n").removesuffix("\n\n\n\n")
     if not body.startswith(prompt):
         raise LlamaCppError(f"llama-speculative-simple echoed another prompt than it was given: {body[:80]!r}")
     return LlamaOutput(text=body[len(prompt):], new_tokens=int(found["decoded"][1]),
@@ -231,7 +244,10 @@ def decode(tools: Path, model: Path, prompt: str, new_tokens: int, threads: int,
     if done.returncode:
         raise LlamaCppError(f"llama-speculative-simple exited {done.returncode} on {model.name} "
                             f"({speculation.kind}): {_last_line(done.stderr)}")
-    return parse_output(done.stdout, done.stderr, prompt)
+    out = parse_output(done.stdout, done.stderr, prompt)
+    if speculation.kind == "none" and out.drafted:
+        raise LlamaCppError(f"plain decoding drafted {out.drafted} tokens (a 1024-token n-gram matched)")
+    return out
 
 
 def serve_commands(target: str, draft: str, draft_max: int) -> dict[str, str]:

@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from decode.engine.levels import Generation
-from decode.llamacpp import LlamaCppError, LlamaOutput, Speculation, decode, default_folder, ensure_built, is_ready
+from decode.llamacpp import (
+    LlamaCppError, LlamaOutput, Speculation, decode, default_folder, ensure_built, is_ready, same_greedy,
+)
 
 AR = "llamacpp_ar"
 
@@ -33,6 +35,7 @@ class LlamaPeer:
     engines: dict[str, Speculation]
     notes: dict[str, str]
     runs: dict[str, list[LlamaOutput]] = field(default_factory=dict)
+    new_tokens: int = 0  # the token limit of the kept runs
 
     def decode_all(self, prompt: str, new_tokens: int, keep: bool = True) -> None:
         """Every engine once on `prompt`; kept for the table unless `keep` is false (warm-up)."""
@@ -40,6 +43,7 @@ class LlamaPeer:
             out = decode(self.tools, self.target, prompt, new_tokens, self.threads, speculation)
             if keep:
                 self.runs.setdefault(name, []).append(out)
+                self.new_tokens = new_tokens
 
 
 def usable(enabled: Any, model: str, dtype: str, key: str) -> bool:
@@ -110,10 +114,11 @@ def w4_draft_check(cfg: Any, w4_folder: Path, prompts: list[str]) -> dict[str, A
     peer.decode_all(prompts[0], int(icfg.warmup_tokens), keep=False)
     for prompt in prompts:
         peer.decode_all(prompt, int(icfg.max_new_tokens))
-    same = sum(a.text == b.text for a, b in zip(peer.runs[AR], peer.runs["w4"]))
+    same = sum(same_greedy(a, b, peer.new_tokens) for a, b in zip(peer.runs[AR], peer.runs["w4"]))
     acceptance = _acceptance(peer.runs["w4"])
     accepted = f"{acceptance:.0%} of drafted tokens accepted" if acceptance is not None else "no token drafted"
-    detail = f"llama.cpp loads {draft.name} as the draft model (k {k}): {same}/{len(prompts)} outputs equal its AR, {accepted}"
+    detail = (f"llama.cpp loads {draft.name} as the draft model (k {k}): {same}/{len(prompts)} outputs equal its "
+              f"AR, {accepted}")
     return {"passed": same == len(prompts), "detail": detail, "acceptance": acceptance, "identical": same,
             "runs": {name: [vars(o) for o in outs] for name, outs in peer.runs.items()}}
 
@@ -143,8 +148,10 @@ def reply_text(tokenizer: Any, tokens: list[int]) -> str:
 
 def summary(peer: LlamaPeer, polyspec_ar: list[Generation], polyspec_ar_texts: list[str]) -> dict[str, dict]:
     """Per engine: median tokens/s, median per-prompt ratio to polyspec's AR and to llama.cpp's AR, how many
-    outputs equal llama.cpp's AR (the lossless check) and polyspec's AR (text), acceptance where it drafts."""
-    ar = peer.runs[AR]
+    outputs agree with llama.cpp's AR (the lossless check) and polyspec's AR (by text; see same_greedy),
+    acceptance where it drafts."""
+    ar, n = peer.runs[AR], peer.new_tokens
+    polyspec = [LlamaOutput(text, g.stats.new_tokens, 0, 0.0, 0.0) for text, g in zip(polyspec_ar_texts, polyspec_ar)]
     found = {}
     for name, outs in peer.runs.items():
         found[name] = {
@@ -152,8 +159,8 @@ def summary(peer: LlamaPeer, polyspec_ar: list[Generation], polyspec_ar_texts: l
             "median_ratio_vs_polyspec_ar": statistics.median(
                 o.tokens_per_s / g.stats.tokens_per_s for o, g in zip(outs, polyspec_ar)),
             "median_ratio_vs_llamacpp_ar": statistics.median(o.tokens_per_s / a.tokens_per_s for o, a in zip(outs, ar)),
-            "identical_to_llamacpp_ar": sum(o.text == a.text for o, a in zip(outs, ar)),
-            "same_text_as_polyspec_ar": sum(o.text == t for o, t in zip(outs, polyspec_ar_texts)),
+            "identical_to_llamacpp_ar": sum(same_greedy(o, a, n) for o, a in zip(outs, ar)),
+            "same_text_as_polyspec_ar": sum(same_greedy(o, a, n) for o, a in zip(outs, polyspec)),
             "acceptance": _acceptance(outs), "runs": len(outs),
             "new_tokens": sum(o.new_tokens for o in outs),
         }

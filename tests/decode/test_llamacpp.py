@@ -25,11 +25,11 @@ accept    = 55.000%
 
 
 def test_the_report_is_parsed_and_the_echoed_prompt_removed():
-    out = parse_output(f"\n\n{PROMPT}Hello there!\n\n", REPORT, PROMPT)
-    assert out.text == "Hello there!" and out.prompt_tokens == 12 and out.new_tokens == 16
+    out = parse_output(f"\n\n{PROMPT}Hello there!\n\n\n\n\n", REPORT, PROMPT)
+    assert out.text == "Hello there!\n" and out.prompt_tokens == 12 and out.new_tokens == 16
     assert out.prompt_s == 0.05 and out.decode_s == 0.5 and out.tokens_per_s == pytest.approx(16 / 0.55)
     assert (out.drafted, out.accepted, out.acceptance) == (20, 11, 0.55)
-    plain = parse_output(f"\n\n{PROMPT}Hi\n\n", REPORT.split("\nn_draft")[0], PROMPT)
+    plain = parse_output(f"\n\n{PROMPT}Hi\n\n\n\n", REPORT.split("\nn_draft")[0], PROMPT)
     assert (plain.drafted, plain.accepted, plain.acceptance) == (0, 0, None)
 
 
@@ -41,7 +41,7 @@ def test_a_missing_report_or_another_prompt_is_one_line():
 
 
 def test_speculation_arguments(tmp_path):
-    assert Speculation().args(2) == []
+    assert Speculation().args(2)[:2] == ["--spec-type", "ngram-simple"] and "1024" in Speculation().args(2)
     draft = Speculation("draft-simple", draft=tmp_path / "w4.gguf", draft_max=5).args(2)
     assert draft == ["--spec-type", "draft-simple", "-md", str(tmp_path / "w4.gguf"), "-td", "2", "--spec-draft-n-max", "5"]
     ngram = Speculation("ngram-simple", ngram=(("size-m", 6), ("size-n", 3))).args(2)
@@ -129,3 +129,15 @@ def test_interop_check_c_is_made_in_llamacpp_where_vllm_cannot_run_w4():
     assert w4["passed"] is True and "cpu_gemm_wna16" in w4["detail"] and "1/1 outputs equal its AR" in w4["detail"]
     (w4,) = [c for c in checks(icfg, vllm, {}) if c["name"] == "w4_loads"]
     assert w4["passed"] is False
+
+
+def test_greedy_outputs_agree_up_to_a_drafting_runs_overshoot():
+    from decode.llamacpp import LlamaOutput, same_greedy
+
+    def out(text, n):
+        return LlamaOutput(text, n, 10, 0.1, 1.0)
+
+    assert same_greedy(out("a b c", 3), out("a b c", 3), 3)
+    assert same_greedy(out("a b c", 3), out("a b c d e", 5), 3)  # the drafting run overshot the limit of 3
+    assert not same_greedy(out("a b c", 3), out("a b x d", 4), 3)
+    assert not same_greedy(out("a b", 2), out("a b c", 3), 3)  # the shorter one stopped early: no prefix excuse
