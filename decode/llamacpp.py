@@ -257,3 +257,13 @@ def serve_commands(target: str, draft: str, draft_max: int) -> dict[str, str]:
     return {"llama_server": shlex.join(["llama-server", "-m", target, *spec]),
             "llama_speculative_simple": shlex.join(["llama-speculative-simple", "-m", target, *spec, "--temp", "0",
                                                     "-p", "PROMPT"])}
+
+
+def tokenize(tools: Path, model: Path, text: str) -> list[int]:
+    """The token ids llama.cpp reads `text` as (special tokens parsed), as the decoding tools tokenize a prompt."""
+    done = subprocess.run([str(tools / "llama-tokenize"), "-m", str(model), "-p", text, "--ids", "--log-disable"],
+                          capture_output=True, text=True, errors="replace")
+    lines = [line for line in done.stdout.splitlines() if line.startswith("[")]
+    if done.returncode or not lines:
+        raise LlamaCppError(f"llama-tokenize exited {done.returncode} on {model.name}: {_last_line(done.stderr)}")
+    return [int(i) for i in lines[-1].strip("[]").split(",") if i.strip()]

@@ -141,3 +141,63 @@ def test_greedy_outputs_agree_up_to_a_drafting_runs_overshoot():
     assert same_greedy(out("a b c", 3), out("a b c d e", 5), 3)  # the drafting run overshot the limit of 3
     assert not same_greedy(out("a b c", 3), out("a b x d", 4), 3)
     assert not same_greedy(out("a b", 2), out("a b c", 3), 3)  # the shorter one stopped early: no prefix excuse
+
+
+def rtn_checkpoint(folder, hf_folder, group: int = 64) -> None:
+    """A symmetric 4-bit GPTQ-format checkpoint of a Llama folder by rounding to nearest (no calibration): the
+    layout quantize.w4 writes, made in seconds."""
+    import json
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from test_llamacpp_gguf import pack_codes
+
+    parts = {}
+    with safe_open(str(hf_folder / "model.safetensors"), "pt") as hf:
+        for key in (k for k in hf.keys() if k.endswith("_proj.weight")):
+            weight = hf.get_tensor(key).float()  # [out, in]
+            blocks = weight.view(weight.shape[0], -1, group)
+            scales = (blocks.abs().amax(-1) / 7).clamp(min=1e-8).half()  # [out, groups]
+            codes = (blocks / scales.float().unsqueeze(-1)).round().clamp(-8, 7) + 8
+            prefix = key.removesuffix(".weight")
+            parts |= {f"{prefix}.qweight": pack_codes(codes.view(weight.shape).t().long()),
+                      f"{prefix}.qzeros": pack_codes(torch.full(scales.shape, 7)).t().contiguous(),
+                      f"{prefix}.scales": scales.t().contiguous(),
+                      f"{prefix}.g_idx": (torch.arange(weight.shape[1]) // group).to(torch.int32)}
+    folder.mkdir()
+    save_file(parts, folder / "model.safetensors")
+    quant = {"quant_method": "gptq", "bits": 4, "sym": True, "desc_act": False, "group_size": group,
+             "checkpoint_format": "gptq"}
+    (folder / "config.json").write_text(json.dumps({"quantization_config": quant}))
+
+
+@pytest.mark.slow
+def test_llamacpp_builds_and_decodes_losslessly_with_the_w4_gguf_as_draft(tmp_path):
+    """Builds llama.cpp once (cached; tens of minutes the first time on two busy cores), then on a real chat prompt:
+    plain decoding, the W4 level (a rounded-to-nearest stand-in, exported exactly) as draft model, and the n-gram
+    mode all give the same greedy text; llama.cpp reads the prompt as the same tokens polyspec does."""
+    from data.models import convert_bundled, load_tokenizer
+    from data.sharegpt import chat_prompt_ids
+    from decode.llamacpp import decode, ensure_built, same_greedy, tokenize
+    from decode.llamacpp_gguf import target_gguf, w4_gguf
+
+    tools = ensure_built()
+    hf_folder = convert_bundled("smollm2-135m-instruct")
+    target = target_gguf()
+    rtn_checkpoint(tmp_path / "w4", hf_folder)
+    draft = w4_gguf(tmp_path / "w4", target)
+    tokenizer = load_tokenizer(str(hf_folder))
+    ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": "Write a short poem about the sea."}])
+    prompt, n = tokenizer.decode(ids, skip_special_tokens=False), 32
+    plain = decode(tools, target, prompt, n, 1)
+    assert tokenize(tools, target, prompt) == ids
+    assert plain.prompt_tokens == len(ids) and plain.new_tokens == n and plain.drafted == 0 and plain.text
+    for speculation in (Speculation("draft-simple", draft=draft, draft_max=4),
+                        Speculation("ngram-simple", ngram=(("size-n", 3), ("size-m", 6)))):
+        out = decode(tools, target, prompt, n, 1, speculation)
+        assert same_greedy(out, plain, n), (speculation.kind, out.text, plain.text)
+    assert out.prompt_tokens == plain.prompt_tokens
+    drafted = decode(tools, target, prompt, n, 1, Speculation("draft-simple", draft=draft, draft_max=4))
+    assert drafted.drafted > 0 and drafted.accepted > 0
