@@ -43,9 +43,11 @@ def test_a_missing_report_or_another_prompt_is_one_line():
 def test_speculation_arguments(tmp_path):
     assert Speculation().args(2)[:2] == ["--spec-type", "ngram-simple"] and "1024" in Speculation().args(2)
     draft = Speculation("draft-simple", draft=tmp_path / "w4.gguf", draft_max=5).args(2)
-    assert draft == ["--spec-type", "draft-simple", "-md", str(tmp_path / "w4.gguf"), "-td", "2", "--spec-draft-n-max", "5"]
+    assert draft == ["--spec-type", "draft-simple", "-md", str(tmp_path / "w4.gguf"), "-td", "2",
+                     "--spec-draft-n-max", "5"]
     ngram = Speculation("ngram-simple", ngram=(("size-m", 6), ("size-n", 3))).args(2)
-    assert ngram == ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-m", "6", "--spec-ngram-simple-size-n", "3"]
+    assert ngram == ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-m", "6",
+                     "--spec-ngram-simple-size-n", "3"]
     with pytest.raises(LlamaCppError, match="needs a draft GGUF"):
         Speculation("draft-simple").args(2)
     with pytest.raises(LlamaCppError, match="unknown llama.cpp speculation 'eagle'"):
@@ -124,7 +126,8 @@ def test_interop_check_c_is_made_in_llamacpp_where_vllm_cannot_run_w4():
     icfg = OmegaConf.create({"checks": {"acceptance": False, "agreement_tolerance": 0.05}})
     vllm = {"ar": {"tokens": [[1, 2]]}, "eagle": {"tokens": [[1, 2]]},
             "w4": {"error": "AttributeError: '_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16'"}}
-    llama = {"passed": True, "detail": "llama.cpp loads w4.Q4_0.gguf as the draft model (k 3): 1/1 outputs equal its AR"}
+    llama = {"passed": True,
+             "detail": "llama.cpp loads w4.Q4_0.gguf as the draft model (k 3): 1/1 outputs equal its AR"}
     (w4,) = [c for c in checks(icfg, vllm, {}, llama) if c["name"] == "w4_loads"]
     assert w4["passed"] is True and "cpu_gemm_wna16" in w4["detail"] and "1/1 outputs equal its AR" in w4["detail"]
     (w4,) = [c for c in checks(icfg, vllm, {}) if c["name"] == "w4_loads"]
