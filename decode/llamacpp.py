@@ -236,11 +236,14 @@ def decode(tools: Path, model: Path, prompt: str, new_tokens: int, threads: int,
            speculation: Speculation = Speculation()) -> LlamaOutput:
     """Greedy decoding of `prompt` (text; special tokens such as <|im_start|> are parsed) with llama.cpp's
     llama-speculative-simple: `new_tokens` tokens (fewer at an end of generation), `threads` threads, drafting as
-    `speculation` says (by default not at all: plain decoding in the same program, the fair AR)."""
+    `speculation` says (by default not at all: plain decoding in the same program, the fair AR). Its OpenMP threads
+    sleep while they wait (OMP_WAIT_POLICY=PASSIVE unless set): spinning threads stall each other's barriers on
+    shared cores."""
     args = [str(tools / "llama-speculative-simple"), "-m", str(model), "-p", prompt, "-n", str(max(new_tokens - 1, 0)),
             "--temp", "0", "--seed", "0", "-t", str(threads), "-tb", str(threads), "-c", str(CONTEXT),
             *speculation.args(threads)]
-    done = subprocess.run(args, capture_output=True, text=True, errors="replace")
+    env = {"OMP_WAIT_POLICY": "PASSIVE"} | dict(os.environ)
+    done = subprocess.run(args, capture_output=True, text=True, errors="replace", env=env)
     if done.returncode:
         raise LlamaCppError(f"llama-speculative-simple exited {done.returncode} on {model.name} "
                             f"({speculation.kind}): {_last_line(done.stderr)}")
