@@ -38,7 +38,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("POLYSPEC_CACHE", Path.home() / ".cache" / "polyspec"))
 
 
-def _bundled_gguf(name: str) -> Path:
+def bundled_gguf(name: str) -> Path:
     if name not in BUNDLED:
         raise ModelSourceError(f"unknown bundled model {name!r}; known: {', '.join(BUNDLED)}")
     package, filename = BUNDLED[name]
@@ -59,7 +59,7 @@ def convert_bundled(name: str) -> Path:
     target = cache_dir() / "models" / name
     if (target / "config.json").exists() and (target / "model.safetensors").exists():
         return target
-    gguf = _bundled_gguf(name)
+    gguf = bundled_gguf(name)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
     try:

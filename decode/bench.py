@@ -124,6 +124,7 @@ def _interval(name: str, s: dict) -> str:
 def run(cfg: DictConfig) -> dict:
     from data.prompts import load_questions
     from data.sharegpt import chat_prompt_ids
+    from decode.consumers import llamacpp_peer
     from infra.tracking import write_json_atomic
 
     b = cfg.decode.bench
@@ -135,11 +136,15 @@ def run(cfg: DictConfig) -> dict:
     if cfg.decode.get("threads"):
         torch.set_num_threads(int(cfg.decode.threads))
     questions = load_questions(b.prompts, per_category=b.per_category)  # before any model: a bad file fails fast
+    peer = llamacpp_peer.peer_from_config(cfg, torch.get_num_threads())  # None (said why) where it is off
     target, tokenizer = load_target(cfg)
     decoders, notes = methods(cfg, target, tokenizer)
     prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]
     for decode in decoders.values():  # untimed warm-up: lazy initialisation, allocator
         decode(prompts[0], int(b.warmup_tokens))
+    texts = [tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
+    if peer:
+        peer.decode_all(texts[0], int(b.warmup_tokens), keep=False)
     names = list(decoders)
     runs: dict[str, list[Generation]] = {name: [] for name in names}
     ar_tokens: list[list[int]] = []
@@ -150,6 +155,8 @@ def run(cfg: DictConfig) -> dict:
         for name in order:
             runs[name].append(decoders[name](prompts[i], n))
         ar_tokens.append(runs["ar"][-1].tokens)
+        if peer:
+            peer.decode_all(texts[i], n)
     summary = summarise(runs, ar_tokens, confidence)
     print(f"\n{len(work)} prompts x {len(names)} methods, {n} new tokens, temperature {cfg.decode.temperature}, "
           f"{torch.get_num_threads()} threads; medians (x AR = median per-prompt ratio; sb = Spec-Bench mean ratio; time x AR = "
@@ -157,6 +164,10 @@ def run(cfg: DictConfig) -> dict:
     print(table(summary, notes))
     result = {"config": OmegaConf.to_container(b, resolve=True), "device": str(target.device), "threads": torch.get_num_threads(),
               "notes": notes, "summary": summary}
+    if peer:
+        ar_texts = [llamacpp_peer.reply_text(tokenizer, tokens) for tokens in ar_tokens]
+        result["llamacpp"] = {"summary": llamacpp_peer.summary(peer, runs["ar"], ar_texts), "notes": peer.notes}
+        print(llamacpp_peer.table(result["llamacpp"]["summary"], peer.notes))
     write_json_atomic(b.out, result)
     print(f"written {b.out}")
     return result

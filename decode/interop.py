@@ -200,8 +200,10 @@ def check(name: str, passed: bool | None, detail: str) -> dict[str, Any]:
     return {"name": name, "passed": passed, "detail": detail}
 
 
-def checks(icfg: Any, vllm: dict[str, dict], poly: dict[str, Any]) -> list[dict[str, Any]]:
-    """(a) output with the head = without, (b) acceptance length vs polyspec's, (c) the W4 model loads and agrees."""
+def checks(icfg: Any, vllm: dict[str, dict], poly: dict[str, Any],
+           llama: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """(a) output with the head = without, (b) acceptance length vs polyspec's, (c) the W4 model loads and agrees
+    (in llama.cpp, `llama`, where vLLM cannot run it)."""
     ar, eagle, w4 = vllm["ar"], vllm["eagle"], vllm["w4"]
     found = []
     if "error" in ar or "error" in eagle:
@@ -215,8 +217,11 @@ def checks(icfg: Any, vllm: dict[str, dict], poly: dict[str, Any]) -> list[dict[
         ours, theirs = poly["chain"]["acceptance_length"], vllm_acceptance_length(eagle)
         ratio, tol = theirs / ours, float(icfg.checks.acceptance_tolerance)
         found.append(check("acceptance", abs(ratio - 1) <= tol, f"vLLM L {theirs:.3f} vs polyspec L {ours:.3f} (ratio {ratio:.3f}, tolerance {tol:.0%})"))
-    if "not_applicable" in w4:
-        found.append(check("w4_loads", None, f"not applicable: {w4['not_applicable']}"))
+    if "not_applicable" in w4 and llama is not None:
+        found.append(check("w4_loads", llama["passed"], f"vLLM: not applicable ({w4['not_applicable']}); "
+                           f"{llama['detail']}"))
+    elif "not_applicable" in w4:
+        found.append(check("w4_loads", None, f"not applicable: {w4['not_applicable']}, and llama.cpp is off"))
     elif "error" in w4:
         found.append(check("w4_loads", False, f"vLLM failed on the W4 model: {w4['error']}"))
     else:
@@ -273,6 +278,8 @@ def validate(icfg: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise InteropError(f"interop.{key} must be an integer >= {least}, got {value!r}")
     flag(icfg.checks, "acceptance", error=InteropError)
+    if icfg.get("llamacpp", False) not in (True, False, "auto"):
+        raise InteropError(f"interop.llamacpp must be auto, true or false, got {icfg.llamacpp!r}")
     check_writable(icfg.out, "interop.out", kind="file", error=InteropError)
 
 
@@ -302,7 +309,13 @@ def run(cfg: DictConfig) -> int:
     vllm = {name: run_engine(python, venv, name, job, int(icfg.threads), log) for name, job in jobs.items()
             if name != "w4" or not w4_kernel_missing()}
     vllm.setdefault("w4", {"name": "w4", "not_applicable": w4_kernel_missing()})
-    found, rows = checks(icfg, vllm, poly), table(vllm, poly, int(icfg.num_speculative_tokens))
+    llama = None
+    if "not_applicable" in vllm["w4"]:  # vLLM's CPU build has no W4 kernel here: check (c) in llama.cpp instead
+        from decode.consumers.llamacpp_peer import w4_draft_check
+
+        tokenizer = load_tokenizer(target)
+        llama = w4_draft_check(cfg, w4, [tokenizer.decode(p, skip_special_tokens=False) for p in prompts])
+    found, rows = checks(icfg, vllm, poly, llama), table(vllm, poly, int(icfg.num_speculative_tokens))
     print(f"\n{len(prompts)} prompts, {icfg.max_new_tokens} new tokens, greedy, single stream, {icfg.threads} threads "
           f"({platform.processor() or platform.machine()}); vLLM: {icfg.dtype} target, {icfg.w4_dtype} W4")
     print(render(rows, found, len(prompts)))
@@ -310,7 +323,8 @@ def run(cfg: DictConfig) -> int:
     print(f"vLLM's AR output = polyspec's AR output on {same}/{len(prompts)} prompts ({icfg.dtype} vs {cfg.model.dtype}; informational)")
     record = {"created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "target": target, "head": str(head),
               "w4": str(w4), "w4_layout": layout, "config": OmegaConf.to_container(icfg, resolve=True),
-              "checks": found, "table": rows, "vllm_ar_equals_polyspec_ar": same, "polyspec": poly, "vllm": vllm}
+              "checks": found, "table": rows, "vllm_ar_equals_polyspec_ar": same, "polyspec": poly, "vllm": vllm,
+              "llamacpp_w4": llama}
     write_json_atomic(icfg.out, record)
     print(f"written {icfg.out}")
     return EXIT_CHECK_FAILED if any(c["passed"] is False for c in found) else 0

@@ -11,11 +11,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from infra.layout import RunLayout
 from infra.tracking import atomic_dir
 from decode.evaluation import speedup as paired
+
+LLAMACPP_W4 = "w4.Q4_0.gguf"  # the W4 level as llama.cpp loads it, in the bundle's levels/
 
 
 def folder_hash(path: str | Path) -> str:
@@ -49,8 +51,12 @@ def publish_bundle(
     final = Path(publish_dir)
     with atomic_dir(final) as tmp:
         shutil.copytree(report_dir, tmp / "report")
-        for name, folder in folders.items():
-            shutil.copytree(folder, tmp / "levels" / name)
+        for name, folder in folders.items():  # a level's folder, or a file (the W4 GGUF for llama.cpp)
+            if Path(folder).is_file():
+                (tmp / "levels").mkdir(exist_ok=True)
+                shutil.copy2(folder, tmp / "levels" / name)
+            else:
+                shutil.copytree(folder, tmp / "levels" / name)
         (tmp / "chain.json").write_text(json.dumps(chain_json, indent=2, sort_keys=True, default=str) + "\n")
     return final
 
@@ -107,6 +113,9 @@ def chain_manifest(
         "versions": library_versions(), "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "serve": serve_of(cfg, levels),
     }
+    manifest["serve"]["llamacpp"], w4_gguf = llamacpp_serve(cfg, levels)
+    if w4_gguf is not None:
+        folders[LLAMACPP_W4] = w4_gguf
     return manifest, folders
 
 
@@ -123,6 +132,32 @@ def serve_of(cfg: DictConfig, levels: list[dict[str, Any]]) -> dict[str, Any]:
     except ModelSourceError:
         target = cfg.model.name
     return serve_section(target, cfg.model.dtype, levels[-1]["config"], where[-1], next(filter(None, where[1:-1]), None))
+
+
+def llamacpp_serve(cfg: DictConfig, levels: list[dict[str, Any]]) -> tuple[dict[str, Any], Path | None]:
+    """chain.json's serve.llamacpp: llama.cpp serving the target with the chain's W4 level as its draft model (a
+    Q4_0 GGUF exported exactly, bundled as levels/w4.Q4_0.gguf), and the GGUF to bundle; where that cannot be,
+    the one reason and None."""
+    from decode.consumers.llamacpp import SDIST, serve_commands
+    from decode.consumers.llamacpp_gguf import GgufExportError, target_gguf, w4_gguf
+
+    model = str(cfg.model.name)
+    w4 = next((Path(level["source"]) for level in levels[1:]
+               if level["config"].get("kind", "model") == "model" and "bundled_as" in level), None)
+    if w4 is None or not model.startswith("bundled:"):
+        why = "the chain has no quantized model level" if w4 is None else f"the target {model} is not a bundled GGUF"
+        return {"not_served": f"llama.cpp: {why}"}, None
+    try:
+        target = target_gguf(model.removeprefix("bundled:"))
+        draft = w4_gguf(w4, target)
+    except GgufExportError as err:
+        return {"not_served": f"llama.cpp: {err}"}, None
+    bundled = Path(cfg.eval.publish.dir).resolve() / "levels" / LLAMACPP_W4
+    draft_max = int(OmegaConf.select(cfg, "decode.bench.llamacpp.draft_max", default=4))
+    return {"engine": f"llama.cpp (vendored by {SDIST}; checked with llama-speculative-simple: decode.bench, "
+                      "decode.interop)", **serve_commands(str(target), str(bundled), draft_max),
+            "target_gguf": str(target), "draft_gguf": f"levels/{LLAMACPP_W4}",
+            "note": "llama.cpp serves two levels: the target and the W4 level as its draft model."}, draft
 
 
 def gate(checks: list[dict[str, Any]], speedups: dict[str, paired.Interval], choice: str = "best",

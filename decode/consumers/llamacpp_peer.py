@@ -1,0 +1,183 @@
+"""llama.cpp beside polyspec in decode.bench: the same prompts, new-token count and threads, three ways.
+
+  llamacpp_ar      the F32 target alone (llama-speculative-simple drafting nothing: plain greedy decoding)
+  llamacpp_w4      the target drafted for by the W4 level as a Q4_0 GGUF (exported exactly from the GPTQ
+                   checkpoint; where the run has none, the bundled Q4_1 GGUF stands in, and the table says so)
+  llamacpp_ngram   the target drafted for by llama.cpp's n-gram mode
+
+Each llama.cpp engine is checked against llama.cpp's own AR (greedy: the same text), and its speed is given as a
+ratio to polyspec's AR and to llama.cpp's AR on the same prompts in the same run. Times are llama.cpp's own (prompt
+evaluation plus decoding, model loading left out), as polyspec's AR times prefill plus decoding.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from decode.engine.levels import Generation
+from decode.consumers.llamacpp import (
+    LlamaCppError, LlamaOutput, Speculation, decode, default_folder, ensure_built, is_ready, same_greedy,
+)
+
+AR = "llamacpp_ar"
+
+
+@dataclass
+class LlamaPeer:
+    """The llama.cpp engines to run per prompt, and what they produced."""
+
+    tools: Path
+    target: Path
+    threads: int
+    engines: dict[str, Speculation]
+    notes: dict[str, str]
+    runs: dict[str, list[LlamaOutput]] = field(default_factory=dict)
+    new_tokens: int = 0  # the token limit of the kept runs
+
+    def decode_all(self, prompt: str, new_tokens: int, keep: bool = True) -> None:
+        """Every engine once on `prompt`; kept for the table unless `keep` is false (warm-up)."""
+        for name, speculation in self.engines.items():
+            out = decode(self.tools, self.target, prompt, new_tokens, self.threads, speculation)
+            if keep:
+                self.runs.setdefault(name, []).append(out)
+                self.new_tokens = new_tokens
+
+
+def usable(enabled: Any, model: str, dtype: str, key: str) -> bool:
+    """Whether llama.cpp is to run (`key`: auto | true | false): false, a target that is not the bundled fp32
+    GGUF, or (auto) no build yet each make it off, with one line on stderr but for false."""
+    if enabled not in (True, False, "auto"):
+        raise LlamaCppError(f"{key} must be auto, true or false, got {enabled!r}")
+    if enabled is False:
+        return False
+    if not model.startswith("bundled:") or dtype != "float32":
+        print(f"llama.cpp: off (it runs the bundled fp32 target only; model {model}, {dtype})", file=sys.stderr)
+        return False
+    if enabled == "auto" and not is_ready(default_folder()):
+        print(f"llama.cpp: off (not built in {default_folder()}; {key}=true builds it, once, tens of minutes)",
+              file=sys.stderr)
+        return False
+    return True
+
+
+def w4_draft(cfg: Any, w4_folder: Path | None, target: Path) -> tuple[Path, str]:
+    """The W4 level's Q4_0 GGUF and a note; where the run has no W4 checkpoint that exports exactly, the bundled
+    Q4_1 GGUF stands in and the note says why."""
+    from decode.consumers.llamacpp_gguf import GgufExportError, w4_gguf
+
+    try:
+        return w4_gguf(w4_folder, target), f"W4 Q4_0 GGUF from {w4_folder}"
+    except GgufExportError as err:
+        return _bundled_draft(str(cfg.model.name)), f"stand-in: the bundled Q4_1 GGUF ({err})"
+
+
+def peer_from_config(cfg: Any, threads: int) -> LlamaPeer | None:
+    """decode.bench.llamacpp as a peer, or None where it is off or cannot run (see usable)."""
+    from decode.consumers.llamacpp_gguf import target_gguf
+
+    lcfg, model = cfg.decode.bench.get("llamacpp"), str(cfg.model.name)
+    if lcfg is None or not usable(lcfg.enabled, model, str(cfg.model.dtype), "decode.bench.llamacpp.enabled"):
+        return None
+    tools = ensure_built()
+    target = target_gguf(model.removeprefix("bundled:"))
+    draft, draft_note = w4_draft(cfg, _w4_folder(cfg), target)
+    ngram = {str(k): int(v) for k, v in lcfg.ngram.items() if k != "kind"}
+    engines = {AR: Speculation(),
+               "llamacpp_w4": Speculation("draft-simple", draft=draft, draft_max=int(lcfg.draft_max)),
+               "llamacpp_ngram": Speculation(str(lcfg.ngram.kind), ngram=tuple(sorted(ngram.items())))}
+    notes = {AR: f"llama.cpp, {target.name} alone", "llamacpp_w4": f"k {lcfg.draft_max}, {draft_note}",
+             "llamacpp_ngram": f"{lcfg.ngram.kind} {ngram}"}
+    return LlamaPeer(tools, target, threads, engines, notes)
+
+
+def w4_draft_check(cfg: Any, w4_folder: Path, prompts: list[str]) -> dict[str, Any] | None:
+    """decode.interop's check (c) in llama.cpp, for where vLLM cannot run the W4 model: the W4 level as a Q4_0
+    GGUF drafts for the F32 target (k = interop.num_speculative_tokens); passed when it loads and every output
+    equals llama.cpp's own AR. None where llama.cpp is off (interop.llamacpp)."""
+    from decode.consumers.llamacpp_gguf import GgufExportError, target_gguf, w4_gguf
+
+    icfg, model = cfg.interop, str(cfg.model.name)
+    if not usable(icfg.get("llamacpp", False), model, str(cfg.model.dtype), "interop.llamacpp"):
+        return None
+    tools = ensure_built()
+    target = target_gguf(model.removeprefix("bundled:"))
+    try:
+        draft = w4_gguf(w4_folder, target)
+    except GgufExportError as err:
+        return {"passed": False, "detail": f"llama.cpp: {err}"}
+    k = int(icfg.num_speculative_tokens)
+    peer = LlamaPeer(tools, target, int(icfg.threads), {AR: Speculation(), "w4": Speculation("draft-simple", draft, k)},
+                     {})
+    peer.decode_all(prompts[0], int(icfg.warmup_tokens), keep=False)
+    for prompt in prompts:
+        peer.decode_all(prompt, int(icfg.max_new_tokens))
+    same = sum(same_greedy(a, b, peer.new_tokens) for a, b in zip(peer.runs[AR], peer.runs["w4"]))
+    acceptance = _acceptance(peer.runs["w4"])
+    accepted = f"{acceptance:.0%} of drafted tokens accepted" if acceptance is not None else "no token drafted"
+    detail = (f"llama.cpp loads {draft.name} as the draft model (k {k}): {same}/{len(prompts)} outputs equal its "
+              f"AR, {accepted}")
+    return {"passed": same == len(prompts), "detail": detail, "acceptance": acceptance, "identical": same,
+            "runs": {name: [vars(o) for o in outs] for name, outs in peer.runs.items()}}
+
+
+def _w4_folder(cfg: Any) -> Path | None:
+    from infra.errors import ConfigError
+    from infra.layout import RunLayout
+
+    try:
+        return RunLayout.of(cfg).output("w4")
+    except ConfigError:
+        return None
+
+
+def _bundled_draft(model: str) -> Path:
+    from data.models import bundled_gguf
+
+    return bundled_gguf(model.removeprefix("bundled:"))
+
+
+def reply_text(tokenizer: Any, tokens: list[int]) -> str:
+    """A polyspec reply as llama.cpp prints one: special tokens spelled out, the end-of-generation token left out."""
+    if tokens and tokens[-1] == tokenizer.eos_token_id:
+        tokens = tokens[:-1]
+    return tokenizer.decode(tokens, skip_special_tokens=False)
+
+
+def summary(peer: LlamaPeer, polyspec_ar: list[Generation], polyspec_ar_texts: list[str]) -> dict[str, dict]:
+    """Per engine: median tokens/s, median per-prompt ratio to polyspec's AR and to llama.cpp's AR, how many
+    outputs agree with llama.cpp's AR (the lossless check) and polyspec's AR (by text; see same_greedy),
+    acceptance where it drafts."""
+    ar, n = peer.runs[AR], peer.new_tokens
+    polyspec = [LlamaOutput(text, g.stats.new_tokens, 0, 0.0, 0.0) for text, g in zip(polyspec_ar_texts, polyspec_ar)]
+    found = {}
+    for name, outs in peer.runs.items():
+        found[name] = {
+            "median_tokens_per_s": statistics.median(o.tokens_per_s for o in outs),
+            "median_ratio_vs_polyspec_ar": statistics.median(
+                o.tokens_per_s / g.stats.tokens_per_s for o, g in zip(outs, polyspec_ar)),
+            "median_ratio_vs_llamacpp_ar": statistics.median(o.tokens_per_s / a.tokens_per_s for o, a in zip(outs, ar)),
+            "identical_to_llamacpp_ar": sum(same_greedy(o, a, n) for o, a in zip(outs, ar)),
+            "same_text_as_polyspec_ar": sum(same_greedy(o, a, n) for o, a in zip(outs, polyspec)),
+            "acceptance": _acceptance(outs), "runs": len(outs),
+            "new_tokens": sum(o.new_tokens for o in outs),
+        }
+    return found
+
+
+def _acceptance(outs: list[LlamaOutput]) -> float | None:
+    drafted = sum(o.drafted for o in outs)
+    return sum(o.accepted for o in outs) / drafted if drafted else None
+
+
+def table(found: dict[str, dict], notes: dict[str, str]) -> str:
+    rows = [f"{'llama.cpp':<17} {'tok/s':>7} {'x AR':>6} {'x lcpp AR':>9} {'same':>6} {'accept':>7}  details"]
+    for name, s in found.items():
+        accept = f"{s['acceptance']:.0%}" if s["acceptance"] is not None else "-"
+        rows.append(f"{name:<17} {s['median_tokens_per_s']:>7.2f} {s['median_ratio_vs_polyspec_ar']:>6.2f} "
+                    f"{s['median_ratio_vs_llamacpp_ar']:>9.2f} {s['identical_to_llamacpp_ar']:>3}/{s['runs']:<2} "
+                    f"{accept:>7}  {notes.get(name, '')}; "
+                    f"same text as polyspec AR {s['same_text_as_polyspec_ar']}/{s['runs']}")
+    return "\n".join(rows)

@@ -1,0 +1,212 @@
+"""llama.cpp as a peer (decode/consumers/llamacpp.py, decode/consumers/llamacpp_peer.py): the tools' arguments and reports, the
+build's all-or-nothing marker, the bench peer's switch; the slow tests build llama.cpp (once, cached) and decode."""
+from __future__ import annotations
+
+import shlex
+
+import pytest
+from omegaconf import OmegaConf
+
+from decode.consumers import llamacpp
+from decode.consumers.llamacpp import LlamaCppError, Speculation, parse_output, serve_commands
+from decode.consumers.llamacpp_peer import peer_from_config
+
+PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+REPORT = """main: target: loaded
+encoded   12 tokens in    0.050 seconds, speed:  240.000 t/s
+decoded   16 tokens in    0.500 seconds, speed:   32.000 t/s
+
+n_draft   = 4
+n_predict = 16
+n_drafted = 20
+n_accept  = 11
+accept    = 55.000%
+"""
+
+
+def test_the_report_is_parsed_and_the_echoed_prompt_removed():
+    out = parse_output(f"\n\n{PROMPT}Hello there!\n\n\n\n\n", REPORT, PROMPT)
+    assert out.text == "Hello there!\n" and out.prompt_tokens == 12 and out.new_tokens == 16
+    assert out.prompt_s == 0.05 and out.decode_s == 0.5 and out.tokens_per_s == pytest.approx(16 / 0.55)
+    assert (out.drafted, out.accepted, out.acceptance) == (20, 11, 0.55)
+    plain = parse_output(f"\n\n{PROMPT}Hi\n\n\n\n", REPORT.split("\nn_draft")[0], PROMPT)
+    assert (plain.drafted, plain.accepted, plain.acceptance) == (0, 0, None)
+
+
+def test_a_missing_report_or_another_prompt_is_one_line():
+    with pytest.raises(LlamaCppError, match="no decoding report: error: failed to load model"):
+        parse_output("", "loading\nerror: failed to load model\n", PROMPT)
+    with pytest.raises(LlamaCppError, match="echoed another prompt"):
+        parse_output("\n\n<s>other\n\n", REPORT, PROMPT)
+
+
+def test_speculation_arguments(tmp_path):
+    assert Speculation().args(2)[:2] == ["--spec-type", "ngram-simple"] and "1024" in Speculation().args(2)
+    draft = Speculation("draft-simple", draft=tmp_path / "w4.gguf", draft_max=5).args(2)
+    assert draft == ["--spec-type", "draft-simple", "-md", str(tmp_path / "w4.gguf"), "-td", "2",
+                     "--spec-draft-n-max", "5"]
+    ngram = Speculation("ngram-simple", ngram=(("size-m", 6), ("size-n", 3))).args(2)
+    assert ngram == ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-m", "6",
+                     "--spec-ngram-simple-size-n", "3"]
+    with pytest.raises(LlamaCppError, match="needs a draft GGUF"):
+        Speculation("draft-simple").args(2)
+    with pytest.raises(LlamaCppError, match="unknown llama.cpp speculation 'eagle'"):
+        Speculation("eagle").args(2)
+
+
+def test_serve_commands_name_the_target_and_the_draft():
+    commands = serve_commands("/c/target.gguf", "/p/levels/w4.Q4_0.gguf", 4)
+    server = shlex.split(commands["llama_server"])
+    assert server[:3] == ["llama-server", "-m", "/c/target.gguf"]
+    assert server[server.index("-md") + 1] == "/p/levels/w4.Q4_0.gguf" and server[-2:] == ["--spec-draft-n-max", "4"]
+    assert shlex.split(commands["llama_speculative_simple"])[0] == "llama-speculative-simple"
+
+
+def test_a_build_without_its_marker_is_not_ready(tmp_path):
+    (tmp_path / "bin").mkdir()
+    for tool in llamacpp.TOOLS:
+        (tmp_path / "bin" / tool).write_text("")
+    assert not llamacpp.is_ready(tmp_path)
+    (tmp_path / llamacpp.MARKER).write_text(llamacpp.SDIST + "\n")
+    assert llamacpp.is_ready(tmp_path)
+    (tmp_path / "bin" / llamacpp.TOOLS[0]).unlink()
+    assert not llamacpp.is_ready(tmp_path)
+
+
+def test_cpu_kind_names_the_widest_vector_isa():
+    kind = llamacpp.cpu_kind()
+    assert kind.split("-")[0] in ("avx512", "avx2", "generic") and len(kind.split("-")[1]) == 8
+
+
+def peer_config(enabled, model="bundled:smollm2-135m-instruct", dtype="float32"):
+    return OmegaConf.create({"model": {"name": model, "dtype": dtype}, "run_dir": "/nonexistent",
+                             "decode": {"bench": {"llamacpp": {"enabled": enabled, "draft_max": 4,
+                                                               "ngram": {"kind": "ngram-simple", "size-n": 3}}}}})
+
+
+def test_the_peer_is_off_by_switch_or_where_it_cannot_run(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("POLYSPEC_CACHE", str(tmp_path))  # nothing built there
+    assert peer_from_config(peer_config(False), 2) is None
+    assert capsys.readouterr().err == ""
+    assert peer_from_config(peer_config(True, model="/some/hf/folder"), 2) is None
+    assert "bundled fp32 target only" in capsys.readouterr().err
+    assert peer_from_config(peer_config("auto"), 2) is None
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and "not built" in said[0] and "enabled=true" in said[0]
+    with pytest.raises(LlamaCppError, match="must be auto, true or false"):
+        peer_from_config(peer_config("yes"), 2)
+
+
+def test_the_bundle_serves_llamacpp_only_where_it_can(tmp_path):
+    from decode.evaluation.publish import llamacpp_serve
+
+    cfg = OmegaConf.create({"model": {"name": str(tmp_path / "hf")}, "eval": {"publish": {"dir": str(tmp_path / "p")}}})
+    target = {"config": {"kind": "model", "model": "target"}}
+    w4 = {"config": {"kind": "model", "model": "w4"}, "bundled_as": "levels/w4", "source": str(tmp_path / "w4")}
+    head = {"config": {"kind": "eagle", "path": "eagle"}, "bundled_as": "levels/head", "source": str(tmp_path / "h")}
+    section, gguf = llamacpp_serve(cfg, [target, head])
+    assert gguf is None and section == {"not_served": "llama.cpp: the chain has no quantized model level"}
+    section, gguf = llamacpp_serve(cfg, [target, w4, head])
+    assert gguf is None and "is not a bundled GGUF" in section["not_served"]
+
+
+def test_a_bundle_entry_may_be_a_file(tmp_path):
+    from decode.evaluation.publish import publish_bundle
+
+    (tmp_path / "report").mkdir()
+    (tmp_path / "w4.gguf").write_bytes(b"GGUF")
+    bundle = publish_bundle(tmp_path / "publish", {"chain": "polybasic"}, tmp_path / "report",
+                            {"w4.Q4_0.gguf": tmp_path / "w4.gguf"})
+    assert (bundle / "levels" / "w4.Q4_0.gguf").read_bytes() == b"GGUF"
+
+
+def test_interop_check_c_is_made_in_llamacpp_where_vllm_cannot_run_w4():
+    from decode.interop import checks
+
+    icfg = OmegaConf.create({"checks": {"acceptance": False, "agreement_tolerance": 0.05}})
+    runs = {"tokens": [[1, 2]]}
+    missing = "vLLM's CPU W4A16 kernel needs AVX-512 and this CPU has AVX2 only"
+    vllm = {"ar": runs, "eagle": runs, "w4": {"not_applicable": missing}}
+    llama = {"passed": True,
+             "detail": "llama.cpp loads w4.Q4_0.gguf as the draft model (k 3): 1/1 outputs equal its AR"}
+    (w4,) = [c for c in checks(icfg, vllm, {}, llama) if c["name"] == "w4_loads"]
+    assert w4["passed"] is True and "AVX2 only" in w4["detail"] and "1/1 outputs equal its AR" in w4["detail"]
+    (w4,) = [c for c in checks(icfg, vllm, {}, llama | {"passed": False}) if c["name"] == "w4_loads"]
+    assert w4["passed"] is False
+    (w4,) = [c for c in checks(icfg, vllm, {}) if c["name"] == "w4_loads"]
+    assert w4["passed"] is None and "llama.cpp is off" in w4["detail"]
+    failed = vllm | {"w4": {"error": "AttributeError: '_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16'"}}
+    (w4,) = [c for c in checks(icfg, failed, {}, llama) if c["name"] == "w4_loads"]
+    assert w4["passed"] is False  # vLLM failing where it should run is a failure, whatever llama.cpp says
+
+
+def test_greedy_outputs_agree_up_to_a_drafting_runs_overshoot():
+    from decode.consumers.llamacpp import LlamaOutput, same_greedy
+
+    def out(text, n):
+        return LlamaOutput(text, n, 10, 0.1, 1.0)
+
+    assert same_greedy(out("a b c", 3), out("a b c", 3), 3)
+    assert same_greedy(out("a b c", 3), out("a b c d e", 5), 3)  # the drafting run overshot the limit of 3
+    assert not same_greedy(out("a b c", 3), out("a b x d", 4), 3)
+    assert not same_greedy(out("a b", 2), out("a b c", 3), 3)  # the shorter one stopped early: no prefix excuse
+
+
+def rtn_checkpoint(folder, hf_folder, group: int = 64) -> None:
+    """A symmetric 4-bit GPTQ-format checkpoint of a Llama folder by rounding to nearest (no calibration): the
+    layout quantize.w4 writes, made in seconds."""
+    import json
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from test_llamacpp_gguf import pack_codes
+
+    parts = {}
+    with safe_open(str(hf_folder / "model.safetensors"), "pt") as hf:
+        for key in (k for k in hf.keys() if k.endswith("_proj.weight")):
+            weight = hf.get_tensor(key).float()  # [out, in]
+            blocks = weight.view(weight.shape[0], -1, group)
+            scales = (blocks.abs().amax(-1) / 7).clamp(min=1e-8).half()  # [out, groups]
+            codes = (blocks / scales.float().unsqueeze(-1)).round().clamp(-8, 7) + 8
+            prefix = key.removesuffix(".weight")
+            parts |= {f"{prefix}.qweight": pack_codes(codes.view(weight.shape).t().long()),
+                      f"{prefix}.qzeros": pack_codes(torch.full(scales.shape, 7)).t().contiguous(),
+                      f"{prefix}.scales": scales.t().contiguous(),
+                      f"{prefix}.g_idx": (torch.arange(weight.shape[1]) // group).to(torch.int32)}
+    folder.mkdir()
+    save_file(parts, folder / "model.safetensors")
+    quant = {"quant_method": "gptq", "bits": 4, "sym": True, "desc_act": False, "group_size": group,
+             "checkpoint_format": "gptq"}
+    (folder / "config.json").write_text(json.dumps({"quantization_config": quant}))
+
+
+@pytest.mark.slow
+def test_llamacpp_builds_and_decodes_losslessly_with_the_w4_gguf_as_draft(tmp_path):
+    """Builds llama.cpp once (cached; tens of minutes the first time on two busy cores), then on a real chat prompt:
+    plain decoding, the W4 level (a rounded-to-nearest stand-in, exported exactly) as draft model, and the n-gram
+    mode all give the same greedy text; llama.cpp reads the prompt as the same tokens polyspec does."""
+    from data.models import convert_bundled, load_tokenizer
+    from data.sharegpt import chat_prompt_ids
+    from decode.consumers.llamacpp import decode, ensure_built, same_greedy, tokenize
+    from decode.consumers.llamacpp_gguf import target_gguf, w4_gguf
+
+    tools = ensure_built()
+    hf_folder = convert_bundled("smollm2-135m-instruct")
+    target = target_gguf()
+    rtn_checkpoint(tmp_path / "w4", hf_folder)
+    draft = w4_gguf(tmp_path / "w4", target)
+    tokenizer = load_tokenizer(str(hf_folder))
+    ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": "Write a short poem about the sea."}])
+    prompt, n = tokenizer.decode(ids, skip_special_tokens=False), 32
+    plain = decode(tools, target, prompt, n, 1)
+    assert tokenize(tools, target, prompt) == ids
+    assert plain.prompt_tokens == len(ids) and plain.new_tokens == n and plain.drafted == 0 and plain.text
+    for speculation in (Speculation("draft-simple", draft=draft, draft_max=4),
+                        Speculation("ngram-simple", ngram=(("size-n", 3), ("size-m", 6)))):
+        out = decode(tools, target, prompt, n, 1, speculation)
+        assert same_greedy(out, plain, n), (speculation.kind, out.text, plain.text)
+    assert out.prompt_tokens == plain.prompt_tokens
+    drafted = decode(tools, target, prompt, n, 1, Speculation("draft-simple", draft=draft, draft_max=4))
+    assert drafted.drafted > 0 and drafted.accepted > 0
