@@ -131,7 +131,8 @@ def test_the_int4_product_is_the_fp32_product_of_the_dequantized_weight_bit_for_
     k = codes.shape[1]
     bounds = torch.tensor([*range(0, k, module.group_size), k])
     x = torch.randn(5, k)
-    ours = kernels.quant_mm(x, words, panel_scales, bounds, perm, codes.shape[0], None)
+    packed = kernels.PackedWeight(words=words, scales=panel_scales, bounds=bounds, n=codes.shape[0], perm=perm)
+    ours = kernels.quant_mm(x, packed)
     weight = (codes.float() - 8) * scales[:, torch.arange(k) // module.group_size]
     fp32 = avx2_kernel()[0]
     assert torch.equal(ours, fp32.linear(x[:, perm].contiguous(), fp32.pack(weight), weight.shape[0], None))
@@ -146,7 +147,8 @@ def test_the_int8_activation_product_is_the_exact_product_of_the_quantized_rows(
     words, panel_scales = kernels.pack_int4_a8(codes, scales)
     bounds = torch.tensor([*range(0, k, size), k])
     x = torch.randn(5, k) * 3
-    ours = kernels.quant_mm(x, words, panel_scales, bounds, perm, codes.shape[0], None)
+    weight = kernels.PackedWeight(words=words, scales=panel_scales, bounds=bounds, n=codes.shape[0], perm=perm)
+    ours = kernels.quant_mm(x, weight)
     quantized = fake_quantized(x[:, perm])
     weight = (codes.double() - 8) * scales.double()[:, torch.arange(k) // size]
     exact = quantized @ weight.T

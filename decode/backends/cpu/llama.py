@@ -24,13 +24,12 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from decode.backends.cpu.kernels import build_extension
+from decode.backends.cpu.kernels import HERE, build_extension
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
 STATIC_ROPE = ("default", "linear", "llama3")  # rotary tables that depend on the position only
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-KERNELS_CPP = Path(__file__).with_name("kernels.cpp")
 MAX_CAPACITY = 8192  # positions a runner's cache may hold (rotary tables are built up to it)
 
 
@@ -52,8 +51,8 @@ def native_kernels() -> tuple[Any | None, str]:
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None, f"the CPU lacks AVX2+FMA ({torch.backends.cpu.get_cpu_capability()})"
     wide = ["-mavx512f", "-mavx512bw", "-mavx512vnni"] if _has_avx512_vnni() else []
-    return build_extension("polyspec_llama_w4", Path(__file__).with_name("llama_w4.cpp"),
-                           ["-O3", "-mavx2", "-mfma", "-fopenmp", *wide], (KERNELS_CPP,))
+    return build_extension("polyspec_llama_w4", (HERE / "kernels.cpp", HERE / "llama_w4.cpp"),
+                           ["-O3", "-mavx2", "-mfma", "-fopenmp", *wide])
 
 
 def _module(model: torch.nn.Module, layer: int, name: str) -> torch.nn.Module:
@@ -142,7 +141,7 @@ def int4_parts(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, tor
     return codes.t().to(torch.uint8).contiguous(), module.scales.float().t().contiguous(), module.ret_idx.long()
 
 
-def _weight(kernels: Any, modules: list[torch.nn.Module], activations: str) -> tuple:
+def _weight(kernels: Any, modules: list[torch.nn.Module], activations: str) -> Any:
     """Sibling int4 linears (same input, same act order) as one kernel weight: their outputs side by side, packed
     for int8 or fp32 activations."""
     parts = [int4_parts(m) for m in modules]
@@ -153,11 +152,12 @@ def _weight(kernels: Any, modules: list[torch.nn.Module], activations: str) -> t
     bounds = torch.tensor([*range(0, k, size), k], dtype=torch.long)
     identity = torch.equal(perm, torch.arange(k))
     biases = [m.bias.float() if m.bias is not None else torch.zeros(m.out_features) for m in modules]
-    bias = torch.cat(biases) if any(m.bias is not None for m in modules) else torch.empty(0)
-    return words, panel_scales, bounds, torch.empty(0, dtype=torch.long) if identity else perm, bias, codes.shape[0]
+    bias = torch.cat(biases) if any(m.bias is not None for m in modules) else None
+    return kernels.PackedWeight(words=words, scales=panel_scales, bounds=bounds, n=codes.shape[0],
+                                perm=None if identity else perm, bias=bias)
 
 
-def _siblings(kernels: Any, modules: list[torch.nn.Module], activations: str) -> list[tuple]:
+def _siblings(kernels: Any, modules: list[torch.nn.Module], activations: str) -> list[Any]:
     """One fused weight when the siblings share their act order and group size, else one weight each."""
     for m in modules:
         _inference_layout(m)
@@ -272,10 +272,12 @@ class NativeInt8Head(torch.nn.Module):
         super().__init__()
         self.out_features, self.in_features = head.qweight.shape
         self.weight, self.bias = head.weight, None
-        self.words, self.scales = native_kernels()[0].pack_int8(head.qweight, head.scales.float())
-        self.bounds = torch.tensor([0, self.in_features])
+        kernels = native_kernels()[0]
+        words, scales = kernels.pack_int8(head.qweight, head.scales.float())
+        self.packed = kernels.PackedWeight(words=words, scales=scales, bounds=torch.tensor([0, self.in_features]),
+                                           n=self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float()
-        out = native_kernels()[0].quant_mm(flat, self.words, self.scales, self.bounds, None, self.out_features, None)
+        out = native_kernels()[0].quant_mm(flat, self.packed)
         return out.reshape(*x.shape[:-1], self.out_features)
