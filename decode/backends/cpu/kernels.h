@@ -76,15 +76,21 @@ static inline void store(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 #endif
 
 // A tile's accumulators (MR rows x NP panels of `Lanes` outputs) into y (row stride ldy), only the first `width`
-// columns: a product's last panel may be padding, which must not spill into the next sibling's outputs.
+// columns: a product's last panel may be padding, which must not spill into the next sibling's outputs. Inlined
+// and unrolled: an accumulator read at a run-time index (or through a call) would live in memory through the tile,
+// written back at every step.
 template <int64_t Lanes, class V, int MR, int NP>
-static inline void store_tile(const V (&acc)[MR][NP], float* y, int64_t ldy, int64_t width) {
+__attribute__((always_inline)) static inline void store_tile(const V (&acc)[MR][NP], float* y, int64_t ldy,
+                                                             int64_t width) {
   alignas(64) float out[NP * Lanes];
+#pragma GCC unroll 16
   for (int m = 0; m < MR; ++m) {
     if (width == NP * Lanes) {
+#pragma GCC unroll 16
       for (int j = 0; j < NP; ++j) store(y + m * ldy + j * Lanes, acc[m][j]);
       continue;
     }
+#pragma GCC unroll 16
     for (int j = 0; j < NP; ++j) store(out + j * Lanes, acc[m][j]);
     for (int64_t j = 0; j < width; ++j) y[m * ldy + j] = out[j];
   }
