@@ -1,19 +1,22 @@
-// A Llama-family decoder with GPTQ int4 weights, whole forward in one call, built on first use by
-// decode/backends/cpu/llama.py (decode.backends.cpu.kernels.build_extension).
+// A Llama-family decoder, whole forward in one call, for two kinds of weights: fp32 (kernels.cpp's packed panels:
+// a chain's target) and GPTQ int4 (a W4 copy). Built on first use by decode/backends/cpu/llama.py
+// (decode.backends.cpu.kernels.build_extension).
 //
-// Eager PyTorch spends most of a small W4 model's forward outside its weights: thousands of small aten ops
-// per forward (norms, rotary, cache concatenation, casts, act-order gathers). Here a forward is one call:
-// the layers loop in C++ over buffers allocated once per call, keys and values go into a preallocated cache
-// (rollback is setting a length, done by the caller), and every linear is `int4_linear`.
+// Eager PyTorch spends much of a small model's forward outside its weights: thousands of small aten ops per forward
+// (norms, rotary, cache concatenation, casts, act-order gathers). Here a forward is one call: the layers loop in C++
+// over buffers allocated once per call, keys and values go into a preallocated cache (rollback is setting a length,
+// done by the caller), and every linear is `packed_linear`, which takes either kind: one layer loop for both.
 //
-// `int4_linear`: y = x W^T with W = (q - 8) * s (4-bit codes q, one scale s per output and group of inputs,
+// fp32 weights run kernels.cpp's product (one FMA chain per output over the inputs from zero, bias after).
+// int4 weights: y = x W^T with W = (q - 8) * s (4-bit codes q, one scale s per output and group of inputs,
 // symmetric like GPTQModel's CPU kernel). The codes of one panel of kLanes outputs at input k are one word
 // (AVX2: 8 nibbles in a uint32; AVX-512: 16 in a uint64, even lanes in the low half); a weight is dequantized
 // in registers as it streams, (q * s - 8 s) in one FMA, exactly (q - 8) * s in fp32. Each output is then one FMA
 // chain over the (act-order sorted) inputs from zero, as in kernels.cpp's `linear`: the bits of a row do not
 // depend on how many rows or threads compute it, and equal the fp32 product with the dequantized weight.
 // Attention is kernels.cpp's `attend` on views of the cache (row-exact, grouped heads read in place); tiles, the
-// tile driver and the lane reductions are kernels.h's.
+// tile driver and the lane reductions are kernels.h's. Norms, rotary and SiLU work row by row: a forward of k
+// tokens gives, row for row, the bits of k one-token forwards.
 #include "kernels.h"
 
 #if defined(__AVX512F__) && !(defined(__AVX512BW__) && defined(__AVX512VNNI__))
@@ -92,12 +95,13 @@ struct Nibbles {  // GPTQ int4 (symmetric: zero point 8), one word per input
   }
 };
 
-// One quantized weight in the kernel's layout (Python builds it by name: PackedWeight(words=..., ...)): int4 words
-// [P, K] int32/int64 (fp32 activations), or for int8 activations (below) int4 bytes [P, K / 8, kLanes * 4] uint8
-// or int8 rows [P, K / 4, kLanes * 4] int8; scales [P, G, kLanes]; inputs in `perm` order (none: as they come),
-// groups of inputs [bounds[g], bounds[g + 1]) sharing a scale, n outputs, the bias added after the chain.
+// One weight in a kernel's layout (Python builds it by name: PackedWeight(words=..., ...)): fp32 panels [P, K, 8]
+// (kernels.cpp's `pack`; no scales), or quantized: int4 words [P, K] int32/int64 (fp32 activations), or for int8
+// activations (below) int4 bytes [P, K / 8, kLanes * 4] uint8 or int8 rows [P, K / 4, kLanes * 4] int8, scales
+// [P, G, kLanes]; inputs in `perm` order (none: as they come), groups of inputs [bounds[g], bounds[g + 1]) sharing
+// a scale; n outputs, the bias added after the chain.
 struct PackedWeight {
-  torch::Tensor words, scales, bounds, perm, bias;  // perm, bias: undefined when none
+  torch::Tensor words, scales, bounds, perm, bias;  // scales, bounds (fp32), perm, bias: undefined when none
   int64_t n;
 };
 
@@ -110,7 +114,7 @@ struct Panels {
 };
 
 template <int MR, int NP>
-static inline void zero_tile(Vec (&acc)[MR][NP]) {
+__attribute__((always_inline)) static inline void zero_tile(Vec (&acc)[MR][NP]) {  // inlined: see store_tile
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 16
@@ -326,16 +330,17 @@ struct Scratch {  // per forward: inputs gathered into act order, quantized inpu
   QuantizedRows rows;
 };
 
-// The input width K of a packed weight.
+// The input width K of a packed weight (fp32 panels [P, K, 8]: K).
 static int64_t input_width(const torch::Tensor& words) {
   if (words.scalar_type() == torch::kByte) return words.size(1) * A8Nibbles::kStep;
   if (words.scalar_type() == torch::kChar) return words.size(1) * A8Bytes::kStep;
   return words.size(1);
 }
 
-// y[:, :w.n] (row stride ldy) = x [M, K] W^T (+ bias, after the chain); x is first gathered in act order if w has
+// y[:, :w.n] (row stride ldy) = x [M, K] W^T for an int4 or int8 weight; x is first gathered in act order if w has
 // a perm.
-static void int4_linear(const float* x, int64_t M, const PackedWeight& w, float* y, int64_t ldy, Scratch& scratch) {
+static void quantized_linear(const float* x, int64_t M, const PackedWeight& w, float* y, int64_t ldy,
+                             Scratch& scratch) {
   const int64_t K = input_width(w.words);
   const Panels panels{w.words.data_ptr(), w.scales.data_ptr<float>(), w.bounds.data_ptr<int64_t>(), K,
                       w.bounds.numel() - 1, w.words.numel() / w.words.size(0), w.words.size(0), w.n};
@@ -355,6 +360,16 @@ static void int4_linear(const float* x, int64_t M, const PackedWeight& w, float*
     }
   } else {
     over_panels<NibbleTile, kTilePanels>(M, panels.count, 1, x, panels, y, ldy);
+  }
+}
+
+// y[:, :w.n] (row stride ldy) = x [M, K] W^T (+ bias, after the chain) for a weight of either kind.
+static void packed_linear(const float* x, int64_t M, const PackedWeight& w, float* y, int64_t ldy,
+                          Scratch& scratch) {
+  if (w.words.scalar_type() == torch::kFloat) {
+    dense_linear(x, M, {w.words.data_ptr<float>(), input_width(w.words), w.words.size(0), w.n}, y, ldy);
+  } else {
+    quantized_linear(x, M, w, y, ldy, scratch);
   }
   if (w.bias.defined()) {
     const float* b = w.bias.data_ptr<float>();
@@ -380,14 +395,15 @@ std::vector<torch::Tensor> pack_int8(const torch::Tensor& q, const torch::Tensor
   return {bytes.reshape({panels, k / 4, kLanes * 4}), s.view({panels, 1, kLanes})};
 }
 
-// x [M, K] float32 through one packed weight (int4 or int8): [M, n] (an LM head, and the product alone for tests).
-torch::Tensor quant_mm(const torch::Tensor& x, const PackedWeight& w) {
+// x [M, K] float32 through one packed weight (fp32, int4 or int8): [M, n] (an LM head, and the product alone for
+// tests).
+torch::Tensor packed_mm(const torch::Tensor& x, const PackedWeight& w) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.size(1) == input_width(w.words),
-              "quant_mm: x [M, K] float32");
+              "packed_mm: x [M, K] float32");
   const auto input = x.contiguous();
   auto y = torch::empty({input.size(0), w.n}, input.options());
   Scratch scratch;
-  int4_linear(input.data_ptr<float>(), input.size(0), w, y.data_ptr<float>(), w.n, scratch);
+  packed_linear(input.data_ptr<float>(), input.size(0), w, y.data_ptr<float>(), w.n, scratch);
   return y;
 }
 
@@ -431,30 +447,38 @@ struct Layer {
 };
 
 // A PackedWeight from its named parts, checked once here (the tiles trust the layout): Python's only way to make one.
-static PackedWeight packed_weight(const torch::Tensor& words, const torch::Tensor& scales, const torch::Tensor& bounds,
-                                  int64_t n, const c10::optional<torch::Tensor>& perm,
+static PackedWeight packed_weight(const torch::Tensor& words, int64_t n, const c10::optional<torch::Tensor>& scales,
+                                  const c10::optional<torch::Tensor>& bounds, const c10::optional<torch::Tensor>& perm,
                                   const c10::optional<torch::Tensor>& bias) {
   const auto kind = words.scalar_type();
+  const bool dense = kind == torch::kFloat;
   TORCH_CHECK(words.is_contiguous() && words.dim() >= 2 &&
-              (kind == torch::kInt || kind == torch::kLong || kind == torch::kByte || kind == torch::kChar),
-              "PackedWeight: words from pack_int4, pack_int4_a8 or pack_int8");
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat && scales.dim() == 3 &&
-              scales.size(0) == words.size(0) && scales.size(2) == kLanes,
+              (dense || kind == torch::kInt || kind == torch::kLong || kind == torch::kByte || kind == torch::kChar),
+              "PackedWeight: words from kernels' pack, pack_int4, pack_int4_a8 or pack_int8");
+  const int64_t lanes = dense ? kPanel : kLanes;
+  TORCH_CHECK(n > 0 && n <= words.size(0) * lanes, "PackedWeight: n outputs within the panels");
+  TORCH_CHECK(!bias || bias->numel() == n, "PackedWeight: bias [n]");
+  const auto bias_or_none = bias ? bias->to(torch::kFloat).contiguous() : torch::Tensor();
+  if (dense) {
+    TORCH_CHECK(words.dim() == 3 && words.size(2) == kPanel && !scales && !bounds && !perm,
+                "PackedWeight: fp32 panels [P, K, 8] take no scales, bounds or perm");
+    return {words, torch::Tensor(), torch::Tensor(), torch::Tensor(), bias_or_none, n};
+  }
+  TORCH_CHECK(scales && scales->is_contiguous() && scales->scalar_type() == torch::kFloat && scales->dim() == 3 &&
+              scales->size(0) == words.size(0) && scales->size(2) == kLanes,
               "PackedWeight: scales [P, G, lanes] float32");
-  TORCH_CHECK(bounds.is_contiguous() && bounds.scalar_type() == torch::kLong && bounds.numel() == scales.size(1) + 1 &&
-              n > 0 && n <= words.size(0) * kLanes, "PackedWeight: bounds [G + 1] long, n outputs within the panels");
+  TORCH_CHECK(bounds && bounds->is_contiguous() && bounds->scalar_type() == torch::kLong &&
+              bounds->numel() == scales->size(1) + 1, "PackedWeight: bounds [G + 1] long");
   TORCH_CHECK(!perm || (perm->scalar_type() == torch::kLong && perm->numel() == input_width(words)),
               "PackedWeight: perm [K] long");
-  TORCH_CHECK(!bias || bias->numel() == n, "PackedWeight: bias [n]");
-  return {words, scales, bounds, perm ? perm->contiguous() : torch::Tensor(),
-          bias ? bias->to(torch::kFloat).contiguous() : torch::Tensor(), n};
+  return {words, *scales, *bounds, perm ? perm->contiguous() : torch::Tensor(), bias_or_none, n};
 }
 
 // Siblings that read the same input, their outputs side by side in y [M, ldy].
-static void int4_siblings(const float* x, int64_t M, const std::vector<PackedWeight>& ws, float* y, int64_t ldy,
+static void siblings(const float* x, int64_t M, const std::vector<PackedWeight>& ws, float* y, int64_t ldy,
                           Scratch& scratch) {
   int64_t offset = 0;
-  for (const auto& w : ws) { int4_linear(x, M, w, y + offset, ldy, scratch); offset += w.n; }
+  for (const auto& w : ws) { packed_linear(x, M, w, y + offset, ldy, scratch); offset += w.n; }
 }
 
 static int64_t width(const std::vector<PackedWeight>& ws) {
@@ -465,9 +489,9 @@ static int64_t width(const std::vector<PackedWeight>& ws) {
 
 // The decoder: embeddings, layers, final norm. The KV cache is the caller's ([layers, kv heads, capacity, head dim]
 // for keys and for values, one per runner): `forward` appends after `cached` positions.
-class LlamaW4 {
+class Decoder {
  public:
-  LlamaW4(torch::Tensor embed, torch::Tensor final_norm, torch::Tensor cos, torch::Tensor sin, int64_t heads,
+  Decoder(torch::Tensor embed, torch::Tensor final_norm, torch::Tensor cos, torch::Tensor sin, int64_t heads,
           int64_t kv_heads, double eps, int64_t layers)
       : embed_(embed.contiguous()), final_norm_(final_norm.contiguous()), cos_(cos.contiguous()),
         sin_(sin.contiguous()), heads_(heads), kv_heads_(kv_heads), head_dim_(cos.size(1)), layers_wanted_(layers),
@@ -505,7 +529,7 @@ class LlamaW4 {
       rms_norm(h.data_ptr<float>(), T, H, layer.input_norm.data_ptr<float>(), eps_, normed.data_ptr<float>());
       const auto attended = attention(static_cast<int64_t>(i), normed.data_ptr<float>(), T, pos, mask, cached,
                                       keys[i], values[i], scratch, wide);
-      int4_linear(attended.data_ptr<float>(), T, layer.o, step.data_ptr<float>(), H, scratch);
+      packed_linear(attended.data_ptr<float>(), T, layer.o, step.data_ptr<float>(), H, scratch);
       add(step, h);
       rms_norm(h.data_ptr<float>(), T, H, layer.post_norm.data_ptr<float>(), eps_, normed.data_ptr<float>());
       mlp(layer, normed.data_ptr<float>(), T, step.data_ptr<float>(), scratch, wide);
@@ -525,7 +549,7 @@ class LlamaW4 {
     const int64_t D = head_dim_, Q = heads_ * D, KV = kv_heads_ * D, N = width(layer.qkv), cap = keys.size(1);
     TORCH_CHECK(N == Q + 2 * KV, "attention: q/k/v widths do not match the heads");
     qkv.resize(T * N);
-    int4_siblings(x, T, layer.qkv, qkv.data(), N, scratch);
+    siblings(x, T, layer.qkv, qkv.data(), N, scratch);
     float* kc = keys.data_ptr<float>();
     float* vc = values.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) {
@@ -546,7 +570,7 @@ class LlamaW4 {
   void mlp(const Layer& layer, const float* x, int64_t T, float* y, Scratch& scratch, std::vector<float>& wide) {
     const int64_t N = width(layer.gate_up), I = N / 2;
     wide.resize(T * N);
-    int4_siblings(x, T, layer.gate_up, wide.data(), N, scratch);
+    siblings(x, T, layer.gate_up, wide.data(), N, scratch);
     const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
     for (int64_t t = 0; t < T; ++t) {  // silu(gate) * up, packed into the first I columns of each row's space
       const float* g = wide.data() + t * N;
@@ -559,7 +583,7 @@ class LlamaW4 {
       }
       for (; j < I; ++j) { const float gj = g[j], uj = g[I + j]; a[j] = gj / (1.f + std::exp(-gj)) * uj; }
     }
-    int4_linear(wide.data(), T, layer.down, y, embed_.size(1), scratch);
+    packed_linear(wide.data(), T, layer.down, y, embed_.size(1), scratch);
   }
 
   torch::Tensor embed_, final_norm_, cos_, sin_;
@@ -576,15 +600,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_int8", &pack_int8, "int8 rows [N, K], scales [N] -> panel bytes and scales");
   m.def("pack_int4_a8", &pack_int4_a8, "codes [N, K], scales [N, G] -> panel bytes and scales for int8 activations");
   py::class_<PackedWeight>(m, "PackedWeight")
-      .def(py::init(&packed_weight), py::arg("words"), py::arg("scales"), py::arg("bounds"), py::arg("n"),
-           py::arg("perm") = py::none(), py::arg("bias") = py::none())
+      .def(py::init(&packed_weight), py::arg("words"), py::arg("n"), py::arg("scales") = py::none(),
+           py::arg("bounds") = py::none(), py::arg("perm") = py::none(), py::arg("bias") = py::none())
       .def_readonly("words", &PackedWeight::words)
       .def_readonly("n", &PackedWeight::n);
-  m.def("quant_mm", &quant_mm, "x W^T through a packed int4 or int8 weight");
+  m.def("packed_mm", &packed_mm, "x W^T (+ b) through a PackedWeight of either kind");
   m.def("lanes", [] { return kLanes; }, "outputs per panel (8: AVX2, 16: AVX-512)");
-  py::class_<LlamaW4>(m, "LlamaW4")
+  py::class_<Decoder>(m, "Decoder")
       .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, double, int64_t>())
-      .def("add_layer", &LlamaW4::add_layer)
-      .def("head_dim", &LlamaW4::head_dim)
-      .def("forward", &LlamaW4::forward);
+      .def("add_layer", &Decoder::add_layer)
+      .def("head_dim", &Decoder::head_dim)
+      .def("forward", &Decoder::forward);
 }
