@@ -1,11 +1,13 @@
 """`python -m decode.costs`: each level's forward time against the tokens it carries (the cost curve).
 
-For the target (plain eager and packed, see decode.fast), the W4 copy and the EAGLE head of a run
+For the target (plain eager, packed, see decode.fast, and on the native runner), the W4 copy and the EAGLE head of a run
 dir (and heads with draft vocabularies of the sizes in `decode.costs.head_vocab`), the median time of
 one forward of k = 1, 2, 4, 8, 12, 16 new tokens on top of a KV cache of a real context, all in one
-process, interleaved. Every ratio is to the packed target's 1-token forward, the chain's T_1: this
+process, interleaved. Every ratio is to the configured target's 1-token forward, the chain's T_1: this
 curve is what decides draft lengths, tree sizes and mu, and whether a level pays (Theorem 3.2).
-Writes `decode.costs.out` (json).
+Beside the curve, one greedy decode of `decode.chain` on the same context splits a round's time into each level's
+forwards and the round overhead: what a round costs beside forwards (acceptance, drafting logic, cache crops,
+Python). Writes `decode.costs.out` (json).
 """
 from __future__ import annotations
 
@@ -70,13 +72,65 @@ def _w4_steps(w4: Any, w4_runner: Callable[[], Any], context: list[int], steps: 
         notes["w4 int8 head"] = "the W4 level with lm_head: int8"
 
 
-def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
-    """The forwards to time, and a note per row on what it is."""
+def _target_steps(cfg: DictConfig, gemm: str | None, context: list[int], steps: dict[str, Step],
+                  notes: dict[str, str]) -> Any:
+    """The target's rows: as configured (decode.fast, decode.gemm, decode.native_fp32), and beside it the other
+    products and forwards it could run on; returns the configured target."""
+    from data.models import load_model
+    from decode import backends
+    from decode.backends.cpu.dense import packed_with
+    from decode.chains.build import native_fp32_setting, onednn_target
+    from decode.engine.levels import ModelLevel
+
+    device, dtype = configured_device(cfg), cfg.model.dtype
+    fast_target, _ = load_model(cfg.model.name, dtype, device)
+    backends.prepare(fast_target, gemm, native_fp32_setting(cfg))
+    packed = f"{dtype}, packed (decode.fast, {packed_with(fast_target)})"
+    if backends.runs_natively(fast_target):
+        steps["target"] = level_forward(ModelLevel("target", fast_target), context)
+        notes["target"] = f"{packed}, native runner (decode.native_fp32)"
+        hf_target, _ = load_model(cfg.model.name, dtype, device)
+        backends.prepare(hf_target, gemm)
+        steps["target hf layers"] = cached_forward(hf_target, context)
+        notes["target hf layers"] = f"{packed}, the HF layers (decode.native_fp32=off)"
+    else:
+        steps["target"], notes["target"] = cached_forward(fast_target, context), packed
+    onednn = onednn_target(cfg, fast_target)  # the other packed product, side by side
+    if onednn is not None:
+        steps["target onednn"] = cached_forward(onednn, context)
+        notes["target onednn"] = f"{dtype}, packed (decode.fast, onednn)"
+    return fast_target
+
+
+def round_costs(cfg: DictConfig, target: Any, tokenizer: Any, prompt: list[int]) -> dict | None:
+    """Per round of decode.chain's chain, greedy on `prompt` (decode.costs.round_tokens new tokens, after a short
+    warm-up): each level's forward ms, the round's ms and its overhead beside the forwards; None (said on stderr)
+    where the chain cannot be built here (a missing artifact)."""
+    from decode.chains.build import configured_chain
+    from decode.engine.errors import DecodeError
+    from decode.engine.head import HeadError
+
+    name = cfg.decode.chain
+    try:
+        chain = configured_chain(cfg, cfg.decode.chains[name], target, tokenizer)
+    except (DecodeError, HeadError) as err:
+        print(f"costs: chain {name!r} unavailable ({err}); no round costs", file=sys.stderr)
+        return None
+    chain.generate(prompt, 8)
+    stats = chain.generate(prompt, int(cfg.decode.costs.round_tokens)).stats
+    rounds = max(len(stats.levels[0].acceptance_lengths), 1)
+    forwards = {level.name: (level.draft_time_s + level.verify_time_s) * 1000 / rounds for level in stats.levels}
+    round_ms = (stats.wall_time_s - stats.time_to_first_token_s) * 1000 / rounds
+    return {"chain": name, "rounds": rounds, "tokens_per_round": stats.new_tokens / rounds, "round_ms": round_ms,
+            "forward_ms": forwards, "overhead_ms": round_ms - sum(forwards.values())}
+
+
+def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str], dict | None]:
+    """The forwards to time, a note per row on what it is, and the round costs of decode.chain."""
     from data.models import load_model
     from data.sharegpt import load_split
     from decode import backends
-    from decode.backends.cpu.dense import packed_with
-    from decode.chains.build import gemm_choice, native_settings, onednn_target
+    from decode.chains.build import gemm_choice, native_settings
     from decode.engine.head import EagleHead, vocabulary_rows
     from decode.engine.levels import ModelLevel
 
@@ -84,16 +138,11 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
     _, held_out = load_split(cfg.data)  # the data before any model or kernel build: refused in seconds
     c, gemm = cfg.decode.costs, gemm_choice(cfg)
     target, tokenizer = load_model(cfg.model.name, cfg.model.dtype, device)
-    fast_target, _ = load_model(cfg.model.name, cfg.model.dtype, device)
-    backends.prepare(fast_target, gemm)
     context = context_ids(held_out, tokenizer, int(c.context))
-    steps = {"target eager": cached_forward(target, context), "target": cached_forward(fast_target, context)}
-    notes = {"target eager": f"{cfg.model.dtype}, plain nn.Linear",
-             "target": f"{cfg.model.dtype}, packed (decode.fast, {packed_with(fast_target)})"}
-    onednn = onednn_target(cfg, fast_target)  # the other packed product, side by side
-    if onednn is not None:
-        steps["target onednn"] = cached_forward(onednn, context)
-        notes["target onednn"] = f"{cfg.model.dtype}, packed (decode.fast, onednn)"
+    steps = {"target eager": cached_forward(target, context)}
+    notes = {"target eager": f"{cfg.model.dtype}, plain nn.Linear"}
+    fast_target = _target_steps(cfg, gemm, context, steps, notes)
+    rounds = round_costs(cfg, fast_target, tokenizer, context)
     artifacts = RunLayout.of(cfg)
     w4_dir = artifacts.output("w4")
     if (w4_dir / "config.json").is_file():
@@ -124,7 +173,14 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str]]:
         rows = backends.linear_wrapper(w4, gemm)(vocabulary_rows(w4.get_output_embeddings(), vocab))
         steps["w4 V=head"] = level_forward(ModelLevel("w4", w4, vocab=vocab, runner=w4_runner(), lm_head=rows), context)
         notes["w4 V=head"] = f"the W4 level restricted to the head's {len(vocab)}-token vocabulary (vocab: head)"
-    return steps, notes
+    return steps, notes, rounds
+
+
+def _print_rounds(rounds: dict) -> None:
+    """One line: a round's ms, split into each level's forwards and the overhead beside them."""
+    forwards = ", ".join(f"{name} {ms:.1f}" for name, ms in rounds["forward_ms"].items())
+    print(f"a round of chain {rounds['chain']!r} ({rounds['rounds']} rounds, {rounds['tokens_per_round']:.2f} tokens "
+          f"each): {rounds['round_ms']:.1f} ms = forwards ({forwards}) + overhead {rounds['overhead_ms']:.1f} ms")
 
 
 def run(cfg: DictConfig) -> dict:
@@ -134,17 +190,20 @@ def run(cfg: DictConfig) -> dict:
     check_writable(c.out, "decode.costs.out", kind="file")  # refuse before minutes of timing, not after
     if cfg.decode.get("threads"):
         torch.set_num_threads(int(cfg.decode.threads))
-    steps, notes = steps_for(cfg)
+    steps, notes, rounds = steps_for(cfg)
     ks = [int(k) for k in c.ks]
     ms = median_ms(steps, ks, int(c.repeats))
     base = ms["target"][1]
     print(f"\nmedian ms per forward of k new tokens on a {c.context}-token context, {c.repeats} repeats interleaved, "
-          f"{torch.get_num_threads()} threads; (x) = ratio to the packed target's 1-token forward")
+          f"{torch.get_num_threads()} threads; (x) = ratio to the configured target's 1-token forward")
     print(f"{'level':<18}" + "".join(f"{f'k={k}':>15}" for k in ks) + "  note")
     for name, per in ms.items():
         print(f"{name:<18}" + "".join(f"{per[k]:8.1f} ({per[k] / base:4.2f})" for k in ks) + f"  {notes[name]}")
     result = {"device": str(configured_device(cfg)), "context": int(c.context), "threads": torch.get_num_threads(), "repeats": int(c.repeats), "notes": notes,
               "ms": ms, "ratio_to_target_1": {n: {k: v / base for k, v in per.items()} for n, per in ms.items()}}
+    if rounds is not None:
+        _print_rounds(rounds)
+        result["round"] = rounds
     write_json_atomic(c.out, result)
     print(f"written {c.out}")
     return result

@@ -10,19 +10,35 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from decode.engine.runner import HFRunner, Runner
+from decode.engine.runner import RUNNER_FACTORY, HFRunner, Runner, configured_runner
+
+NATIVE = ("auto", "on", "off")
 
 
 def on_cpu(module: nn.Module) -> bool:
     return next(module.parameters()).device.type == "cpu"
 
 
-def prepare(module: nn.Module, gemm: str | None) -> None:
-    """Make a loaded model or head fast on its device, in place (CPU: packed linears on the `gemm` product; None = leave it)."""
+def prepare(module: nn.Module, gemm: str | None, native: str = "off") -> None:
+    """Make a loaded model or head fast on its device, in place (CPU: packed linears on the `gemm` product; None =
+    leave it). `native` (auto, on, off): whether an fp32 Llama-family model then runs the native runner, as part of
+    its configuration (decode.backends.cpu.llama.run_natively: the chain's levels and the AR reference alike)."""
+    if native not in NATIVE:
+        raise ValueError(f"native must be one of {', '.join(NATIVE)}, got {native!r}")
     if gemm and on_cpu(module):
         from decode.backends.cpu import pack
 
         pack(module, gemm)
+        if native != "off" and isinstance(module, PreTrainedModel):
+            from decode.backends.cpu.llama import is_quantized, run_natively
+
+            if not is_quantized(module):
+                run_natively(module, native)
+
+
+def runs_natively(model: nn.Module) -> bool:
+    """Whether `prepare` configured `model` to run the native runner."""
+    return RUNNER_FACTORY in vars(model)
 
 
 def linear_wrapper(module: nn.Module, gemm: str | None) -> Callable[[nn.Linear], nn.Module]:
@@ -34,27 +50,28 @@ def linear_wrapper(module: nn.Module, gemm: str | None) -> Callable[[nn.Linear],
     return lambda linear: packed_or_plain(linear, gemm)
 
 
-NATIVE = ("auto", "on", "off")
-
-
 def runner(model: PreTrainedModel, native: str = "off", activations: str = "int8") -> Runner:
-    """The runner of a model level: for a GPTQ W4 Llama-family model on the CPU, the native runner
-    (decode.backends.cpu.llama, on int8 or fp32 `activations`, which it checks) when `native` is "auto" (where it can run; a
-    quantized model it cannot run is said once, with why) or "on" (ValueError where it cannot); otherwise the
-    model's HF decoder with a DynamicCache."""
+    """The runner of a model level: the one its configuration names (`prepare`: an fp32 model may run natively);
+    for a GPTQ W4 Llama-family model on the CPU, the native runner (decode.backends.cpu.llama, on int8 or fp32
+    `activations`, which it checks) when `native` is "auto" (where it can run; a quantized model it cannot run is
+    said once, with why) or "on" (ValueError where it cannot); otherwise the model's HF decoder with a DynamicCache."""
     if native not in NATIVE:
         raise ValueError(f"native must be one of {', '.join(NATIVE)}, got {native!r}")
+    if runs_natively(model):
+        return configured_runner(model)
     if native == "off" or not on_cpu(model):
         return HFRunner(model)
-    from decode.backends.cpu.llama import NativeLlamaRunner, unsupported
+    from decode.backends.cpu.llama import NativeLlamaRunner, is_quantized, unsupported
+
+    if not is_quantized(model):  # an fp32 model runs natively only as configured (`prepare`), like the reference
+        return HFRunner(model)
 
     why = unsupported(model)
     if why is None:
         return NativeLlamaRunner(model, activations=activations)
     if native == "on":
-        raise ValueError(f"native=on: the native W4 runner cannot run {model.name_or_path}: {why}")
-    if getattr(model.config, "quantization_config", None) is not None:
-        print(f"decode: {model.name_or_path} runs the eager HF forward (native W4 runner: {why})", file=sys.stderr)
+        raise ValueError(f"native=on: the native runner cannot run {model.name_or_path}: {why}")
+    print(f"decode: {model.name_or_path} runs the eager HF forward (native runner: {why})", file=sys.stderr)
     return HFRunner(model)
 
 

@@ -7,13 +7,15 @@ import time
 from typing import Any
 
 import torch
-from transformers import DynamicCache, GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
 from infra.device import synchronized_clock
 from decode.engine.levels import Generation, GenerationStats, LevelStats
 
 from decode.engine.chain import check_new_tokens
+from decode.engine.head import softcapped
+from decode.engine.runner import configured_runner
 from decode.engine.sampling import GREEDY, Sampling, probabilities, sample
 
 
@@ -33,19 +35,20 @@ def autoregressive(
     model: PreTrainedModel, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling = GREEDY,
     eos_token_id: int | list[int] | None = None,
 ) -> Generation:
-    """One token per forward with a KV cache, sampling with the same logits processing as the chain."""
+    """One token per forward with a KV cache, sampling with the same logits processing as the chain; the target runs
+    as a chain's target level does (its configured runner, its LM head): the reference is the chain's own forward."""
     check_new_tokens(max_new_tokens)
     device = model.device
     gen = sampling.generator(device)
     eos, stats = _eos_set(eos_token_id), LevelStats("target", "model")
-    cache, new, ttft = DynamicCache(config=model.config), [], 0.0
+    runner, head, new, ttft = configured_runner(model), model.get_output_embeddings(), [], 0.0
     ids = list(prompt_ids)
     start = time.perf_counter()
     with torch.inference_mode():
         while len(new) < max_new_tokens and not (new and new[-1] in eos):
             t0 = synchronized_clock(device)
-            logits = model(input_ids=torch.tensor([ids], device=device), past_key_values=cache, use_cache=True,
-                           logits_to_keep=1).logits[0, -1]
+            hidden = runner.forward(torch.tensor([ids], device=device), None, None)
+            logits = softcapped(head(hidden[:, -1:]), model.config)[0, -1]
             if new:  # as in the chain, stats describe decoding steps; the prefill is time_to_first_token_s
                 stats.forward_calls += 1
                 stats.verify_time_s += synchronized_clock(device) - t0

@@ -51,11 +51,15 @@ def onednn_target(cfg: Any, target: PreTrainedModel) -> PreTrainedModel | None:
 
 def load_target(cfg: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The chain's target as configured: `model.name` in `model.dtype` on `device`, its linears packed when
-    `decode.fast` on the CPU (decode.fast: the AR reference and every chain then share that same configuration)."""
-    gemm = gemm_choice(cfg)
+    `decode.fast` on the CPU, and then run by the native runner per decode.native_fp32 (the AR reference and every
+    chain then share that same configuration)."""
+    gemm, native = gemm_choice(cfg), native_fp32_setting(cfg)
     target, tokenizer = load_model(cfg.model.name, cfg.model.dtype, configured_device(cfg))
     if cfg.decode.get("fast"):
-        backends.prepare(target, gemm)
+        try:
+            backends.prepare(target, gemm, native)
+        except ValueError as err:  # native_fp32=on where the native runner cannot run the target
+            raise DecodeError(f"decode.{err}") from None
     return target, tokenizer
 
 
@@ -112,6 +116,16 @@ def native_settings(cfg: Any) -> tuple[str, str]:
     return native, activations
 
 
+def native_fp32_setting(cfg: Any) -> str:
+    """decode.native_fp32 checked: whether fp32 Llama-family models (the target) run the native runner ("off"
+    without decode.fast)."""
+    fast = flag(cfg.decode, "fast", default=False, error=DecodeError)
+    native = str(cfg.decode.get("native_fp32", "auto")) if fast else "off"
+    if native not in backends.NATIVE:
+        raise DecodeError(f"decode.native_fp32 must be one of {', '.join(backends.NATIVE)}, got {native!r}")
+    return native
+
+
 def build_chain(levels: list[dict], target_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None,
                 artifacts: RunLayout | None = None, gemm: str | None = None, draft_defaults: dict | None = None) -> Chain:
     """A chain from a level list (conf/decode/chain.yaml's form; engine.spec.LevelSpec documents the keys)."""
@@ -159,8 +173,8 @@ class ChainBuilder:
     def _load(self, level: LevelSpec) -> Any:
         if level.kind == "model":
             model = level_model(level, self.target, self.tokenizer, self.artifacts, self.dtype)
-            if model is not self.target:
-                backends.prepare(model, self.gemm)
+            if model is not self.target:  # fp32 levels run natively when the target does
+                backends.prepare(model, self.gemm, "auto" if backends.runs_natively(self.target) else "off")
             if level.lm_head is not None:
                 _int8_lm_head(level, model, self.target)
             return model
@@ -179,7 +193,8 @@ class ChainBuilder:
                           runner=runner, lm_head=rows or backends.lm_head(model.get_output_embeddings(), runner))
 
     def _runner(self, model: PreTrainedModel) -> Any:
-        """One runner per loaded model and chain (its KV cache is the level's), the target's always HF."""
+        """One runner per loaded model and chain (its KV cache is the level's): the target's as configured
+        (load_target: HF's, or natively), a W4 level's per decode.native."""
         try:
             return backends.runner(model, "off" if model is self.target else self.native, self.activations)
         except ValueError as err:

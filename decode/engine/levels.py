@@ -18,7 +18,7 @@ from infra.device import synchronized_clock
 from decode.engine import tree as trees
 from decode.engine.errors import DecodeError
 from decode.engine.head import softcapped, spread, vocabulary_rows
-from decode.engine.runner import HFRunner, Runner
+from decode.engine.runner import Runner, configured_runner
 from decode.engine.spec import Draft
 from decode.engine.sampling import Sampling, probabilities, sample, verify_greedy, verify_sampled
 
@@ -160,11 +160,12 @@ class ModelLevel(Level):
     def __init__(self, name: str, model: PreTrainedModel, mu: int = 1, draft: Draft | dict | None = None,
                  vocab: torch.Tensor | None = None, keep_hidden: bool = False, *, runner: Runner | None = None,
                  lm_head: nn.Module | None = None):  # 8: the level contract's parts; the last two are a backend's
-        """`runner` defaults to the model's HF decoder (HFRunner); `lm_head` to its output embedding, or with `vocab`
+        """`runner` defaults to the model's configured one (decode.engine.runner.configured_runner: its HF decoder
+        unless a backend configured another); `lm_head` to its output embedding, or with `vocab`
         the rows of it for those ids (a backend passes faster versions of either)."""
         super().__init__(name, mu, draft)
         self.model, self.vocab, self.keep_hidden = model, vocab, keep_hidden
-        self.runner = runner or HFRunner(model)
+        self.runner = runner or configured_runner(model)
         head = model.get_output_embeddings()
         self.lm_head = lm_head or (head if vocab is None else vocabulary_rows(head, vocab))
         self.config, self.device = model.config, self.runner.device

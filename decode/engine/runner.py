@@ -1,9 +1,13 @@
 """The seam between a model level and whatever runs its model: a *runner* is a causal LM's decoder with its own KV
 cache. The engine decides what to feed and what to keep; a backend decides how the forward runs (HFRunner: any
-transformers model through its public API; a backend may bring a faster one for the architectures it knows)."""
+transformers model through its public API; a backend may bring a faster one for the architectures it knows).
+
+A backend may also make a faster forward part of a model's configuration (as packing its linears is): it sets
+RUNNER_FACTORY on the model, and `configured_runner` then gives that runner to every part of decoding that runs the
+model (a chain's levels and the autoregressive reference alike), so that they all compute the same logits."""
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -28,6 +32,16 @@ class Runner(Protocol):
     def reset(self) -> None: ...
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None) -> torch.Tensor: ...
+
+
+RUNNER_FACTORY = "polyspec_runner"  # a model attribute: a function of the model giving its Runner
+
+
+def configured_runner(model: PreTrainedModel) -> Runner:
+    """A new runner of `model` as configured: its RUNNER_FACTORY's (a module-level function of the model, so that a
+    deep copy keeps it and runs its own weights), else HFRunner."""
+    factory: Callable[[PreTrainedModel], Runner] | None = vars(model).get(RUNNER_FACTORY)
+    return factory(model) if factory is not None else HFRunner(model)
 
 
 class HFRunner:

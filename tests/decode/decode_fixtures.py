@@ -41,6 +41,20 @@ def packed(model: LlamaForCausalLM, gemm: str = "auto") -> LlamaForCausalLM:
     return clone
 
 
+def native(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """A packed (avx2) copy of the model configured to run the native runner: every runner of it, a chain level's
+    and the autoregressive reference's alike, runs decode/backends/cpu/decoder.cpp (skips where it does not build)."""
+    import pytest
+
+    from decode.backends.cpu.llama import native_kernels, run_natively
+
+    if native_kernels()[0] is None:
+        pytest.skip(f"the native kernels do not build here: {native_kernels()[1]}")
+    clone = packed(model, "avx2")
+    run_natively(clone, "on")
+    return clone
+
+
 def prompts(vocab: int, n: int = 3, seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     out = []

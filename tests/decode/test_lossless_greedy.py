@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decode_fixtures import greedy_equal, noisy_copy, packed, prompts, tiny_model
+from decode_fixtures import greedy_equal, native, noisy_copy, packed, prompts, tiny_model
 
 from decode.chains.build import build_chain
 from decode.engine.chain import Chain
@@ -18,13 +18,16 @@ TREE = {"mode": "tree", "depth": 4, "top_k": 3, "total_tokens": 10}
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module", params=["eager", "auto", "onednn"])
+@pytest.fixture(scope="module", params=["eager", "auto", "onednn", "native"])
 def models(request):
     """Every test runs on plain eager models and on decode.fast's packed ones: the default fast path (auto: the
-    AVX2 kernel where it builds) and oneDNN's packed product."""
+    AVX2 kernel where it builds), oneDNN's packed product, and the native runner (decode.native_fp32: every model
+    level, the target and its AR reference included, one C++ call per forward)."""
     target = tiny_model(seed=0, vocab=VOCAB)
     # a close copy (agrees often) and a rough one (agrees sometimes): acceptance paths of every length
     trio = target, noisy_copy(target, 0.03, seed=1), noisy_copy(target, 0.1, seed=2)
+    if request.param == "native":
+        return tuple(native(m) for m in trio)
     return trio if request.param == "eager" else tuple(packed(m, request.param) for m in trio)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decode_fixtures import noisy_copy, packed, tiny_model
+from decode_fixtures import native, noisy_copy, packed, tiny_model
 
 import decode.engine.sampling
 from decode.engine.chain import Chain
@@ -52,14 +52,16 @@ def chain_counts(chain: Chain) -> torch.Tensor:
     return counts
 
 
-@pytest.fixture(scope="module", params=["eager", "packed"])
+@pytest.fixture(scope="module", params=["eager", "packed", "native"])
 def models(request):
-    """Eager models, and decode.fast's packed ones (the default fast path)."""
+    """Eager models, decode.fast's packed ones (the default fast path), and those on the native runner."""
     target = tiny_model(seed=3, vocab=VOCAB, layers=2, hidden=32, init=0.3)
     # drafters that overlap with the target but clearly differ (total variation ~0.3), so that both
     # acceptances and residual resampling happen often
     middle = tiny_model(seed=11, vocab=VOCAB, layers=2, hidden=32, init=0.3)
     trio = target, middle, noisy_copy(middle, 0.5, seed=5)
+    if request.param == "native":
+        return tuple(native(m) for m in trio)
     return tuple(packed(m) for m in trio) if request.param == "packed" else trio
 
 

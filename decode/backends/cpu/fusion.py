@@ -3,7 +3,7 @@ Siblings are found by tracing one forward (consecutive calls on the very same in
 names, so any architecture gets it; the fusion is kept only if that forward's logits are bit-identical."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -64,6 +64,17 @@ def _siblings(model: nn.Module, ids: torch.Tensor) -> tuple[list[list[nn.Module]
     return [[m for m, _ in run] for run in runs if len(run) > 1], logits
 
 
+class StackedProduct:
+    """The stacked product of packed siblings: their weight packed once and their bias, kept where the native
+    runner (decode.backends.cpu.llama) can share them instead of packing its own copy."""
+
+    def __init__(self, packed: Any, bias: torch.Tensor | None):
+        self.packed, self.bias = packed, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _packed_mm(x, self.packed, self.bias)
+
+
 def _fused_run(members: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The stacked product of `members`, or None if they cannot share one (int4 with different act-order
     or group size)."""
@@ -72,8 +83,7 @@ def _fused_run(members: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tenso
         weight = torch.cat([m.weight.detach() for m in members])
         bias = None if all(m.bias is None for m in members) else torch.cat(
             [m.bias.detach() if m.bias is not None else weight.new_zeros(m.out_features) for m in members])
-        packed = pack_weight(weight, first.gemm)
-        return lambda x: _packed_mm(x, packed, bias)
+        return StackedProduct(pack_weight(weight, first.gemm), bias)
     if any(not torch.equal(m.gather_index, first.gather_index) or m.group_size != first.group_size for m in members):
         return None
     qweight = torch.cat([m.qweight for m in members])

@@ -1,4 +1,6 @@
-// CPU kernels for decoding with AVX2 + FMA, built on first use by decode/backends/cpu/kernels.py.
+// CPU kernels for decoding with AVX2 + FMA (shared helpers: kernels.h), built on first use by
+// decode/backends/cpu/kernels.py into two extensions: the fp32 product and attention alone (kernels_module.cpp),
+// and inside the native decoder (llama_w4.cpp).
 //
 // `linear`: small-M fp32 products, y = x W^T (+ b), with W packed once into 8-column panels. Decoding forwards
 // multiply 1-16 rows by weights read from memory once per forward: the product must stream W at memory speed
@@ -16,17 +18,11 @@
 // its scores, softmax and weighted sum), never on how many rows, tiles or threads compute it. With them a
 // model's forward of k tokens gives, row for row, the bits of k one-token forwards: a verification sees
 // exactly the logits plain decoding would.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <immintrin.h>
+#include "kernels.h"
 
-#include <cmath>
-#include <limits>
-#include <vector>
+namespace polyspec {
 
-constexpr int64_t kPanel = 8;   // output columns per panel: one AVX register
-constexpr int kRows = 4;        // rows per tile
-constexpr int kPanels = 3;      // panels per tile: 4 x 3 accumulators + 3 weights + 1 broadcast = 16 registers
+constexpr int kPanels = 3;  // panels per tile: 4 x 3 accumulators + 3 weights + 1 broadcast = 16 registers
 
 // W [N, K] -> panels [ceil(N / 8), K, 8], the last one zero-padded.
 torch::Tensor pack(const torch::Tensor& weight) {
@@ -37,90 +33,54 @@ torch::Tensor pack(const torch::Tensor& weight) {
   return padded.view({panels, kPanel, k}).transpose(1, 2).contiguous();
 }
 
+// Rows row .. row + MR - 1 of x [M, K] against NP panels from panel p: one FMA chain per output over k.
 template <int MR, int NP>
-static inline void tile(const float* x, int64_t K, const float* w, float* y, int64_t ldy) {
-  __m256 acc[MR][NP];
+struct DenseTile {
+  static void run(int64_t row, int64_t p, const float* x, const DensePanels& panels, float* y, int64_t ldy) {
+    const int64_t K = panels.inputs;
+    const float* w = panels.data + p * K * kPanel;
+    x += row * K;
+    __m256 acc[MR][NP];
 #pragma GCC unroll 16
-  for (int m = 0; m < MR; ++m)
+    for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 16
-    for (int j = 0; j < NP; ++j) acc[m][j] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    __m256 wk[NP];
+      for (int j = 0; j < NP; ++j) acc[m][j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+      __m256 wk[NP];
 #pragma GCC unroll 16
-    for (int j = 0; j < NP; ++j) {
-      wk[j] = _mm256_loadu_ps(w + (j * K + k) * kPanel);
-      _mm_prefetch(reinterpret_cast<const char*>(w + ((NP + j) * K + k) * kPanel), _MM_HINT_T1);
+      for (int j = 0; j < NP; ++j) {
+        wk[j] = _mm256_loadu_ps(w + (j * K + k) * kPanel);
+        _mm_prefetch(reinterpret_cast<const char*>(w + ((NP + j) * K + k) * kPanel), _MM_HINT_T1);
+      }
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) {
+        const __m256 xk = _mm256_broadcast_ss(x + m * K + k);
+#pragma GCC unroll 16
+        for (int j = 0; j < NP; ++j) acc[m][j] = _mm256_fmadd_ps(xk, wk[j], acc[m][j]);
+      }
     }
-#pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m) {
-      const __m256 xk = _mm256_broadcast_ss(x + m * K + k);
-#pragma GCC unroll 16
-      for (int j = 0; j < NP; ++j) acc[m][j] = _mm256_fmadd_ps(xk, wk[j], acc[m][j]);
-    }
+    store_tile<kPanel>(acc, y + row * ldy + p * kPanel, ldy, std::min<int64_t>(NP * kPanel, panels.n - p * kPanel));
   }
-#pragma GCC unroll 16
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 16
-    for (int j = 0; j < NP; ++j) _mm256_storeu_ps(y + m * ldy + j * kPanel, acc[m][j]);
-}
+};
 
-// All M rows against NP consecutive panels (the panels stay in cache across row tiles).
-template <int NP>
-static void rows(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t ldy) {
-  int64_t m = 0;
-  for (; m + kRows <= M; m += kRows) tile<kRows, NP>(x + m * K, K, w, y + m * ldy, ldy);
-  switch (M - m) {
-    case 1: tile<1, NP>(x + m * K, K, w, y + m * ldy, ldy); break;
-    case 2: tile<2, NP>(x + m * K, K, w, y + m * ldy, ldy); break;
-    case 3: tile<3, NP>(x + m * K, K, w, y + m * ldy, ldy); break;
-    default: break;
-  }
+// y[:, :w.n] (row stride ldy) = x [M, K] W^T; threads take at least ~64k multiply-adds each.
+void dense_linear(const float* x, int64_t M, const DensePanels& w, float* y, int64_t ldy) {
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, M * w.inputs * kPanels * kPanel));
+  over_panels<DenseTile, kPanels>(M, w.count, grain, x, w, y, ldy);
 }
 
 // x [M, K] float32, panels from `pack`, n = W's row count; returns [M, n].
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t n, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && panels.dim() == 3 && panels.size(1) == x.size(1),
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
+                     const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && panels.dim() == 3 && panels.size(1) == x.size(1) &&
+              panels.scalar_type() == torch::kFloat && panels.is_contiguous() && n <= panels.size(0) * kPanel,
               "linear: x [M, K] float32 and panels [P, K, 8]");
   const auto input = x.contiguous();
-  const int64_t M = input.size(0), K = input.size(1), P = panels.size(0), ldy = P * kPanel;
-  auto y = torch::empty({M, ldy}, input.options());
-  const float* xp = input.data_ptr<float>();
-  const float* wp = panels.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t groups = (P + kPanels - 1) / kPanels;
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, M * K * kPanels * kPanel));
-  at::parallel_for(0, groups, grain, [&](int64_t lo, int64_t hi) {
-    for (int64_t g = lo; g < hi; ++g) {
-      const int64_t first = g * kPanels;
-      if (first + kPanels <= P) {
-        rows<kPanels>(xp, M, K, wp + first * K * kPanel, yp + first * kPanel, ldy);
-      } else {
-        for (int64_t j = first; j < P; ++j) rows<1>(xp, M, K, wp + j * K * kPanel, yp + j * kPanel, ldy);
-      }
-    }
-  });
-  if (ldy != n) y = y.narrow(1, 0, n).contiguous();
+  auto y = torch::empty({input.size(0), n}, input.options());
+  dense_linear(input.data_ptr<float>(), input.size(0), {panels.data_ptr<float>(), input.size(1), panels.size(0), n},
+               y.data_ptr<float>(), n);
   if (bias.has_value()) y.add_(*bias);
   return y;
-}
-
-// exp(x) for 8 floats: Cephes' expf (range reduction by ln 2 in two parts, degree-5 polynomial), ~1 ulp; exactly
-// 0 below -87 (a masked score, or one more than 87 below the row's best, contributes nothing, as with -inf).
-static inline __m256 exp8(__m256 x) {
-  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.0f));
-  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  const __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(n)), keep);
 }
 
 constexpr int64_t kKeys = 8;      // keys per chunk: one score vector, and the keys and values a block of rows shares
@@ -145,8 +105,9 @@ static inline __m256 dots8(const float* q, const float* k, int64_t stride, int64
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// out[0 .. 8W) += p[j] * v_j[0 .. 8W) over `count` keys in order, zero weights skipped, and returns total + the sum of
-// those p[j] in the same order: one FMA chain per element and one sum, continued across chunks (in registers within one).
+// out[0 .. 8W) += p[j] * v_j[0 .. 8W) over `count` keys in order, zero weights skipped, and returns total + the sum
+// of those p[j] in the same order: one FMA chain per element and one sum, continued across chunks (in registers
+// within one).
 template <int W>
 static inline float weighted(const float* p, int64_t count, const float* v, int64_t stride, float* out, float total) {
   __m256 acc[W];
@@ -173,19 +134,6 @@ struct QueryRow {
   float* out;
   int64_t span;
 };
-
-// A fixed tree over a vector's 8 lanes: their sum, their maximum.
-static inline float sum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-static inline float max8(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
-}
 
 // What a row's mask adds to the scores of keys j0 .. j0 + 7: its additive mask, or -inf where the key is hidden or
 // past the row's span (0 for a causal row's whole chunks: the same sum, scores unchanged).
@@ -235,7 +183,11 @@ static void weighted_rows(const QueryRow* rows, int64_t n, const float* v, int64
   alignas(32) float acc[kMaxRows][256];
   float total[kMaxRows];
   int64_t most = 0;
-  for (int64_t i = 0; i < n; ++i) { most = std::max(most, rows[i].span); std::fill(acc[i], acc[i] + D, 0.f); total[i] = 0.f; }
+  for (int64_t i = 0; i < n; ++i) {
+    most = std::max(most, rows[i].span);
+    std::fill(acc[i], acc[i] + D, 0.f);
+    total[i] = 0.f;
+  }
   for (int64_t j0 = 0; j0 < most; j0 += kKeys)
     for (int64_t i = 0; i < n; ++i) {
       if (j0 >= rows[i].span) continue;
@@ -265,7 +217,8 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1), L = k.size(2);
   TORCH_CHECK(q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat,
               "attend: float32 q, k, v");
-  TORCH_CHECK(D % 8 == 0 && D <= 256 && Hkv > 0 && Hq % Hkv == 0 && q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
+  TORCH_CHECK(D % 8 == 0 && D <= 256 && Hkv > 0 && Hq % Hkv == 0 && q.stride(3) == 1 && k.stride(3) == 1 &&
+              v.stride(3) == 1,
               "attend: head dim a multiple of 8 up to 256, query heads a multiple of K/V heads, unit stride");
   const int64_t groups = Hq / Hkv;
   auto out = torch::empty({B, T, Hq, D}, q.options());
@@ -305,10 +258,4 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
   return out;
 }
 
-#ifndef POLYSPEC_KERNELS_NO_MODULE  // set by a file that #includes these kernels into its own extension
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack", &pack, "W [N, K] -> 8-column panels");
-  m.def("linear", &linear, "x W^T (+ b) through packed panels");
-  m.def("attend", &attend, "attention of query rows against K/V heads, [B, T, Hq, D] out");
-}
-#endif
+}  // namespace polyspec

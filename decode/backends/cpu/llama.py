@@ -1,40 +1,49 @@
-"""A native runner for GPTQ W4 Llama-family models (Llama, Qwen2, Mistral, SmolLM): the whole decoder forward
-in one C++ call (decode/backends/cpu/llama_w4.cpp), with int4 dequantization fused into the weight stream and a
-preallocated KV cache whose rollback is setting a length.
+"""A native runner for Llama-family models (Llama, Qwen2, Mistral, SmolLM): the whole decoder forward in one C++
+call (decode/backends/cpu/decoder.cpp) with a preallocated KV cache whose rollback is setting a length. One layer
+loop serves two kinds of weights: fp32 (a chain's target, on decode.fast's packed avx2 panels, shared with the
+model's packed linears) and GPTQ W4 (int4 dequantization fused into the weight stream).
 
-The eager HF forward of a small W4 model costs more than its fp32 target although it reads a seventh of the
-bytes: the time goes to thousands of small aten ops per forward, not to the weights (BENCHMARKS.md). The native
-forward computes the same W4 model (GPTQModel's CPU kernel's weights: (q - 8) * scale, bf16 scales) with fp32
-activations instead of bf16 ones, so its logits agree with GPTQModel's within bf16 rounding, not bit for bit; each
-row is one fixed sequence of operations, so a k-token forward gives the bits of k one-token forwards.
+Eager PyTorch spends much of a small model's forward outside its weights: thousands of small aten ops per forward
+(BENCHMARKS.md). Every row of a native forward is one fixed sequence of operations, so a k-token forward gives the
+bits of k one-token forwards (row-exact verification, trees included).
 
+fp32: the native forward is not HF's bit for bit (its norms, rotary and SiLU round differently), so it is a
+*configuration* of the target, as packing is: `run_natively` marks a model, and every runner of it from then on
+(decode.engine.runner.configured_runner: a chain's target level and the AR reference alike) runs natively; lossless
+means equal to AR on the same forward.
+
+W4: the native forward computes the same W4 model as GPTQModel's CPU kernel ((q - 8) * scale, bf16 scales) with fp32
+activations instead of bf16 ones, so its logits agree with GPTQModel's within bf16 rounding, not bit for bit.
 Activations (`activations`): "int8" quantizes each row per 16 inputs to int8 and multiplies with integer dot
 products (W4A8, the default: bound by memory at one token and cheap at eight); "fp32" computes exactly the fp32
-product with the dequantized weights (slower; agreement studies). Either way a row's bits do not depend on the
-other rows or the thread count.
+product with the dequantized weights (slower; agreement studies).
 
 `unsupported(model)` says why a model cannot run here (the builder then keeps the eager HF path), None if it can.
 """
 from __future__ import annotations
 
 import functools
+import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import PretrainedConfig
 
-from decode.backends.cpu.kernels import build_extension
+from decode.backends.cpu.dense import PackedLinear, pack_weight
+from decode.backends.cpu.fusion import StackedProduct
+from decode.backends.cpu.kernels import HERE, build_extension
+from decode.engine.runner import RUNNER_FACTORY
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
 STATIC_ROPE = ("default", "linear", "llama3")  # rotary tables that depend on the position only
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-KERNELS_CPP = Path(__file__).with_name("kernels.cpp")
 MAX_CAPACITY = 8192  # positions a runner's cache may hold (rotary tables are built up to it)
-
-
 ACTIVATIONS = ("int8", "fp32")
+# model -> {weight kind: (native decoder, capacity)}: weak, so that a deep copy (an early-exit level) builds its own
+_NATIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _has_avx512_vnni() -> bool:
@@ -47,13 +56,13 @@ def _has_avx512_vnni() -> bool:
 
 @functools.cache
 def native_kernels() -> tuple[Any | None, str]:
-    """(the llama_w4.cpp extension for this machine, "") or (None, why not); AVX-512 where the CPU has its BW and
+    """(the decoder.cpp extension for this machine, "") or (None, why not); AVX-512 where the CPU has its BW and
     VNNI parts, else AVX2."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None, f"the CPU lacks AVX2+FMA ({torch.backends.cpu.get_cpu_capability()})"
     wide = ["-mavx512f", "-mavx512bw", "-mavx512vnni"] if _has_avx512_vnni() else []
-    return build_extension("polyspec_llama_w4", Path(__file__).with_name("llama_w4.cpp"),
-                           ["-O3", "-mavx2", "-mfma", "-fopenmp", *wide], (KERNELS_CPP,))
+    return build_extension("polyspec_decoder", (HERE / "kernels.cpp", HERE / "decoder.cpp"),
+                           ["-O3", "-mavx2", "-mfma", "-fopenmp", *wide])
 
 
 def _module(model: torch.nn.Module, layer: int, name: str) -> torch.nn.Module:
@@ -71,7 +80,8 @@ def _config_problem(config: PretrainedConfig) -> str | None:
         return f"rope type {rope_type!r} is not one of {', '.join(STATIC_ROPE)}"
     if getattr(config, "mlp_bias", False):
         return "the MLP has biases"
-    if getattr(config, "use_sliding_window", config.model_type == "mistral") and getattr(config, "sliding_window", None):
+    sliding = getattr(config, "use_sliding_window", config.model_type == "mistral")
+    if sliding and getattr(config, "sliding_window", None):
         return "sliding-window attention"
     return None
 
@@ -102,19 +112,36 @@ def _linear_problem(module: torch.nn.Module, name: str) -> str | None:
     return None
 
 
+def _dense_problem(module: torch.nn.Module, name: str) -> str | None:
+    if isinstance(module, PackedLinear):
+        return None if module.gemm == "avx2" else f"{name} is packed for {module.gemm}, not the avx2 product"
+    if type(module) is not torch.nn.Linear:
+        return f"{name} is {type(module).__name__}, not an nn.Linear"
+    if module.weight.dtype != torch.float32 or module.weight.device.type != "cpu":
+        return f"{name}: the kernel takes float32 CPU weights, not {module.weight.dtype} on {module.weight.device}"
+    return None
+
+
+def is_quantized(model: torch.nn.Module) -> bool:
+    """A quantized checkpoint (a W4 copy), as opposed to a plain fp32 model."""
+    return bool(_quantization(model.config))
+
+
 def unsupported(model: torch.nn.Module) -> str | None:
-    """Why `model` cannot run natively here, or None: a Llama-family causal LM whose every decoder linear is a
-    symmetric 4-bit GPTQ one (MLP bias-free), static rotary scaling, no sliding window, and kernels that build."""
+    """Why `model` cannot run natively here, or None: a Llama-family causal LM (static rotary scaling, no sliding
+    window, MLP bias-free) whose every decoder linear is a symmetric 4-bit GPTQ one, or a float32 one (plain, or
+    packed for the avx2 product), and kernels that build."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "model") or not hasattr(model.model, "layers"):
         return "not a transformers decoder-only model"
-    quant = _quantization(config)
-    problem = _config_problem(config)
-    if quant.get("bits") != 4 or quant.get("sym") is not True:
-        problem = problem or f"quantization {quant.get('quant_method')} bits={quant.get('bits')} sym={quant.get('sym')}: not symmetric 4-bit"
+    problem, quant = _config_problem(config), _quantization(config)
+    if quant and (quant.get("bits") != 4 or quant.get("sym") is not True):
+        problem = problem or (f"quantization {quant.get('quant_method')} bits={quant.get('bits')} "
+                              f"sym={quant.get('sym')}: not symmetric 4-bit")
+    linear_problem = _linear_problem if quant else _dense_problem
     for layer in range(config.num_hidden_layers):
         for name in LINEARS:
-            problem = problem or _linear_problem(_module(model, layer, name), f"layer {layer} {name}")
+            problem = problem or linear_problem(_module(model, layer, name), f"layer {layer} {name}")
     if problem is None and getattr(model.get_input_embeddings(), "weight", None) is None:
         problem = "no input embedding weight"
     return problem or (native_kernels()[1] or None)
@@ -142,7 +169,7 @@ def int4_parts(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, tor
     return codes.t().to(torch.uint8).contiguous(), module.scales.float().t().contiguous(), module.ret_idx.long()
 
 
-def _weight(kernels: Any, modules: list[torch.nn.Module], activations: str) -> tuple:
+def _w4_weight(kernels: Any, modules: list[torch.nn.Module], activations: str) -> Any:
     """Sibling int4 linears (same input, same act order) as one kernel weight: their outputs side by side, packed
     for int8 or fp32 activations."""
     parts = [int4_parts(m) for m in modules]
@@ -153,18 +180,49 @@ def _weight(kernels: Any, modules: list[torch.nn.Module], activations: str) -> t
     bounds = torch.tensor([*range(0, k, size), k], dtype=torch.long)
     identity = torch.equal(perm, torch.arange(k))
     biases = [m.bias.float() if m.bias is not None else torch.zeros(m.out_features) for m in modules]
-    bias = torch.cat(biases) if any(m.bias is not None for m in modules) else torch.empty(0)
-    return words, panel_scales, bounds, torch.empty(0, dtype=torch.long) if identity else perm, bias, codes.shape[0]
+    bias = torch.cat(biases) if any(m.bias is not None for m in modules) else None
+    return kernels.PackedWeight(words=words, n=codes.shape[0], scales=panel_scales, bounds=bounds,
+                                perm=None if identity else perm, bias=bias)
 
 
-def _siblings(kernels: Any, modules: list[torch.nn.Module], activations: str) -> list[tuple]:
+def _w4_siblings(kernels: Any, modules: list[torch.nn.Module], activations: str) -> list[Any]:
     """One fused weight when the siblings share their act order and group size, else one weight each."""
     for m in modules:
         _inference_layout(m)
     first = modules[0]
     if all(torch.equal(m.ret_idx, first.ret_idx) and m.group_size == first.group_size for m in modules):
-        return [_weight(kernels, modules, activations)]
-    return [_weight(kernels, [m], activations) for m in modules]
+        return [_w4_weight(kernels, modules, activations)]
+    return [_w4_weight(kernels, [m], activations) for m in modules]
+
+
+def _dense_weight(kernels: Any, modules: list[torch.nn.Module]) -> Any:
+    """fp32 linears (siblings: same input) as one kernel weight, outputs side by side, packed here."""
+    weight = torch.cat([m.weight.detach() for m in modules])
+    bias = None
+    if any(m.bias is not None for m in modules):
+        bias = torch.cat([m.bias.detach() if m.bias is not None else weight.new_zeros(m.out_features) for m in modules])
+    return kernels.PackedWeight(words=pack_weight(weight, "avx2").data, n=weight.shape[0], bias=bias)
+
+
+def _shared_weight(kernels: Any, module: torch.nn.Module) -> Any:
+    """One fp32 linear as a kernel weight: its avx2 panels from decode.fast, shared, or packed here."""
+    if not isinstance(module, PackedLinear) or module.packed is None:
+        return _dense_weight(kernels, [module])
+    bias = None if module.bias is None else module.bias.detach()
+    return kernels.PackedWeight(words=module.packed.data, n=module.out_features, bias=bias)
+
+
+def _dense_siblings(kernels: Any, modules: list[torch.nn.Module]) -> list[Any]:
+    """Sibling fp32 linears as kernel weights: the stacked panels decode.fast runs them on as one product (shared,
+    not copied), else each one's own panels, else (a plain model) one stacked weight packed here."""
+    first = getattr(modules[0], "sibling", None)
+    group = first[0] if first is not None else None
+    if (group is not None and len(group.bounds) == len(modules) + 1 and isinstance(group.run, StackedProduct)
+            and all(getattr(m, "sibling", None) == (group, i) for i, m in enumerate(modules))):
+        return [kernels.PackedWeight(words=group.run.packed.data, n=group.bounds[-1], bias=group.run.bias)]
+    if all(isinstance(m, PackedLinear) and m.packed is not None for m in modules):
+        return [_shared_weight(kernels, m) for m in modules]
+    return [_dense_weight(kernels, modules)]
 
 
 def _rotary(model: torch.nn.Module, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,45 +233,56 @@ def _rotary(model: torch.nn.Module, capacity: int) -> tuple[torch.Tensor, torch.
     return cos[0].float().contiguous(), sin[0].float().contiguous()
 
 
-def native_model(model: torch.nn.Module, activations: str = "int8") -> Any:
-    """The C++ decoder with `model`'s weights (int4 repacked once per activation type, norms and embeddings
-    shared), kept on the model: every runner of the model (one per chain) shares it and brings its own cache."""
-    key = f"_native_w4_{activations}"
-    if key not in vars(model):
+def _layer_weights(kernels: Any, layer: torch.nn.Module, activations: str | None) -> tuple[list, Any, list, Any]:
+    """A decoder layer's (q/k/v, o, gate/up, down) as kernel weights: W4 ones on int8 or fp32 `activations`, or
+    with None fp32 ones."""
+    a, m = layer.self_attn, layer.mlp
+    qkv, gate_up = [a.q_proj, a.k_proj, a.v_proj], [m.gate_proj, m.up_proj]
+    if activations is None:
+        return (_dense_siblings(kernels, qkv), _shared_weight(kernels, a.o_proj), _dense_siblings(kernels, gate_up),
+                _shared_weight(kernels, m.down_proj))
+    return (_w4_siblings(kernels, qkv, activations), _w4_weight(kernels, [a.o_proj], activations),
+            _w4_siblings(kernels, gate_up, activations), _w4_weight(kernels, [m.down_proj], activations))
+
+
+def native_model(model: torch.nn.Module, activations: str = "int8") -> tuple[Any, int]:
+    """(the C++ decoder with `model`'s weights, its capacity), made once per model and weight kind (int4 repacked
+    once per activation type; fp32 panels, norms and embeddings shared): every runner of the model (one per chain)
+    shares it and brings its own cache."""
+    kind = f"w4 {activations}" if is_quantized(model) else "fp32"
+    built = _NATIVE.setdefault(model, {})
+    if kind not in built:
         capacity = min(MAX_CAPACITY, getattr(model.config, "max_position_embeddings", MAX_CAPACITY))
-        vars(model)[key] = (_native_model(model, capacity, activations), capacity)
-    return vars(model)[key]
+        built[kind] = (_native_model(model, capacity, activations), capacity)
+    return built[kind]
 
 
 def _native_model(model: torch.nn.Module, capacity: int, activations: str) -> Any:
     kernels, config = native_kernels()[0], model.config
-    attention = model.model.layers[0].self_attn
     cos, sin = _rotary(model, capacity)
-    native = kernels.LlamaW4(model.get_input_embeddings().weight.detach(), model.model.norm.weight.detach().float(), cos, sin,
-                             config.num_attention_heads, config.num_key_value_heads, config.rms_norm_eps,
+    assert cos.shape[1] == model.model.layers[0].self_attn.head_dim
+    native = kernels.Decoder(model.get_input_embeddings().weight.detach(), model.model.norm.weight.detach().float(),
+                             cos, sin, config.num_attention_heads, config.num_key_value_heads, config.rms_norm_eps,
                              config.num_hidden_layers)
-    assert cos.shape[1] == attention.head_dim
     for layer in model.model.layers:
-        a, m = layer.self_attn, layer.mlp
-        native.add_layer(layer.input_layernorm.weight.detach().float(), layer.post_attention_layernorm.weight.detach().float(),
-                         _siblings(kernels, [a.q_proj, a.k_proj, a.v_proj], activations),
-                         _weight(kernels, [a.o_proj], activations), _siblings(kernels, [m.gate_proj, m.up_proj], activations),
-                         _weight(kernels, [m.down_proj], activations))
+        native.add_layer(layer.input_layernorm.weight.detach().float(),
+                         layer.post_attention_layernorm.weight.detach().float(),
+                         *_layer_weights(kernels, layer, activations if is_quantized(model) else None))
     return native
 
 
 class NativeLlamaRunner:
-    """A W4 Llama-family decoder with its own KV cache (the Runner a ModelLevel drives): forward appends after
-    the cached positions and returns the final-norm hidden states; the LM head stays the level's."""
+    """A Llama-family decoder (fp32 or W4) with its own KV cache (the Runner a ModelLevel drives): forward appends
+    after the cached positions and returns the final-norm hidden states; the LM head stays the level's."""
 
     def __init__(self, model: torch.nn.Module, capacity: int | None = None, activations: str = "int8"):
         """`capacity`: the positions its KV cache holds (None: the model's maximum, up to MAX_CAPACITY; the memory
-        is allocated, not touched, until used); `activations`: int8 | fp32 (the module's docstring)."""
+        is allocated, not touched, until used); `activations`: a W4 model's, int8 | fp32 (the module's docstring)."""
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
         problem = unsupported(model)
         if problem is not None:
-            raise ValueError(f"the native W4 runner cannot run this model: {problem}")
+            raise ValueError(f"the native runner cannot run this model: {problem}")
         self.config: PretrainedConfig = model.config
         self.device, self.dtype = torch.device("cpu"), torch.float32
         self.native, most = native_model(model, activations)
@@ -251,7 +320,7 @@ class NativeLlamaRunner:
         None (cached .. cached + T - 1) or [1, T]. Returns [1, T, hidden] float32."""
         t = ids.shape[-1]
         if self.length + t > self.capacity:
-            raise ValueError(f"the native W4 runner's cache holds {self.capacity} positions; {self.length + t} asked")
+            raise ValueError(f"the native runner's cache holds {self.capacity} positions; {self.length + t} asked")
         if positions is None:
             positions = torch.arange(self.length, self.length + t)
         if mask is not None and mask.dtype != torch.bool:
@@ -260,6 +329,30 @@ class NativeLlamaRunner:
                                      self.keys, self.values)
         self.length += t
         return hidden[None]
+
+
+def native_runner(model: torch.nn.Module) -> NativeLlamaRunner:
+    """The runner of a model that `run_natively` marked (a module-level function: a deep copy keeps the mark and
+    runs its own weights)."""
+    return NativeLlamaRunner(model)
+
+
+def run_natively(model: torch.nn.Module, native: str) -> bool:
+    """Mark an fp32 model so that every runner of it runs natively (decode.engine.runner.configured_runner), per
+    `native`: "auto" where it can (else it says why on stderr, once, and the model keeps HF's forward), "on" (a
+    ValueError where it cannot), "off" (unmarked). Returns whether it is marked."""
+    vars(model).pop(RUNNER_FACTORY, None)
+    _NATIVE.pop(model, None)  # weights may have changed since a decoder was built
+    if native == "off":
+        return False
+    problem = "a quantized model (its runner is chosen per level)" if is_quantized(model) else unsupported(model)
+    if problem is None:
+        vars(model)[RUNNER_FACTORY] = native_runner
+        return True
+    if native == "on":
+        raise ValueError(f"native_fp32=on: the native runner cannot run {model.name_or_path}: {problem}")
+    print(f"decode: {model.name_or_path} runs the HF forward (native runner: {problem})", file=sys.stderr)
+    return False
 
 
 class NativeInt8Head(torch.nn.Module):
@@ -272,10 +365,12 @@ class NativeInt8Head(torch.nn.Module):
         super().__init__()
         self.out_features, self.in_features = head.qweight.shape
         self.weight, self.bias = head.weight, None
-        self.words, self.scales = native_kernels()[0].pack_int8(head.qweight, head.scales.float())
-        self.bounds = torch.tensor([0, self.in_features])
+        kernels = native_kernels()[0]
+        words, scales = kernels.pack_int8(head.qweight, head.scales.float())
+        self.packed = kernels.PackedWeight(words=words, scales=scales, bounds=torch.tensor([0, self.in_features]),
+                                           n=self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float()
-        out = native_kernels()[0].quant_mm(flat, self.words, self.scales, self.bounds, None, self.out_features, None)
+        out = native_kernels()[0].packed_mm(flat, self.packed)
         return out.reshape(*x.shape[:-1], self.out_features)

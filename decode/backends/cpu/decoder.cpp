@@ -1,26 +1,29 @@
-// A Llama-family decoder with GPTQ int4 weights, whole forward in one call, built on first use by
-// decode/backends/cpu/llama.py (decode.backends.cpu.kernels.build_extension).
+// A Llama-family decoder, whole forward in one call, for two kinds of weights: fp32 (kernels.cpp's packed panels:
+// a chain's target) and GPTQ int4 (a W4 copy). Built on first use by decode/backends/cpu/llama.py
+// (decode.backends.cpu.kernels.build_extension).
 //
-// Eager PyTorch spends most of a small W4 model's forward outside its weights: thousands of small aten ops
-// per forward (norms, rotary, cache concatenation, casts, act-order gathers). Here a forward is one call:
-// the layers loop in C++ over buffers allocated once per call, keys and values go into a preallocated cache
-// (rollback is setting a length, done by the caller), and every linear is `int4_linear`.
+// Eager PyTorch spends much of a small model's forward outside its weights: thousands of small aten ops per forward
+// (norms, rotary, cache concatenation, casts, act-order gathers). Here a forward is one call: the layers loop in C++
+// over buffers allocated once per call, keys and values go into a preallocated cache (rollback is setting a length,
+// done by the caller), and every linear is `packed_linear`, which takes either kind: one layer loop for both.
 //
-// `int4_linear`: y = x W^T with W = (q - 8) * s (4-bit codes q, one scale s per output and group of inputs,
+// fp32 weights run kernels.cpp's product (one FMA chain per output over the inputs from zero, bias after).
+// int4 weights: y = x W^T with W = (q - 8) * s (4-bit codes q, one scale s per output and group of inputs,
 // symmetric like GPTQModel's CPU kernel). The codes of one panel of kLanes outputs at input k are one word
 // (AVX2: 8 nibbles in a uint32; AVX-512: 16 in a uint64, even lanes in the low half); a weight is dequantized
 // in registers as it streams, (q * s - 8 s) in one FMA, exactly (q - 8) * s in fp32. Each output is then one FMA
 // chain over the (act-order sorted) inputs from zero, as in kernels.cpp's `linear`: the bits of a row do not
 // depend on how many rows or threads compute it, and equal the fp32 product with the dequantized weight.
-// Attention is kernels.cpp's `attend` on views of the cache (row-exact, grouped heads read in place).
-#define POLYSPEC_KERNELS_NO_MODULE
-#include "kernels.cpp"
-
-#include <cstdint>
+// Attention is kernels.cpp's `attend` on views of the cache (row-exact, grouped heads read in place); tiles, the
+// tile driver and the lane reductions are kernels.h's. Norms, rotary and SiLU work row by row: a forward of k
+// tokens gives, row for row, the bits of k one-token forwards.
+#include "kernels.h"
 
 #if defined(__AVX512F__) && !(defined(__AVX512BW__) && defined(__AVX512VNNI__))
 #error "the AVX-512 build needs AVX512-BW and AVX512-VNNI (-mavx512bw -mavx512vnni); build for AVX2 otherwise"
 #endif
+
+namespace polyspec {
 #if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
 using Code = uint64_t;
@@ -28,7 +31,6 @@ using Code = uint64_t;
 constexpr int64_t kLanes = 8;
 using Code = uint32_t;
 #endif
-constexpr int kTileRows = 4;  // rows per tile
 // panels per tile: AVX-512 has 32 registers (4 x 4 accumulators, 4 weights, 8 scales, input, shift, mask),
 // AVX2 16 (4 x 2 accumulators, 2 weights, input, shift, mask; scales spill to the stack, read once a group)
 constexpr int kTilePanels = kLanes == 16 ? 4 : 2;
@@ -36,7 +38,8 @@ constexpr int kTilePanels = kLanes == 16 ? 4 : 2;
 // codes [N, K] (0..15, inputs in their kernel order), scales [N, G] -> (words [P, K], scales [P, G, kLanes]),
 // P = ceil(N / kLanes), padded outputs with code 8 and scale 0.
 std::vector<torch::Tensor> pack_int4(const torch::Tensor& codes, const torch::Tensor& scales) {
-  TORCH_CHECK(codes.dim() == 2 && scales.dim() == 2 && codes.size(0) == scales.size(0), "pack_int4: codes [N, K], scales [N, G]");
+  TORCH_CHECK(codes.dim() == 2 && scales.dim() == 2 && codes.size(0) == scales.size(0),
+              "pack_int4: codes [N, K], scales [N, G]");
   const int64_t n = codes.size(0), k = codes.size(1), g = scales.size(1), panels = (n + kLanes - 1) / kLanes;
   auto c = codes.to(torch::kLong).contiguous();
   auto s = scales.to(torch::kFloat).contiguous();
@@ -64,7 +67,6 @@ static inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 static inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 static inline Vec vfmsub(Vec a, Vec b, Vec c) { return _mm512_fmsub_ps(a, b, c); }
 static inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
-static inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 #else
 using Vec = __m256;
 static inline Vec vzero() { return _mm256_setzero_ps(); }
@@ -73,7 +75,6 @@ static inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 static inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 static inline Vec vfmsub(Vec a, Vec b, Vec c) { return _mm256_fmsub_ps(a, b, c); }
 static inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
-static inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 #endif
 
 // The fp32-activation weight format: the codes of one panel's kLanes outputs at one input, as floats; the weight is
@@ -84,23 +85,27 @@ struct Nibbles {  // GPTQ int4 (symmetric: zero point 8), one word per input
   static inline Vec codes(const Word* w) {
 #if defined(__AVX512F__)
     const __m512i shift = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
-    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi64(static_cast<long long>(*w)), shift), _mm512_set1_epi32(15)));
+    const __m512i word = _mm512_set1_epi64(static_cast<long long>(*w));
+    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(word, shift), _mm512_set1_epi32(15)));
 #else
     const __m256i shift = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(*w)), shift), _mm256_set1_epi32(15)));
+    const __m256i word = _mm256_set1_epi32(static_cast<int>(*w));
+    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(word, shift), _mm256_set1_epi32(15)));
 #endif
   }
 };
 
-// One quantized weight in the kernel's layout: int4 words [P, K] int32/int64 (fp32 activations), or for int8
-// activations (below) int4 bytes [P, K / 8, kLanes * 4] uint8 or int8 rows [P, K / 4, kLanes * 4] int8; inputs in
-// `perm` order (none: as they come), groups of inputs [bounds[g], bounds[g + 1]) sharing a scale, n outputs.
-struct Int4 {
-  torch::Tensor words, scales, bounds, perm, bias;  // perm, bias: undefined when none
+// One weight in a kernel's layout (Python builds it by name: PackedWeight(words=..., ...)): fp32 panels [P, K, 8]
+// (kernels.cpp's `pack`; no scales), or quantized: int4 words [P, K] int32/int64 (fp32 activations), or for int8
+// activations (below) int4 bytes [P, K / 8, kLanes * 4] uint8 or int8 rows [P, K / 4, kLanes * 4] int8, scales
+// [P, G, kLanes]; inputs in `perm` order (none: as they come), groups of inputs [bounds[g], bounds[g + 1]) sharing
+// a scale; n outputs, the bias added after the chain.
+struct PackedWeight {
+  torch::Tensor words, scales, bounds, perm, bias;  // scales, bounds (fp32), perm, bias: undefined when none
   int64_t n;
 };
 
-// An Int4's raw view for the tiles, taken once per product (a tensor's accessors cost more than a tile's setup).
+// A PackedWeight's raw view for the tiles, taken once per product (a tensor's accessors cost more than a tile's setup).
 struct Panels {
   const void* words;  // `count` panels of `stride` words (int4 words, or bytes for int8 activations)
   const float* scales;
@@ -109,24 +114,11 @@ struct Panels {
 };
 
 template <int MR, int NP>
-static inline void zero_tile(Vec (&acc)[MR][NP]) {
+__attribute__((always_inline)) static inline void zero_tile(Vec (&acc)[MR][NP]) {  // inlined: see store_tile
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 16
     for (int j = 0; j < NP; ++j) acc[m][j] = vzero();
-}
-
-template <int MR, int NP>
-static inline void store_tile(const Vec (&acc)[MR][NP], float* y, int64_t ldy, int64_t width) {
-  alignas(64) float out[NP * kLanes];
-  for (int m = 0; m < MR; ++m) {
-    if (width == NP * kLanes) {
-      for (int j = 0; j < NP; ++j) vstore(y + m * ldy + j * kLanes, acc[m][j]);
-      continue;
-    }
-    for (int j = 0; j < NP; ++j) vstore(out + j * kLanes, acc[m][j]);
-    for (int64_t j = 0; j < width; ++j) y[m * ldy + j] = out[j];
-  }
 }
 
 // Rows row .. row + MR - 1 of fp32 x [M, K] against NP panels from panel p into y (stride ldy). NP independent
@@ -144,7 +136,10 @@ struct Fp32Tile {
     for (int64_t g = 0; g < groups; ++g) {
       Vec sc[NP], s8[NP];
 #pragma GCC unroll 16
-      for (int j = 0; j < NP; ++j) { sc[j] = vload(s + (j * groups + g) * kLanes); s8[j] = vmul(sc[j], vset(F::kZero)); }
+      for (int j = 0; j < NP; ++j) {
+        sc[j] = vload(s + (j * groups + g) * kLanes);
+        s8[j] = vmul(sc[j], vset(F::kZero));
+      }
       for (int64_t k = bounds[g]; k < bounds[g + 1]; ++k) {
         Vec wk[NP];
 #pragma GCC unroll 16
@@ -157,7 +152,7 @@ struct Fp32Tile {
         }
       }
     }
-    store_tile<MR, NP>(acc, y + row * ldy + p * kLanes, ldy, std::min<int64_t>(NP * kLanes, w.n - p * kLanes));
+    store_tile<kLanes>(acc, y + row * ldy + p * kLanes, ldy, std::min<int64_t>(NP * kLanes, w.n - p * kLanes));
   }
 };
 template <int MR, int NP> using NibbleTile = Fp32Tile<Nibbles, MR, NP>;
@@ -168,8 +163,8 @@ template <int MR, int NP> using NibbleTile = Fp32Tile<Nibbles, MR, NP>;
 // per block part += dot * s_x, per weight group acc += part * s_w. The weight stream costs 3 instructions per 16
 // outputs x 8 inputs and each row one integer dot product per 4 inputs, where fp32 activations cost a dequantization
 // per weight and an FMA per weight and row: the forward is bound by memory at 1 row. Each row's quantization and fp32
-// sequence depend on that row alone: row exactness holds as in the fp32 product. Layout: per panel, per 8 inputs, kLanes x 4 bytes, byte
-// (lane, i) holding input i's code in its low nibble and input 4 + i's in its high one.
+// sequence depend on that row alone: row exactness holds as in the fp32 product. Layout: per panel, per 8 inputs,
+// kLanes x 4 bytes, byte (lane, i) holding input i's code in its low nibble and input 4 + i's in its high one.
 constexpr int kA8Panels = kLanes == 16 ? 2 : 1;  // panels per tile: 4 rows x panels of int32 and fp32 accumulators
 constexpr int64_t kA8Block = 16;                 // inputs per activation scale (weight groups are whole blocks)
 
@@ -181,7 +176,8 @@ std::vector<torch::Tensor> pack_int4_a8(const torch::Tensor& codes, const torch:
   c.narrow(0, 0, n).copy_(codes.to(torch::kByte));
   // [P, lanes, K / 8, 2, 4] -> [P, K / 8, lanes, 4, 2]: (low, high) nibbles of each byte side by side
   auto grouped = c.view({panels, kLanes, k / 8, 2, 4}).permute({0, 2, 1, 4, 3}).contiguous();
-  auto bytes = grouped.select(4, 0).bitwise_or(grouped.select(4, 1).bitwise_left_shift(4)).reshape({panels, k / 8, kLanes * 4});
+  auto bytes = grouped.select(4, 0).bitwise_or(grouped.select(4, 1).bitwise_left_shift(4));
+  bytes = bytes.reshape({panels, k / 8, kLanes * 4});
   auto s = torch::zeros({panels * kLanes, scales.size(1)}, torch::kFloat);
   s.narrow(0, 0, n).copy_(scales.to(torch::kFloat));
   return {bytes.contiguous(), s.view({panels, kLanes, scales.size(1)}).transpose(1, 2).contiguous()};
@@ -193,12 +189,6 @@ struct QuantizedRows {
   std::vector<float> scale;
   std::vector<int32_t> sum;
 };
-
-static inline int32_t sum8(__m256i v) {  // of the lanes
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
-}
 
 // One block of 16 inputs at a time, as two AVX2 vectors (the conversion rounds to nearest even, as nearbyint does).
 static void quantize_rows(const float* x, int64_t M, int64_t K, QuantizedRows& out) {
@@ -212,7 +202,8 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, QuantizedRows& o
     const __m256 lo = _mm256_loadu_ps(x + b * kA8Block), hi = _mm256_loadu_ps(x + b * kA8Block + 8);
     const float most = max8(_mm256_max_ps(_mm256_andnot_ps(sign, lo), _mm256_andnot_ps(sign, hi)));
     const __m256 inverse = _mm256_set1_ps(most > 0.f ? 127.f / most : 0.f);
-    const __m256i qlo = _mm256_cvtps_epi32(_mm256_mul_ps(lo, inverse)), qhi = _mm256_cvtps_epi32(_mm256_mul_ps(hi, inverse));
+    const __m256i qlo = _mm256_cvtps_epi32(_mm256_mul_ps(lo, inverse));
+    const __m256i qhi = _mm256_cvtps_epi32(_mm256_mul_ps(hi, inverse));
     const __m128i first = _mm_packs_epi32(_mm256_castsi256_si128(qlo), _mm256_extracti128_si256(qlo, 1));
     const __m128i second = _mm_packs_epi32(_mm256_castsi256_si128(qhi), _mm256_extracti128_si256(qhi, 1));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q.data() + b * kA8Block), _mm_packs_epi16(first, second));
@@ -224,19 +215,25 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, QuantizedRows& o
 #if defined(__AVX512VNNI__)
 using IVec = __m512i;
 static inline IVec ivload(const uint8_t* p) { return _mm512_loadu_si512(p); }
-static inline IVec nibbles(IVec v, int shift) { return _mm512_and_si512(_mm512_srli_epi16(v, shift), _mm512_set1_epi8(15)); }
+static inline IVec nibbles(IVec v, int shift) {
+  return _mm512_and_si512(_mm512_srli_epi16(v, shift), _mm512_set1_epi8(15));
+}
 static inline IVec dot4(IVec acc, IVec codes, const int8_t* x) {  // acc += 4 codes (uint8) . 4 inputs (int8), per lane
-  return _mm512_dpbusd_epi32(acc, codes, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x)));
+  return _mm512_dpbusd_epi32(acc, codes, _mm512_set1_epi32(load_i32(x)));
 }
 static inline IVec ivset(int32_t v) { return _mm512_set1_epi32(v); }
 static inline Vec ivfloat(IVec v) { return _mm512_cvtepi32_ps(v); }
 #else
 using IVec = __m256i;
 static inline IVec ivload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-static inline IVec nibbles(IVec v, int shift) { return _mm256_and_si256(_mm256_srli_epi16(v, shift), _mm256_set1_epi8(15)); }
-static inline IVec add_pairs(IVec acc, IVec pairs) { return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))); }
+static inline IVec nibbles(IVec v, int shift) {
+  return _mm256_and_si256(_mm256_srli_epi16(v, shift), _mm256_set1_epi8(15));
+}
+static inline IVec add_pairs(IVec acc, IVec pairs) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
 static inline IVec dot4(IVec acc, IVec codes, const int8_t* x) {  // codes <= 15: the int16 pair sums cannot saturate
-  return add_pairs(acc, _mm256_maddubs_epi16(codes, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x))));
+  return add_pairs(acc, _mm256_maddubs_epi16(codes, _mm256_set1_epi32(load_i32(x))));
 }
 static inline IVec ivset(int32_t v) { return _mm256_set1_epi32(v); }
 static inline Vec ivfloat(IVec v) { return _mm256_cvtepi32_ps(v); }
@@ -262,7 +259,7 @@ struct A8Bytes {  // int8 rows (an LM head): byte (lane, i) = input i's weight, 
 #if defined(__AVX512VNNI__)
     return dot4(acc, c.v, x);
 #else
-    const IVec xs = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x));
+    const IVec xs = _mm256_set1_epi32(load_i32(x));
     return add_pairs(acc, _mm256_maddubs_epi16(_mm256_abs_epi8(xs), _mm256_sign_epi8(c.v, xs)));
 #endif
   }
@@ -287,7 +284,8 @@ struct A8Tile {
         IVec dot[MR][NP];
 #pragma GCC unroll 16
         for (int m = 0; m < MR; ++m) {
-          const IVec start = ivset(-F::kZero * x.sum[((row + m) * K + block) / kA8Block]);  // sum (q - z) x = sum q x - z sum x
+          // sum (q - z) x = sum q x - z sum x
+          const IVec start = ivset(-F::kZero * x.sum[((row + m) * K + block) / kA8Block]);
 #pragma GCC unroll 16
           for (int j = 0; j < NP; ++j) dot[m][j] = start;
         }
@@ -320,38 +318,9 @@ struct A8Tile {
         for (int m = 0; m < MR; ++m) acc[m][j] = vfma(part[m][j], sc, acc[m][j]);
       }
     }
-    store_tile<MR, NP>(acc, y + row * ldy + p * kLanes, ldy, std::min<int64_t>(NP * kLanes, w.n - p * kLanes));
+    store_tile<kLanes>(acc, y + row * ldy + p * kLanes, ldy, std::min<int64_t>(NP * kLanes, w.n - p * kLanes));
   }
 };
-
-// All M rows against panel p and the NP - 1 after it: tiles of kTileRows rows, then the remainder (each row's
-// sequence of operations is the same whatever tile computes it).
-template <template <int, int> class Tile, int NP, class X>
-static void over_rows(int64_t M, int64_t p, const X& x, const Panels& w, float* y, int64_t ldy) {
-  int64_t m = 0;
-  for (; m + kTileRows <= M; m += kTileRows) Tile<kTileRows, NP>::run(m, p, x, w, y, ldy);
-  switch (M - m) {
-    case 1: Tile<1, NP>::run(m, p, x, w, y, ldy); break;
-    case 2: Tile<2, NP>::run(m, p, x, w, y, ldy); break;
-    case 3: Tile<3, NP>::run(m, p, x, w, y, ldy); break;
-    default: break;
-  }
-}
-
-// Every row against every panel, threads splitting the panels NP at a time (the last few one by one).
-template <template <int, int> class Tile, int NP, class X>
-static void over_panels(int64_t M, const X& x, const Panels& w, float* y, int64_t ldy) {
-  const int64_t panels = w.count;
-  at::parallel_for(0, (panels + NP - 1) / NP, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) {
-      if ((t + 1) * NP <= panels) {
-        over_rows<Tile, NP>(M, t * NP, x, w, y, ldy);
-      } else {
-        for (int64_t p = t * NP; p < panels; ++p) over_rows<Tile, 1>(M, p, x, w, y, ldy);
-      }
-    }
-  });
-}
 
 template <int MR, int NP> using A8NibbleTile = A8Tile<A8Nibbles, MR, NP>;
 template <int MR, int NP> using A8ByteTile = A8Tile<A8Bytes, MR, NP>;
@@ -361,15 +330,17 @@ struct Scratch {  // per forward: inputs gathered into act order, quantized inpu
   QuantizedRows rows;
 };
 
-// The input width K of a packed weight.
+// The input width K of a packed weight (fp32 panels [P, K, 8]: K).
 static int64_t input_width(const torch::Tensor& words) {
   if (words.scalar_type() == torch::kByte) return words.size(1) * A8Nibbles::kStep;
   if (words.scalar_type() == torch::kChar) return words.size(1) * A8Bytes::kStep;
   return words.size(1);
 }
 
-// y[:, :w.n] (row stride ldy) = x [M, K] W^T (+ bias, after the chain); x is first gathered in act order if w has a perm.
-static void int4_linear(const float* x, int64_t M, const Int4& w, float* y, int64_t ldy, Scratch& scratch) {
+// y[:, :w.n] (row stride ldy) = x [M, K] W^T for an int4 or int8 weight; x is first gathered in act order if w has
+// a perm.
+static void quantized_linear(const float* x, int64_t M, const PackedWeight& w, float* y, int64_t ldy,
+                             Scratch& scratch) {
   const int64_t K = input_width(w.words);
   const Panels panels{w.words.data_ptr(), w.scales.data_ptr<float>(), w.bounds.data_ptr<int64_t>(), K,
                       w.bounds.numel() - 1, w.words.numel() / w.words.size(0), w.words.size(0), w.n};
@@ -382,10 +353,23 @@ static void int4_linear(const float* x, int64_t M, const Int4& w, float* y, int6
   }
   if (w.words.scalar_type() == torch::kByte || w.words.scalar_type() == torch::kChar) {
     quantize_rows(x, M, K, scratch.rows);
-    if (w.words.scalar_type() == torch::kByte) over_panels<A8NibbleTile, kA8Panels>(M, scratch.rows, panels, y, ldy);
-    else over_panels<A8ByteTile, kA8Panels>(M, scratch.rows, panels, y, ldy);
+    if (w.words.scalar_type() == torch::kByte) {
+      over_panels<A8NibbleTile, kA8Panels>(M, panels.count, 1, scratch.rows, panels, y, ldy);
+    } else {
+      over_panels<A8ByteTile, kA8Panels>(M, panels.count, 1, scratch.rows, panels, y, ldy);
+    }
   } else {
-    over_panels<NibbleTile, kTilePanels>(M, x, panels, y, ldy);
+    over_panels<NibbleTile, kTilePanels>(M, panels.count, 1, x, panels, y, ldy);
+  }
+}
+
+// y[:, :w.n] (row stride ldy) = x [M, K] W^T (+ bias, after the chain) for a weight of either kind.
+static void packed_linear(const float* x, int64_t M, const PackedWeight& w, float* y, int64_t ldy,
+                          Scratch& scratch) {
+  if (w.words.scalar_type() == torch::kFloat) {
+    dense_linear(x, M, {w.words.data_ptr<float>(), input_width(w.words), w.words.size(0), w.n}, y, ldy);
+  } else {
+    quantized_linear(x, M, w, y, ldy, scratch);
   }
   if (w.bias.defined()) {
     const float* b = w.bias.data_ptr<float>();
@@ -394,32 +378,32 @@ static void int4_linear(const float* x, int64_t M, const Int4& w, float* y, int6
   }
 }
 
-// q [N, K] int8 (-127..127), scales [N] -> (bytes [P, K / 4, kLanes * 4] int8 in A8Bytes' layout, scales [P, 1, kLanes]),
-// padded outputs 0.
+// q [N, K] int8 (-127..127), scales [N] -> (bytes [P, K / 4, kLanes * 4] int8 in A8Bytes' layout,
+// scales [P, 1, kLanes]), padded outputs 0.
 std::vector<torch::Tensor> pack_int8(const torch::Tensor& q, const torch::Tensor& scales) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar && scales.numel() == q.size(0) && q.size(1) % kA8Block == 0,
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar && scales.numel() == q.size(0) &&
+              q.size(1) % kA8Block == 0,
               "pack_int8: q [N, K] int8 with K a multiple of 16, scales [N]");
   const int64_t n = q.size(0), k = q.size(1), panels = (n + kLanes - 1) / kLanes;
   auto padded = torch::zeros({panels * kLanes, k}, torch::kInt);
   padded.narrow(0, 0, n).copy_(q);
   padded.add_(A8Bytes::kZero);  // two's complement bytes of w + 128: the unsigned bytes VNNI reads
-  auto bytes = padded.to(torch::kByte).view({panels, kLanes, k / 4, 4}).permute({0, 2, 1, 3}).contiguous().view(torch::kChar);
+  auto bytes = padded.to(torch::kByte).view({panels, kLanes, k / 4, 4}).permute({0, 2, 1, 3}).contiguous();
+  bytes = bytes.view(torch::kChar);
   auto s = torch::zeros({panels * kLanes}, torch::kFloat);
   s.narrow(0, 0, n).copy_(scales.reshape(-1));
   return {bytes.reshape({panels, k / 4, kLanes * 4}), s.view({panels, 1, kLanes})};
 }
 
-// x [M, K] float32 through one packed weight (int4 or int8): [M, n] (an LM head, and the product alone for tests).
-torch::Tensor quant_mm(const torch::Tensor& x, const torch::Tensor& words, const torch::Tensor& scales,
-                      const torch::Tensor& bounds, const c10::optional<torch::Tensor>& perm, int64_t n,
-                      const c10::optional<torch::Tensor>& bias) {
-  const int64_t K = input_width(words);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.size(1) == K, "quant_mm: x [M, K] float32");
+// x [M, K] float32 through one packed weight (fp32, int4 or int8): [M, n] (an LM head, and the product alone for
+// tests).
+torch::Tensor packed_mm(const torch::Tensor& x, const PackedWeight& w) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.size(1) == input_width(w.words),
+              "packed_mm: x [M, K] float32");
   const auto input = x.contiguous();
-  Int4 w{words, scales, bounds, perm.has_value() ? *perm : torch::Tensor(), bias.has_value() ? *bias : torch::Tensor(), n};
-  auto y = torch::empty({input.size(0), n}, input.options());
+  auto y = torch::empty({input.size(0), w.n}, input.options());
   Scratch scratch;
-  int4_linear(input.data_ptr<float>(), input.size(0), w, y.data_ptr<float>(), n, scratch);
+  packed_linear(input.data_ptr<float>(), input.size(0), w, y.data_ptr<float>(), w.n, scratch);
   return y;
 }
 
@@ -458,33 +442,46 @@ static void add(const torch::Tensor& from, torch::Tensor& into) {  // into += fr
 
 struct Layer {
   torch::Tensor input_norm, post_norm;
-  std::vector<Int4> qkv, gate_up;  // one fused weight, or the siblings one by one (act orders that differ)
-  Int4 o, down;
+  std::vector<PackedWeight> qkv, gate_up;  // one fused weight, or the siblings one by one (act orders that differ)
+  PackedWeight o, down;
 };
 
-// words, scales, bounds, perm, bias (an empty perm or bias: none), n
-using Weight = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t>;
-
-static Int4 int4(const Weight& w) {
-  const auto& perm = std::get<3>(w);
-  const auto& bias = std::get<4>(w);
-  return {std::get<0>(w), std::get<1>(w), std::get<2>(w), perm.numel() ? perm : torch::Tensor(),
-          bias.numel() ? bias.to(torch::kFloat).contiguous() : torch::Tensor(), std::get<5>(w)};
-}
-
-static std::vector<Int4> int4s(const std::vector<Weight>& ws) {
-  std::vector<Int4> out;
-  for (const auto& w : ws) out.push_back(int4(w));
-  return out;
+// A PackedWeight from its named parts, checked once here (the tiles trust the layout): Python's only way to make one.
+static PackedWeight packed_weight(const torch::Tensor& words, int64_t n, const c10::optional<torch::Tensor>& scales,
+                                  const c10::optional<torch::Tensor>& bounds, const c10::optional<torch::Tensor>& perm,
+                                  const c10::optional<torch::Tensor>& bias) {
+  const auto kind = words.scalar_type();
+  const bool dense = kind == torch::kFloat;
+  TORCH_CHECK(words.is_contiguous() && words.dim() >= 2 &&
+              (dense || kind == torch::kInt || kind == torch::kLong || kind == torch::kByte || kind == torch::kChar),
+              "PackedWeight: words from kernels' pack, pack_int4, pack_int4_a8 or pack_int8");
+  const int64_t lanes = dense ? kPanel : kLanes;
+  TORCH_CHECK(n > 0 && n <= words.size(0) * lanes, "PackedWeight: n outputs within the panels");
+  TORCH_CHECK(!bias || bias->numel() == n, "PackedWeight: bias [n]");
+  const auto bias_or_none = bias ? bias->to(torch::kFloat).contiguous() : torch::Tensor();
+  if (dense) {
+    TORCH_CHECK(words.dim() == 3 && words.size(2) == kPanel && !scales && !bounds && !perm,
+                "PackedWeight: fp32 panels [P, K, 8] take no scales, bounds or perm");
+    return {words, torch::Tensor(), torch::Tensor(), torch::Tensor(), bias_or_none, n};
+  }
+  TORCH_CHECK(scales && scales->is_contiguous() && scales->scalar_type() == torch::kFloat && scales->dim() == 3 &&
+              scales->size(0) == words.size(0) && scales->size(2) == kLanes,
+              "PackedWeight: scales [P, G, lanes] float32");
+  TORCH_CHECK(bounds && bounds->is_contiguous() && bounds->scalar_type() == torch::kLong &&
+              bounds->numel() == scales->size(1) + 1, "PackedWeight: bounds [G + 1] long");
+  TORCH_CHECK(!perm || (perm->scalar_type() == torch::kLong && perm->numel() == input_width(words)),
+              "PackedWeight: perm [K] long");
+  return {words, *scales, *bounds, perm ? perm->contiguous() : torch::Tensor(), bias_or_none, n};
 }
 
 // Siblings that read the same input, their outputs side by side in y [M, ldy].
-static void int4_siblings(const float* x, int64_t M, const std::vector<Int4>& ws, float* y, int64_t ldy, Scratch& scratch) {
+static void siblings(const float* x, int64_t M, const std::vector<PackedWeight>& ws, float* y, int64_t ldy,
+                          Scratch& scratch) {
   int64_t offset = 0;
-  for (const auto& w : ws) { int4_linear(x, M, w, y + offset, ldy, scratch); offset += w.n; }
+  for (const auto& w : ws) { packed_linear(x, M, w, y + offset, ldy, scratch); offset += w.n; }
 }
 
-static int64_t width(const std::vector<Int4>& ws) {
+static int64_t width(const std::vector<PackedWeight>& ws) {
   int64_t n = 0;
   for (const auto& w : ws) n += w.n;
   return n;
@@ -492,29 +489,32 @@ static int64_t width(const std::vector<Int4>& ws) {
 
 // The decoder: embeddings, layers, final norm. The KV cache is the caller's ([layers, kv heads, capacity, head dim]
 // for keys and for values, one per runner): `forward` appends after `cached` positions.
-class LlamaW4 {
+class Decoder {
  public:
-  LlamaW4(torch::Tensor embed, torch::Tensor final_norm, torch::Tensor cos, torch::Tensor sin, int64_t heads,
+  Decoder(torch::Tensor embed, torch::Tensor final_norm, torch::Tensor cos, torch::Tensor sin, int64_t heads,
           int64_t kv_heads, double eps, int64_t layers)
-      : embed_(embed.contiguous()), final_norm_(final_norm.contiguous()), cos_(cos.contiguous()), sin_(sin.contiguous()),
-        heads_(heads), kv_heads_(kv_heads), head_dim_(cos.size(1)), layers_wanted_(layers), eps_(static_cast<float>(eps)) {}
+      : embed_(embed.contiguous()), final_norm_(final_norm.contiguous()), cos_(cos.contiguous()),
+        sin_(sin.contiguous()), heads_(heads), kv_heads_(kv_heads), head_dim_(cos.size(1)), layers_wanted_(layers),
+        eps_(static_cast<float>(eps)) {}
 
-  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, const std::vector<Weight>& qkv, const Weight& o,
-                 const std::vector<Weight>& gate_up, const Weight& down) {
+  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, const std::vector<PackedWeight>& qkv,
+                 const PackedWeight& o, const std::vector<PackedWeight>& gate_up, const PackedWeight& down) {
     TORCH_CHECK(static_cast<int64_t>(layers_.size()) < layers_wanted_, "add_layer: more layers than the model has");
-    layers_.push_back({input_norm.contiguous(), post_norm.contiguous(), int4s(qkv), int4s(gate_up), int4(o), int4(down)});
+    layers_.push_back({input_norm.contiguous(), post_norm.contiguous(), qkv, gate_up, o, down});
   }
 
   int64_t head_dim() const { return head_dim_; }
 
   // ids [T] long after `cached` cached positions, positions [T] long (rotary), mask: none (causal) or additive
   // float32 broadcastable to [1, heads, T, cached + T]. Returns the final-norm hidden states [T, hidden].
-  torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& positions, const c10::optional<torch::Tensor>& mask,
-                        int64_t cached, const torch::Tensor& keys, const torch::Tensor& values) {
+  torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& positions,
+                        const c10::optional<torch::Tensor>& mask, int64_t cached, const torch::Tensor& keys,
+                        const torch::Tensor& values) {
     const int64_t T = ids.numel(), H = embed_.size(1), L = cached + T;
     TORCH_CHECK(static_cast<int64_t>(layers_.size()) == layers_wanted_, "forward: the model has not all its layers");
-    TORCH_CHECK(keys.dim() == 4 && keys.size(0) == layers_wanted_ && keys.size(1) == kv_heads_ && keys.size(3) == head_dim_ &&
-                keys.is_contiguous() && values.sizes() == keys.sizes() && values.is_contiguous() && keys.scalar_type() == torch::kFloat,
+    TORCH_CHECK(keys.dim() == 4 && keys.size(0) == layers_wanted_ && keys.size(1) == kv_heads_ &&
+                keys.size(3) == head_dim_ && keys.is_contiguous() && values.sizes() == keys.sizes() &&
+                values.is_contiguous() && keys.scalar_type() == torch::kFloat,
                 "forward: a float32 cache [layers, kv heads, capacity, head dim] for keys and for values");
     TORCH_CHECK(L <= keys.size(2), "forward: ", L, " positions exceed the KV cache's capacity of ", keys.size(2));
     const int64_t* pos = positions.data_ptr<int64_t>();
@@ -527,9 +527,9 @@ class LlamaW4 {
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       rms_norm(h.data_ptr<float>(), T, H, layer.input_norm.data_ptr<float>(), eps_, normed.data_ptr<float>());
-      const auto attended = attention(static_cast<int64_t>(i), normed.data_ptr<float>(), T, pos, mask, cached, keys[i], values[i],
-                                      scratch, wide);
-      int4_linear(attended.data_ptr<float>(), T, layer.o, step.data_ptr<float>(), H, scratch);
+      const auto attended = attention(static_cast<int64_t>(i), normed.data_ptr<float>(), T, pos, mask, cached,
+                                      keys[i], values[i], scratch, wide);
+      packed_linear(attended.data_ptr<float>(), T, layer.o, step.data_ptr<float>(), H, scratch);
       add(step, h);
       rms_norm(h.data_ptr<float>(), T, H, layer.post_norm.data_ptr<float>(), eps_, normed.data_ptr<float>());
       mlp(layer, normed.data_ptr<float>(), T, step.data_ptr<float>(), scratch, wide);
@@ -542,14 +542,14 @@ class LlamaW4 {
  private:
   // q/k/v of T rows, rotary, keys and values into the cache after `cached`, attention: [T, heads * head dim].
   // Each layer's keys/values: [kv heads, capacity, head dim].
-  torch::Tensor attention(int64_t i, const float* x, int64_t T, const int64_t* pos, const c10::optional<torch::Tensor>& mask,
-                          int64_t cached, const torch::Tensor& keys, const torch::Tensor& values, Scratch& scratch,
-                          std::vector<float>& qkv) {
+  torch::Tensor attention(int64_t i, const float* x, int64_t T, const int64_t* pos,
+                          const c10::optional<torch::Tensor>& mask, int64_t cached, const torch::Tensor& keys,
+                          const torch::Tensor& values, Scratch& scratch, std::vector<float>& qkv) {
     const Layer& layer = layers_[i];
     const int64_t D = head_dim_, Q = heads_ * D, KV = kv_heads_ * D, N = width(layer.qkv), cap = keys.size(1);
     TORCH_CHECK(N == Q + 2 * KV, "attention: q/k/v widths do not match the heads");
     qkv.resize(T * N);
-    int4_siblings(x, T, layer.qkv, qkv.data(), N, scratch);
+    siblings(x, T, layer.qkv, qkv.data(), N, scratch);
     float* kc = keys.data_ptr<float>();
     float* vc = values.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) {
@@ -570,7 +570,7 @@ class LlamaW4 {
   void mlp(const Layer& layer, const float* x, int64_t T, float* y, Scratch& scratch, std::vector<float>& wide) {
     const int64_t N = width(layer.gate_up), I = N / 2;
     wide.resize(T * N);
-    int4_siblings(x, T, layer.gate_up, wide.data(), N, scratch);
+    siblings(x, T, layer.gate_up, wide.data(), N, scratch);
     const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
     for (int64_t t = 0; t < T; ++t) {  // silu(gate) * up, packed into the first I columns of each row's space
       const float* g = wide.data() + t * N;
@@ -583,7 +583,7 @@ class LlamaW4 {
       }
       for (; j < I; ++j) { const float gj = g[j], uj = g[I + j]; a[j] = gj / (1.f + std::exp(-gj)) * uj; }
     }
-    int4_linear(wide.data(), T, layer.down, y, embed_.size(1), scratch);
+    packed_linear(wide.data(), T, layer.down, y, embed_.size(1), scratch);
   }
 
   torch::Tensor embed_, final_norm_, cos_, sin_;
@@ -592,15 +592,23 @@ class LlamaW4 {
   std::vector<Layer> layers_;
 };
 
+}  // namespace polyspec
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace polyspec;
   m.def("pack_int4", &pack_int4, "codes [N, K], scales [N, G] -> panel words and scales");
   m.def("pack_int8", &pack_int8, "int8 rows [N, K], scales [N] -> panel bytes and scales");
   m.def("pack_int4_a8", &pack_int4_a8, "codes [N, K], scales [N, G] -> panel bytes and scales for int8 activations");
-  m.def("quant_mm", &quant_mm, "x W^T through a packed int4 or int8 weight");
+  py::class_<PackedWeight>(m, "PackedWeight")
+      .def(py::init(&packed_weight), py::arg("words"), py::arg("n"), py::arg("scales") = py::none(),
+           py::arg("bounds") = py::none(), py::arg("perm") = py::none(), py::arg("bias") = py::none())
+      .def_readonly("words", &PackedWeight::words)
+      .def_readonly("n", &PackedWeight::n);
+  m.def("packed_mm", &packed_mm, "x W^T (+ b) through a PackedWeight of either kind");
   m.def("lanes", [] { return kLanes; }, "outputs per panel (8: AVX2, 16: AVX-512)");
-  py::class_<LlamaW4>(m, "LlamaW4")
+  py::class_<Decoder>(m, "Decoder")
       .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, double, int64_t>())
-      .def("add_layer", &LlamaW4::add_layer)
-      .def("head_dim", &LlamaW4::head_dim)
-      .def("forward", &LlamaW4::forward);
+      .def("add_layer", &Decoder::add_layer)
+      .def("head_dim", &Decoder::head_dim)
+      .def("forward", &Decoder::forward);
 }

@@ -1,0 +1,73 @@
+"""Micro-benchmark of the fp32 target's forward: the packed HF layers against the native runner, each as a chain's
+target level runs it (runner and LM head), one forward of k new tokens on a cached context, interleaved in one
+process; and beside them the weight-streaming floor: the bytes of the weights a forward reads over the read
+bandwidth measured here, in the same process, on the same threads.
+
+    python -m decode.backends.cpu.bench_target [--context 256] [--ks 1 8] [--repeats 21] [--threads N]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from data.models import DEFAULT_MODEL, load_model
+from decode import backends
+from decode.engine.levels import ModelLevel
+from infra.timing import level_forward, median_ms
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 7) -> float:
+    """Bytes per second of a plain large-array read (torch's sum over an array far larger than the caches)."""
+    data = torch.ones(int(gib * 2**30) // 4)
+    data.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        times.append(time.perf_counter() - start)
+    return data.numel() * 4 / statistics.median(times)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes a one-token forward streams: every decoder weight and the LM head (one embedding row is nothing)."""
+    decoder = sum(p.numel() * p.element_size() for p in model.model.layers.parameters())
+    norm = model.model.norm.weight.numel() * 4
+    return decoder + norm + model.get_output_embeddings().weight.numel() * 4
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default=DEFAULT_MODEL)
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--ks", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    hf, tokenizer = load_model(args.target, "float32")
+    native, _ = load_model(args.target, "float32")
+    backends.prepare(hf, "avx2")
+    backends.prepare(native, "avx2", "on")
+    text = tokenizer(Path("README.md").read_text()).input_ids * 8
+    context = text[: args.context]
+    steps = {"target packed (HF layers)": level_forward(ModelLevel("target", hf), context),
+             "target native": level_forward(ModelLevel("target", native), context)}
+    times = median_ms(steps, args.ks, args.repeats)
+    base = times["target packed (HF layers)"]
+    print(f"median ms of one forward (LM head included), {args.context}-token context, {torch.get_num_threads()} "
+          f"threads, CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    for name, per in times.items():
+        cells = "  ".join(f"k={k}: {per[k]:6.2f} ms ({per[k] / base[k]:.3f}x HF)" for k in args.ks)
+        print(f"{name:28s} {cells}  T({max(args.ks)})/T({min(args.ks)}) {per[max(args.ks)] / per[min(args.ks)]:.2f}")
+    bandwidth, size = read_bandwidth(), weight_bytes(native)
+    print(f"weight-streaming floor: {size / 2**20:.0f} MiB of weights / {bandwidth / 1e9:.1f} GB/s read = "
+          f"{size / bandwidth * 1000:.1f} ms per forward")
+
+
+if __name__ == "__main__":
+    main()

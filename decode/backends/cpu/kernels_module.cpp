@@ -1,0 +1,8 @@
+// The Python module of the fp32 kernels alone (kernels.cpp): decode.fast's packed linears and attention.
+#include "kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack", &polyspec::pack, "W [N, K] -> 8-column panels");
+  m.def("linear", &polyspec::linear, "x W^T (+ b) through packed panels");
+  m.def("attend", &polyspec::attend, "attention of query rows against K/V heads, [B, T, Hq, D] out");
+}
