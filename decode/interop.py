@@ -278,7 +278,7 @@ def validate(icfg: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise InteropError(f"interop.{key} must be an integer >= {least}, got {value!r}")
     flag(icfg.checks, "acceptance", error=InteropError)
-    if icfg.get("llamacpp", False) not in (True, False, "auto"):
+    if not (isinstance(icfg.get("llamacpp", False), bool) or icfg.llamacpp == "auto"):
         raise InteropError(f"interop.llamacpp must be auto, true or false, got {icfg.llamacpp!r}")
     check_writable(icfg.out, "interop.out", kind="file", error=InteropError)
 

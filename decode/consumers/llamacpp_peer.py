@@ -49,7 +49,7 @@ class LlamaPeer:
 def usable(enabled: Any, model: str, dtype: str, key: str) -> bool:
     """Whether llama.cpp is to run (`key`: auto | true | false): false, a target that is not the bundled fp32
     GGUF, or (auto) no build yet each make it off, with one line on stderr but for false."""
-    if enabled not in (True, False, "auto"):
+    if not (isinstance(enabled, bool) or enabled == "auto"):
         raise LlamaCppError(f"{key} must be auto, true or false, got {enabled!r}")
     if enabled is False:
         return False
