@@ -43,7 +43,8 @@ def methods(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Method], dict
     b, eos, sampling = cfg.decode.bench, eos_of(target, tokenizer), sampling_of(cfg)
     found: dict[str, Method] = reference_decoders(cfg, target, eos, sampling, onednn=True)
     notes = {"ar": "target alone" + (f" (packed: {packed_with(target)})" if packed_with(target) else ""),
-             "ar_eager": "target alone, plain eager nn.Linear", "ar_onednn": "target alone, packed with oneDNN (decode.gemm=onednn)"}
+             "ar_eager": "target alone, plain eager nn.Linear",
+             "ar_onednn": "target alone, packed with oneDNN (decode.gemm=onednn)"}
     notes = {name: note for name, note in notes.items() if name in found}
     builder = configured_builder(cfg, target, tokenizer)
     if b.assistant is not None:
@@ -52,14 +53,16 @@ def methods(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Method], dict
             assistant = level_model(parse(LevelSpec, assistant_cfg, "decode.bench.assistant"), target, tokenizer,
                                     builder.artifacts, cfg.model.dtype)
         except DecodeError as err:
-            print(f"hf_assisted: assistant unavailable ({err}); using stand-in {dict(b.assistant_stand_in)}", file=sys.stderr)
+            print(f"hf_assisted: assistant unavailable ({err}); using stand-in {dict(b.assistant_stand_in)}",
+                  file=sys.stderr)
             assistant_cfg = OmegaConf.to_container(b.assistant_stand_in, resolve=True)
-            assistant = level_model(parse(LevelSpec, assistant_cfg, "decode.bench.assistant_stand_in"), target, tokenizer,
-                                    builder.artifacts, cfg.model.dtype)
+            assistant = level_model(parse(LevelSpec, assistant_cfg, "decode.bench.assistant_stand_in"), target,
+                                    tokenizer, builder.artifacts, cfg.model.dtype)
         backends.prepare(assistant, builder.gemm)
         found["hf_assisted"] = lambda p, n: hf_assisted(target, assistant, p, n, sampling, eos_token_id=eos)
         notes["hf_assisted"] = f"assistant {assistant_cfg}"
-    found["hf_prompt_lookup"] = lambda p, n: hf_prompt_lookup(target, p, n, int(b.prompt_lookup_num_tokens), sampling, eos_token_id=eos)
+    found["hf_prompt_lookup"] = lambda p, n: hf_prompt_lookup(target, p, n, int(b.prompt_lookup_num_tokens), sampling,
+                                                              eos_token_id=eos)
     notes["hf_prompt_lookup"] = f"{b.prompt_lookup_num_tokens} tokens"
     slots = {"two_level": b.two_level, "three_level": b.three_level, **{name: name for name in b.get("extra") or []}}
     for slot, name in slots.items():
@@ -74,7 +77,7 @@ def methods(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Method], dict
             print(f"{slot}: chain {name!r} unavailable ({err}); using stand-in {stand_in!r}", file=sys.stderr)
             name, chain = stand_in, chain_from_config(cfg, stand_in, builder)
         found[slot] = lambda p, n, chain=chain: chain.generate(p, n, sampling, eos_token_id=eos)
-        notes[slot] = f"{name}: " + " <- ".join(f"{l.name}({l.kind})" for l in chain.levels)
+        notes[slot] = f"{name}: " + " <- ".join(f"{level.name}({level.kind})" for level in chain.levels)
         found[slot].chain = chain  # type: ignore[attr-defined]
     return found, notes
 
@@ -103,13 +106,15 @@ def summarise(runs: dict[str, list[Generation]], ar_tokens: list[list[int]], con
 
 
 def table(summary: dict[str, dict], notes: dict[str, str]) -> str:
-    rows = [f"{'method':<17} {'tok/s':>7} {'x AR':>6} {'x AR(sb)':>8} {'time x AR [interval]':>20} {'TTFT s':>7} {'same':>6}  details"]
+    rows = [f"{'method':<17} {'tok/s':>7} {'x AR':>6} {'x AR(sb)':>8} {'time x AR [interval]':>20} {'TTFT s':>7} "
+            f"{'same':>6}  details"]
     for name, s in summary.items():
         detail = notes.get(name, "")
         if "measured" in s:
             detail += f" | {level_line(s['measured'])} | {prediction_line(s['measured'])}"
         rows.append(f"{name:<17} {s['median_tokens_per_s']:>7.2f} {s['median_ratio_vs_ar']:>6.2f} "
-                    f"{s['speedup_spec_bench']:>8.2f} {_interval(name, s):>20} {s['median_ttft_s']:>7.2f} {s['identical_to_ar']:>3}/{s['runs']:<2}  {detail}")
+                    f"{s['speedup_spec_bench']:>8.2f} {_interval(name, s):>20} {s['median_ttft_s']:>7.2f} "
+                    f"{s['identical_to_ar']:>3}/{s['runs']:<2}  {detail}")
     return "\n".join(rows)
 
 
@@ -159,11 +164,12 @@ def run(cfg: DictConfig) -> dict:
             peer.decode_all(texts[i], n)
     summary = summarise(runs, ar_tokens, confidence)
     print(f"\n{len(work)} prompts x {len(names)} methods, {n} new tokens, temperature {cfg.decode.temperature}, "
-          f"{torch.get_num_threads()} threads; medians (x AR = median per-prompt ratio; sb = Spec-Bench mean ratio; time x AR = "
-          f"pooled seconds per token of AR over the method's, {confidence:.0%} paired interval over prompts, + shown faster, - shown slower)")
+          f"{torch.get_num_threads()} threads; medians (x AR = median per-prompt ratio; sb = Spec-Bench mean ratio; "
+          f"time x AR = pooled seconds per token of AR over the method's, {confidence:.0%} paired interval over "
+          f"prompts, + shown faster, - shown slower)")
     print(table(summary, notes))
-    result = {"config": OmegaConf.to_container(b, resolve=True), "device": str(target.device), "threads": torch.get_num_threads(),
-              "notes": notes, "summary": summary}
+    result = {"config": OmegaConf.to_container(b, resolve=True), "device": str(target.device),
+              "threads": torch.get_num_threads(), "notes": notes, "summary": summary}
     if peer:
         ar_texts = [llamacpp_peer.reply_text(tokenizer, tokens) for tokens in ar_tokens]
         result["llamacpp"] = {"summary": llamacpp_peer.summary(peer, runs["ar"], ar_texts), "notes": peer.notes}

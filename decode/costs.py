@@ -56,7 +56,8 @@ def context_ids(held_out: list, tokenizer, length: int) -> list[int]:
     return ids
 
 
-def _w4_steps(w4: Any, w4_runner: Callable[[], Any], context: list[int], steps: dict[str, Step], notes: dict[str, str]) -> None:
+def _w4_steps(w4: Any, w4_runner: Callable[[], Any], context: list[int], steps: dict[str, Step],
+              notes: dict[str, str]) -> None:
     """The W4 level's rows: as it is, and with lm_head: int8 (a CPU kernel), each level on its own runner."""
     from decode import backends
     from decode.backends.cpu.int8 import Int8RowLinear
@@ -199,8 +200,9 @@ def run(cfg: DictConfig) -> dict:
     print(f"{'level':<18}" + "".join(f"{f'k={k}':>15}" for k in ks) + "  note")
     for name, per in ms.items():
         print(f"{name:<18}" + "".join(f"{per[k]:8.1f} ({per[k] / base:4.2f})" for k in ks) + f"  {notes[name]}")
-    result = {"device": str(configured_device(cfg)), "context": int(c.context), "threads": torch.get_num_threads(), "repeats": int(c.repeats), "notes": notes,
-              "ms": ms, "ratio_to_target_1": {n: {k: v / base for k, v in per.items()} for n, per in ms.items()}}
+    result = {"device": str(configured_device(cfg)), "context": int(c.context), "threads": torch.get_num_threads(),
+              "repeats": int(c.repeats), "notes": notes, "ms": ms,
+              "ratio_to_target_1": {n: {k: v / base for k, v in per.items()} for n, per in ms.items()}}
     if rounds is not None:
         _print_rounds(rounds)
         result["round"] = rounds

@@ -16,7 +16,8 @@ from decode.consumers.vllm_venv import w4_kernel_missing
 REPO = Path(__file__).resolve().parents[1]
 
 SMALL = [
-    "train.max_conversations=16", "train.max_len=128", "train.grad_accum=2", "train.max_steps=3", "train.eval_every=0", "train.checkpoint_every=100",
+    "train.max_conversations=16", "train.max_len=128", "train.grad_accum=2", "train.max_steps=3", "train.eval_every=0",
+    "train.checkpoint_every=100",
     "train.eval.conversations=2", "train.eval.gen_tokens=16",
     "quantize.calibration.samples=8", "quantize.calibration.max_len=128", "quantize.mse=0",
     "quantize.eval.ppl_conversations=4", "quantize.eval.agreement_prompts=2",
@@ -36,7 +37,8 @@ def _run_pipeline(run_dir: Path, prompts: Path) -> subprocess.CompletedProcess:
 def test_pipeline_runs_every_stage_and_resumes(tmp_path):
     prompts = tmp_path / "questions.jsonl"
     lines = [json.dumps({"question_id": 1, "category": "qa", "turns": ["What does a compiler do?"]}),
-             json.dumps({"question_id": 2, "category": "translation", "turns": ["Translate into French: good morning, friends."]})]
+             json.dumps({"question_id": 2, "category": "translation",
+                         "turns": ["Translate into French: good morning, friends."]})]
     prompts.write_text("\n".join(lines) + "\n")
     run_dir = tmp_path / "run"
     first = _run_pipeline(run_dir, prompts)
@@ -55,7 +57,8 @@ def test_pipeline_runs_every_stage_and_resumes(tmp_path):
     # the eval re-measures: whether a chain beats AR can flip near 1.0x, so each run's exit code must match
     # its own publish decision rather than the first run's
     second_published = (run_dir / "publish" / "chain.json").exists()
-    assert second.returncode in (0, 3) and second_published == (second.returncode == 0), (second.stdout + second.stderr)[-3000:]
+    assert second.returncode in (0, 3) and second_published == (second.returncode == 0), (
+        (second.stdout + second.stderr)[-3000:])
     assert (run_dir / "eagle" / "model.safetensors").stat().st_mtime == head_mtime
     assert (run_dir / "w4" / "config.json").stat().st_mtime == w4_mtime
     check_in_vllm(run_dir, prompts)
@@ -66,7 +69,8 @@ def check_in_vllm(run_dir: Path, prompts: Path) -> None:
     loads both, its output with the head equals its output without, and its W4 model agrees with polyspec's.
     The 3-step head accepts next to nothing, so acceptance lengths (check b) are not compared here."""
     manifest = run_dir / "publish" / "chain.json"
-    drafter = json.loads(manifest.read_text())["serve"]["llm_kwargs"].get("speculative_config") if manifest.exists() else None
+    drafter = (json.loads(manifest.read_text())["serve"]["llm_kwargs"].get("speculative_config") if manifest.exists()
+               else None)
     head = [] if drafter and drafter["method"] == "eagle" else [f"interop.head={run_dir / 'eagle'}"]
     args = [f"run_dir={run_dir}", f"interop.prompts={prompts}", "interop.max_new_tokens=16", "interop.warmup_tokens=4",
             "interop.checks.acceptance=false", *head]
@@ -82,4 +86,5 @@ def check_in_vllm(run_dir: Path, prompts: Path) -> None:
     assert checks["w4_loads"]["passed"] is True, (checks["w4_loads"], log)  # vLLM, or llama.cpp where vLLM cannot
     assert done.returncode == 0, log
     assert record["w4_layout"]["desc_act"] is False and record["w4_layout"]["group_size"] == 64, record["w4_layout"]
-    assert all(row["tokens_per_s"] > 0 for row in record["table"] if not row.get("error", "").startswith("not applicable")), record["table"]
+    assert all(row["tokens_per_s"] > 0 for row in record["table"]
+               if not row.get("error", "").startswith("not applicable")), record["table"]

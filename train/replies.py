@@ -40,13 +40,15 @@ def greedy_replies(model: PreTrainedModel, tokenizer, prompts: list[list[int]], 
     width = max(map(len, prompts))
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    out = model.generate(input_ids=ids.to(model.device), attention_mask=attn.to(model.device), max_new_tokens=max_new_tokens, do_sample=False,
-                         pad_token_id=pad, eos_token_id=eos)
+    out = model.generate(input_ids=ids.to(model.device), attention_mask=attn.to(model.device),
+                         max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, eos_token_id=eos)
     return [row[: row.index(eos) + 1] if eos in row else row for row in out[:, width:].tolist()]
 
 
 def regenerate(model: PreTrainedModel, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch: int,
-               root: Path, feature_hash: str, rank: int = 0, world: int = 1) -> list[list[int]]:  # rank/world: each rank generates its share
+               root: Path, feature_hash: str,
+               # rank/world: each rank generates its share
+               rank: int = 0, world: int = 1) -> list[list[int]]:
     """The feature model's greedy reply to each prompt (token ids), from the cache under `root` or generated."""
     path = root / f"replies-{replies_key(feature_hash, prompts, max_new_tokens, tokenizer.eos_token_id)}.json"
     if path.is_file():
@@ -56,7 +58,8 @@ def regenerate(model: PreTrainedModel, tokenizer, prompts: list[list[int]], max_
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch: less padding
     batches = [order[s: s + batch] for s in range(0, len(order), batch)]
     mine = {}
-    for group in tqdm(batches[rank::world], desc=f"replies by the verifier (<= {max_new_tokens} tokens each)", disable=rank != 0):
+    for group in tqdm(batches[rank::world], desc=f"replies by the verifier (<= {max_new_tokens} tokens each)",
+                      disable=rank != 0):
         for i, reply in zip(group, greedy_replies(model, tokenizer, [prompts[i] for i in group], max_new_tokens)):
             mine[i] = reply
     if world > 1:

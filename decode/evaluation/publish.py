@@ -33,7 +33,8 @@ def folder_hash(path: str | Path) -> str:
 
 def library_versions() -> dict[str, str]:
     versions = {"python": platform.python_version()}
-    for dist in ("polyspec", "torch", "transformers", "gptqmodel", "optimum", "safetensors", "deepspeed", "hydra-core", "wandb"):
+    for dist in ("polyspec", "torch", "transformers", "gptqmodel", "optimum", "safetensors", "deepspeed", "hydra-core",
+                 "wandb"):
         try:
             versions[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
@@ -104,7 +105,8 @@ def chain_manifest(
             "spec_bench_speedup": result["measured_speedup"],
             "decode_time_s": result["decode_time_s"],
             "predicted_decode_time_s": {k: p.get("time_s") for k, p in result["predictions"].items()},
-            "T_s": [l["T_s"] for l in summary["levels"]], "L": [l["L_mean"] for l in summary["levels"][:-1]],
+            "T_s": [level["T_s"] for level in summary["levels"]],
+            "L": [level["L_mean"] for level in summary["levels"][:-1]],
             "draft_depth": summary["draft_depth"],
         },
         "checks": {c["name"]: name not in c["by_chain"] for c in report["checks"]}
@@ -126,12 +128,13 @@ def serve_of(cfg: DictConfig, levels: list[dict[str, Any]]) -> dict[str, Any]:
     from decode.consumers.serving import serve_section
 
     bundle = Path(cfg.eval.publish.dir).resolve()
-    where = [str(bundle / l["bundled_as"]) if "bundled_as" in l else None for l in levels]
+    where = [str(bundle / level["bundled_as"]) if "bundled_as" in level else None for level in levels]
     try:
         target = resolve_model_path(cfg.model.name)  # the folder a bundled target was converted into
     except ModelSourceError:
         target = cfg.model.name
-    return serve_section(target, cfg.model.dtype, levels[-1]["config"], where[-1], next(filter(None, where[1:-1]), None))
+    return serve_section(target, cfg.model.dtype, levels[-1]["config"], where[-1],
+                         next(filter(None, where[1:-1]), None))
 
 
 def llamacpp_serve(cfg: DictConfig, levels: list[dict[str, Any]]) -> tuple[dict[str, Any], Path | None]:
@@ -174,8 +177,8 @@ def gate(checks: list[dict[str, Any]], speedups: dict[str, paired.Interval], cho
     for n, x in speedups.items():
         if not x.above_one:
             rejected[n].append(f"faster than AR: {x.verdict()}")
-            failures.append(f"check failed: faster than AR: {n} measured {x.verdict()} at {x.confidence:.0%} confidence "
-                            "(a chain not shown faster than AR is never published)")
+            failures.append(f"check failed: faster than AR: {n} measured {x.verdict()} at {x.confidence:.0%} "
+                            "confidence (a chain not shown faster than AR is never published)")
     fast = [n for n, x in speedups.items() if x.above_one]
     if choice == "best":
         admissible = [n for n in fast if not rejected[n]]
@@ -189,11 +192,13 @@ def gate(checks: list[dict[str, Any]], speedups: dict[str, paired.Interval], cho
         decision, explanation = "not published", _refusal(speedups, fast, choice)
     elif forced:
         decision = "published (forced)"
-        explanation = f"{chain} ({speedups[chain].text()} AR): publish.force=true overrode: " + " | ".join(rejected[chain] or failures)
+        explanation = (f"{chain} ({speedups[chain].text()} AR): publish.force=true overrode: "
+                       + " | ".join(rejected[chain] or failures))
     else:
         decision = "published"
-        explanation = (f"{chain}, the fastest admissible chain by its interval's lower bound: {speedups[chain].verdict()} "
-                       f"than AR at {speedups[chain].confidence:.0%} confidence." if choice == "best"
+        explanation = (f"{chain}, the fastest admissible chain by its interval's lower bound: "
+                       f"{speedups[chain].verdict()} than AR at {speedups[chain].confidence:.0%} confidence."
+                       if choice == "best"
                        else f"{chain}: every check passed and it measured {speedups[chain].verdict()} than AR.")
     return {"publish": chain is not None, "chain": chain, "choice": choice, "forced": forced, "admissible": admissible,
             "rejected": {n: r for n, r in rejected.items() if r}, "failures": failures, "decision": decision,
@@ -208,9 +213,9 @@ def _refusal(speedups: dict[str, paired.Interval], fast: list[str], choice: str)
         return f"no chain is shown faster than AR: {shown} ({levels} intervals)."
     if choice == "best":
         return "no chain is admissible."
-    return f"eval.publish.chain={choice} (strict): " + (f"it is not shown faster than AR ({speedups[choice].verdict()})."
-                                                        if choice not in fast else
-                                                        "a check failed; the strict gate needs every check to pass.")
+    return f"eval.publish.chain={choice} (strict): " + (
+        f"it is not shown faster than AR ({speedups[choice].verdict()})." if choice not in fast else
+        "a check failed; the strict gate needs every check to pass.")
 
 
 def clean_stale(outputs: list[str | Path]) -> list[Path]:

@@ -7,7 +7,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from decode.chains.baselines import autoregressive
 
 
-def tiny_model(seed: int = 0, vocab: int = 300, layers: int = 4, hidden: int = 64, init: float = 0.08) -> LlamaForCausalLM:
+def tiny_model(seed: int = 0, vocab: int = 300, layers: int = 4, hidden: int = 64,
+               init: float = 0.08) -> LlamaForCausalLM:
     """A tiny random Llama in fp32. A larger init than HF's 0.02 gives peaked next-token distributions,
     so near-ties (which may legitimately flip an argmax) stay rare."""
     torch.manual_seed(seed)

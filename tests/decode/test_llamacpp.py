@@ -1,5 +1,6 @@
-"""llama.cpp as a peer (decode/consumers/llamacpp.py, decode/consumers/llamacpp_peer.py): the tools' arguments and reports, the
-build's all-or-nothing marker, the bench peer's switch; the slow tests build llama.cpp (once, cached) and decode."""
+"""llama.cpp as a peer (decode/consumers/llamacpp.py, decode/consumers/llamacpp_peer.py): the tools' arguments and
+reports, the build's all-or-nothing marker, the bench peer's switch; the slow tests build llama.cpp (once, cached) and
+decode."""
 from __future__ import annotations
 
 import shlex

@@ -1,6 +1,6 @@
-"""The W4 level as a Q4_0 GGUF (decode/consumers/llamacpp_gguf.py): exact where GPTQ is symmetric without act order, refused
-in one line elsewhere; the written file keeps the target's metadata and other tensors. Synthetic GPTQ layers and a
-tiny target GGUF: no model, no llama.cpp build."""
+"""The W4 level as a Q4_0 GGUF (decode/consumers/llamacpp_gguf.py): exact where GPTQ is symmetric without act order,
+refused in one line elsewhere; the written file keeps the target's metadata and other tensors. Synthetic GPTQ layers and
+a tiny target GGUF: no model, no llama.cpp build."""
 from __future__ import annotations
 
 import json

@@ -35,7 +35,8 @@ def pack(model: nn.Module, gemm: str = "auto") -> int:
         fuse_siblings(model)
         if model.config._attn_implementation == "sdpa":
             attention.register()
-            model.set_attn_implementation(attention.KERNEL_ATTENTION if packed_with(model) == "avx2" else attention.GROUPED_SDPA)
+            model.set_attn_implementation(attention.KERNEL_ATTENTION if packed_with(model) == "avx2"
+                                          else attention.GROUPED_SDPA)
     return count
 
 
@@ -47,7 +48,8 @@ def unpack(model: nn.Module) -> int:
         from decode.backends.cpu.llama import run_natively
 
         run_natively(model, "off")  # the native runner reads the packed weights
-    if isinstance(model, PreTrainedModel) and model.config._attn_implementation in (attention.GROUPED_SDPA, attention.KERNEL_ATTENTION):
+    if isinstance(model, PreTrainedModel) and model.config._attn_implementation in (attention.GROUPED_SDPA,
+                                                                                     attention.KERNEL_ATTENTION):
         model.set_attn_implementation("sdpa")
     for parent, name, child in _children(model):
         if isinstance(child, PackedLinear):

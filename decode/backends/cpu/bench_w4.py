@@ -54,7 +54,8 @@ def main() -> None:
              "w4 eager (packed, int8 head)": cached_forward(w4, context[: args.context]),
              "w4 native fp32 act. (native int8 head)": runner_forward(exact, int8_head, context[: args.context]),
              "w4 native fp32 act., decoder only": runner_forward(exact, None, context[: args.context]),
-             "w4 native int8 act. (aten int8 head)": runner_forward(runner, w4.get_output_embeddings(), context[: args.context]),
+             "w4 native int8 act. (aten int8 head)": runner_forward(runner, w4.get_output_embeddings(),
+                                                                    context[: args.context]),
              "w4 native int8 act. (native int8 head)": runner_forward(runner, int8_head, context[: args.context]),
              "w4 native int8 act., decoder only": runner_forward(runner, None, context[: args.context])}
     times = median_ms(steps, args.ks, args.repeats)
