@@ -179,3 +179,33 @@ def test_two_layer_target_uses_a_layer_it_has():
     assert all(0 <= i < 2 for i in head.aux_layers) and head.feature_size == 3 * H
     with pytest.raises(HeadError, match=r"aux layers must be layer ids in \[0, 2\)"):
         Eagle3Head(tiny_llama(), aux_layers=(0, 1, 2))
+
+
+def test_published_eagle3_head_is_served_with_method_eagle3(tmp_path):
+    """chain.json's serve section names vLLM's method from the head folder; a level's `method` must match it."""
+    from decode.serving import speculative_config
+
+    target = target6()
+    e3 = Eagle3Head.for_target(target).save_pretrained(tmp_path / "e3", target_hash=weights_hash(target))
+    e2 = EagleHead.for_target(target).save_pretrained(tmp_path / "e2", target_hash=weights_hash(target))
+    drafter = {"kind": "eagle", "draft": {"length": 3}}
+    assert speculative_config(drafter, str(e3)) == {"method": "eagle3", "model": str(e3), "num_speculative_tokens": 3}
+    assert speculative_config(drafter, str(e2))["method"] == "eagle"
+
+
+def test_chain_config_builds_an_eagle3_level_and_checks_the_aux_layers(tmp_path):
+    from decode.build import build_chain
+    from decode.engine.errors import DecodeError
+
+    target = target6()
+    out = Eagle3Head.for_target(target, draft_vocab=torch.arange(0, V, 2)).save_pretrained(
+        tmp_path / "e3", target_hash=weights_hash(target))
+    chain = build_chain([{"kind": "model"}, {"kind": "model", "model": "target", "layers": 4, "mu": 2},
+                         {"kind": "eagle", "path": str(out), "draft": {"length": 3}}], target, tokenizer=None)
+    assert chain.levels[-1].head.method == "eagle3" and all(l.keep_hidden == (2, 3, 3) for l in chain.levels[:2])
+    assert len(chain.generate([5, 6, 7, 8, 9], 12).tokens) == 12
+    with pytest.raises(DecodeError, match=r"states entering layers \[2, 3, 3\], but this level's model has 3"):
+        build_chain([{"kind": "model"}, {"kind": "model", "model": "target", "layers": 3},
+                     {"kind": "eagle", "path": str(out)}], target, tokenizer=None)
+    with pytest.raises(DecodeError, match="an eagle3 head, not an eagle one"):
+        build_chain([{"kind": "model"}, {"kind": "eagle", "path": str(out), "method": "eagle"}], target, tokenizer=None)
