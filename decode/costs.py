@@ -133,6 +133,7 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str], dict | 
     from decode import backends
     from decode.chains.build import gemm_choice, native_settings
     from decode.engine.head import EagleHead, vocabulary_rows
+    from decode.engine.head3 import load_head
     from decode.engine.levels import ModelLevel
 
     device = configured_device(cfg)
@@ -154,11 +155,11 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str], dict | 
     else:
         print(f"costs: no W4 model in {w4_dir}; skipping it", file=sys.stderr)
     with torch.inference_mode():
-        features = target(torch.tensor([context], device=device), output_hidden_states=True).hidden_states[-1]
+        states = target(torch.tensor([context], device=device), output_hidden_states=True).hidden_states
     head_dir = artifacts.output("eagle")
     heads = {}
     if (head_dir / "config.json").is_file():
-        heads["head"] = EagleHead.from_pretrained(head_dir, fast_target, tokenizer)
+        heads["head"] = load_head(head_dir, fast_target, tokenizer)  # either method
         n = heads["head"].draft_vocab
         notes["head"] = f"{head_dir}, packed, draft vocabulary {'full' if n is None else len(n)}"
     for size in c.head_vocab or []:
@@ -168,6 +169,8 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str], dict | 
     for name, head in heads.items():
         backends.prepare(head, gemm)
         head.wrap_linear = backends.linear_wrapper(head, gemm)
+        layers = getattr(head, "aux_layers", None)  # an EAGLE-3 head drafts from the aux states first
+        features = torch.cat([states[i] for i in layers], -1) if layers else states[-1]
         steps[name] = head_forward(head.eval(), context, features)
     vocab = heads["head"].draft_vocab if "head" in heads else None
     if "w4" in steps and vocab is not None:

@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from infra.layout import RunLayout
 from infra.cli import EXIT_CHECK_FAILED, PolyspecError, check_writable, flag, run_main
 from data.models import cache_dir, resolve_model_path
+from decode.consumers.serving import head_method
 
 VLLM_GROUP_SIZES = (-1, 32, 64, 128)  # what vLLM's CPU GPTQ kernel takes (and only if it divides every input width)
 
@@ -148,7 +149,8 @@ def vllm_jobs(icfg: Any, target: str, head: Path, w4: Path, prompts: list[list[i
     return {
         "ar": {"llm": llm, **decode},
         "ngram": {"llm": llm | {"speculative_config": ngram}, **decode},
-        "eagle": {"llm": llm | {"speculative_config": {"method": "eagle", "model": str(head.resolve()), "num_speculative_tokens": k}}, **decode},
+        "eagle": {"llm": llm | {"speculative_config": {"method": head_method({}, str(head)), "model": str(head.resolve()),
+                                                       "num_speculative_tokens": k}}, **decode},  # eagle or eagle3
         "w4": {"llm": llm | {"model": str(w4.resolve()), "dtype": icfg.w4_dtype}, **decode,
                "teacher_forced": [[p, t] for p, t in zip(prompts, ar_tokens)]},
     }

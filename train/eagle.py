@@ -1,4 +1,4 @@
-"""`python -m train.eagle`: train the EAGLE-2 draft head against its verifier's hidden states (DeepSpeed).
+"""`python -m train.eagle`: train the EAGLE-2 (or, `train=eagle3`, EAGLE-3) draft head against its verifier (DeepSpeed).
 
 Features are the verifier's last hidden states (the target's, or the W4 model's with
 `train.feature_source=w4`, since in the polybasic chain the head drafts for M2), computed once into a
@@ -7,6 +7,13 @@ assistant tokens: SmoothL1 on the next feature + weighted cross-entropy against 
 next-token distribution over the head's draft vocabulary (`train.draft_vocab` most frequent reply
 tokens), with uniform noise on the input features. Held-out evaluations during training form a
 learning curve (metrics.json, W&B, learning_curve.png in the head folder).
+
+`train.method=eagle3` (conf/train/eagle3.yaml) trains vLLM's EAGLE-3 head (decode/engine/head3.py) with the same
+machinery: the store adds the verifier's states entering `train.aux_layers` and its argmax; the loss is SpecForge's
+training-time test over `train.unroll` = k steps, each fed its own previous output (train/evaluation.py's unroll):
+step i's loss is -sum p log q against the verifier's distribution p renormalised over the draft vocabulary, at loss
+positions whose verifier argmax lies in that vocabulary, weighted 0.8^i. Its store and checkpoints live beside
+EAGLE-2's (eagle3_features, eagle3_checkpoints), so the two never evict each other.
 
 `EagleRecipe` holds one run's state (setup, train, evaluate, save); data, held-out evaluation, checkpoints and the
 plot live in train/examples.py, train/evaluation.py, train/checkpoints.py and train/plot.py.
@@ -42,7 +49,8 @@ from infra.layout import RunLayout
 from data.models import load_model, same_vocabulary, weights_hash
 from data.sharegpt import load_split
 from infra.tracking import Tracker
-from decode.engine.head import FORMAT_VERSION, EagleHead
+from decode.engine.head import FORMAT_VERSION, DraftHead, EagleHead, vocabulary_rows
+from decode.engine.head3 import Eagle3Head, check_aux_layers, default_aux_layers
 from train import store
 from train.checkpoints import Progress, StopFlag, checkpoint_fingerprint, resume_progress, save_checkpoint
 from train.distributed import backend_for, collective_device, training_device
@@ -51,6 +59,7 @@ from train.evaluation import EvalSequence, evaluate, evaluate_on_rank0, prepare_
 from train.examples import draft_vocabulary, load_examples, pad, step_micro_batches
 from train.plot import learning_curve_png
 
+METHODS = ("eagle", "eagle3")  # vLLM's names: EAGLE-1/2 and EAGLE-3 heads
 FEATURE_SOURCES = ("target", "w4")
 REPLIES = ("dataset", "verifier")
 LOSS_TOKENS = ("replies", "all")
@@ -64,6 +73,12 @@ def validate(cfg: DictConfig) -> None:
     t = cfg.train
     for key in RUN_CONTROL_KEYS:  # strictly boolean: the string 'false' would be truthy
         flag(t, key, error=TrainError)
+    if t.method not in METHODS:
+        raise TrainError(f"train.method={t.method!r}: must be one of {', '.join(METHODS)}")
+    if t.method == "eagle3" and t.init != "random":
+        raise TrainError(f"train.init={t.init!r}: an EAGLE-3 head (q/k/v over 2h inputs) starts random")
+    if t.aux_layers is not None and (not OmegaConf.is_list(t.aux_layers) or not all(isinstance(i, int) for i in t.aux_layers)):
+        raise TrainError(f"train.aux_layers={t.aux_layers!r}: must be a list of layer ids (or null for vLLM's default)")
     if t.feature_source not in FEATURE_SOURCES:
         raise TrainError(f"train.feature_source={t.feature_source!r}: must be one of {', '.join(FEATURE_SOURCES)}")
     if t.zero_stage not in ZERO_STAGES:
@@ -155,6 +170,35 @@ def micro_batch_loss(head: Any, feats: torch.Tensor, ids: torch.Tensor, loss_mas
     return loss, {"loss": loss.item(), **stats}
 
 
+TTT_DECAY = 0.8  # step i of the training-time test weighs 0.8^i (SpecForge, EAGLE-3)
+
+
+def ttt_loss(head: Any, batch: dict[str, torch.Tensor], depth: int, target_rows: torch.nn.Module,
+             in_vocab: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """EAGLE-3's training-time test on one micro batch (`batch`: ids, loss_mask and the store's aux, features,
+    argmax): `depth` steps from every start, step i from the head's own step i-1 output; its loss is -sum p log q
+    with p the verifier's distribution over the draft vocabulary (`target_rows`: its LM head's rows for it, on the
+    stored last hidden state), at loss positions whose verifier argmax is in the draft vocabulary (`in_vocab` [V]);
+    the total is sum 0.8^i L_i."""
+    module = head.module if hasattr(head, "module") else head
+    ids, loss_mask = batch["ids"], batch["loss_mask"]
+    n = ids.shape[1] - 1 - depth
+    loss, stats = torch.zeros((), device=ids.device), {"feature_loss": 0.0, "ce": 0.0}
+    for i, hidden in enumerate(unroll(head, ids, batch["aux"][:, :n], depth)):
+        j = i + 1  # this step predicts token t + j + 1 from the verifier's distribution at position t + j
+        mask = loss_mask[:, j + 1:n + j + 1] & in_vocab[batch["argmax"][:, j:n + j]]
+        logits = module.logits(hidden[mask]).float()
+        with torch.no_grad():
+            target_p = torch.softmax(target_rows(batch["features"][:, j:n + j][mask].to(target_rows.weight.dtype)).float(), -1)
+        ce = -(target_p * torch.log_softmax(logits, dim=-1)).sum(-1).mean() if logits.shape[0] else logits.sum()
+        loss = loss + TTT_DECAY ** i * ce
+        stats["ce"] += ce.item() / depth
+        if i == 0:
+            stats["correct"] = (logits.argmax(-1) == target_p.argmax(-1)).sum().item()
+            stats["predicted"] = int(mask.sum())
+    return loss, {"loss": loss.item(), **stats}
+
+
 def lr_multiplier(step: int, total: int, warmup: int, min_ratio: float) -> float:
     """Linear warmup, then cosine decay to min_ratio of the peak learning rate."""
     if step < warmup:
@@ -190,9 +234,20 @@ def head_is_current(cfg: DictConfig, layout: RunLayout, target_hash: str) -> boo
     return same and saved.get("format_version") == FORMAT_VERSION and saved.get("target", {}).get("weights_hash") == target_hash
 
 
-def new_head(cfg: DictConfig, target: PreTrainedModel, vocab: torch.Tensor | None) -> EagleHead:
+def aux_layers(cfg: DictConfig, target: PreTrainedModel) -> tuple[int, ...]:
+    """The layers whose entering states an EAGLE-3 head reads (train.aux_layers, or vLLM's default); () for EAGLE-2."""
+    if cfg.train.get("method", "eagle") != "eagle3":
+        return ()
+    n, layers = target.config.num_hidden_layers, cfg.train.get("aux_layers")
+    return check_aux_layers(layers if layers is not None else default_aux_layers(n), n)
+
+
+def new_head(cfg: DictConfig, target: PreTrainedModel, vocab: torch.Tensor | None) -> DraftHead:
     """A fresh head: random (EAGLE's init) or `train.init=target_last_layer`: the decoder layer copied from
-    the target's last layer and fc passing the feature half through unchanged."""
+    the target's last layer and fc passing the feature half through unchanged. EAGLE-3: random, its LM head the
+    target's rows for the draft vocabulary."""
+    if cfg.train.get("method", "eagle") == "eagle3":
+        return Eagle3Head(target, draft_vocab=vocab, aux_layers=aux_layers(cfg, target))
     head = EagleHead(target, draft_vocab=vocab)
     if cfg.train.init == "target_last_layer":
         last = getattr(target, target.base_model_prefix).layers[-1].state_dict()
@@ -219,6 +274,9 @@ class EagleRecipe:
 
     def __init__(self, cfg: DictConfig):
         self.cfg, self.t, self.layout = cfg, cfg.train, RunLayout.of(cfg)
+        method = self.t.get("method", "eagle")  # each method keeps its own store and checkpoints in the run dir
+        self.store_root, self.checkpoints = (self.layout.feature_store, self.layout.checkpoints) if method == "eagle" else (
+            self.layout.run_dir / f"{method}_features", self.layout.run_dir / f"{method}_checkpoints")
         self.tracker: Tracker | None = None
         self.eval_sequences: list[EvalSequence] = []
 
@@ -240,22 +298,37 @@ class EagleRecipe:
         self.examples, prompts = load_examples(self.cfg, self.tokenizer, feature_model, self.hashes["features"], self.rank,
                                                self.world, split)
         self.total_steps = self._total_steps()
-        self.features = store.build_or_load(feature_model, [e.input_ids for e in self.examples], self.layout.feature_store,
-                                            self.hashes["features"], self.t.store_dtype, self.t.store_batch, self.rank, self.world)
+        self.aux_layers = aux_layers(self.cfg, self.target)
+        self.features = store.build_or_load(feature_model, [e.input_ids for e in self.examples], self.store_root,
+                                            self.hashes["features"], self.t.store_dtype, self.t.store_batch, self.rank,
+                                            self.world, self.aux_layers)
         self.head = new_head(self.cfg, self.target, draft_vocabulary(self.cfg, self.examples, self.tokenizer,
                                                                      self.target.config.vocab_size, self.rank))
+        self._verifier_rows(feature_model)
         self.engine, self.scheduler = self._engine(deepspeed)
-        self.progress = resume_progress(self.engine, self.cfg, self.layout.checkpoints, self.world, self.total_steps, self.rank)
+        self.progress = resume_progress(self.engine, self.cfg, self.checkpoints, self.world, self.total_steps, self.rank)
         if self.rank == 0:
             self.tracker = Tracker(self.cfg, "train.eagle")
             print(f"train.eagle: {len(self.examples)} conversations, {self.total_steps} steps of {self._per_step()} (micro "
                   f"{self.t.micro_batch} x accum {self.t.grad_accum} x {self.world} ranks), features from {self.t.feature_source}")
-            self.eval_sequences = prepare_eval(feature_model, self.tokenizer, prompts, self.t.eval.gen_tokens, self.t.eval.batch)
+            self.eval_sequences = prepare_eval(feature_model, self.tokenizer, prompts, self.t.eval.gen_tokens, self.t.eval.batch,
+                                               self.aux_layers)
         if not self.progress.curve:
             self.progress.curve.append(curve_point(self.progress, self.evaluate()))
             if self.rank == 0:
                 print(f"untrained head: held-out acceptance length {self.progress.curve[0]['acceptance_length']:.3f}")
         return True
+
+    def _verifier_rows(self, feature_model: PreTrainedModel) -> None:
+        """EAGLE-3's loss target: the verifier's LM-head rows for the head's draft vocabulary (frozen) and which
+        tokens that vocabulary holds."""
+        if not self.aux_layers:
+            return
+        vocab, size = self.head.draft_vocab, self.target.config.vocab_size
+        head = feature_model.get_output_embeddings()
+        self.target_rows = vocabulary_rows(head, vocab if vocab is not None else torch.arange(size, device=head.weight.device))
+        self.in_vocab = torch.zeros(size, dtype=torch.bool, device=head.weight.device)
+        self.in_vocab[vocab if vocab is not None else slice(None)] = True
 
     def _per_step(self) -> int:
         return self.t.micro_batch * self.t.grad_accum * self.world
@@ -318,10 +391,15 @@ class EagleRecipe:
         engine.train()
         sums = {"loss": 0.0, "feature_loss": 0.0, "ce": 0.0, "correct": 0, "predicted": 0, "tokens": 0}
         for chunk, indices in step_micro_batches(self.progress.step, len(examples), cfg.train, cfg.seed, self.rank, self.world):
-            ids, feats, loss_mask = (x.to(engine.device) for x in pad([examples[i] for i in indices], [self.features[i] for i in indices],
-                                                                      all_tokens=cfg.train.loss_tokens == "all"))
-            loss, stats = micro_batch_loss(engine, feats, ids, loss_mask, cfg.train,
-                                           noise_seed=cfg.seed * 1_000_003 + self.progress.step * 1_009 + chunk)
+            ids, stored, loss_mask = pad([examples[i] for i in indices], [self.features[i] for i in indices],
+                                         all_tokens=cfg.train.loss_tokens == "all")
+            batch = {"ids": ids, "loss_mask": loss_mask, **stored}
+            batch = {k: v.to(engine.device) for k, v in batch.items()}
+            if self.aux_layers:
+                loss, stats = ttt_loss(engine, batch, cfg.train.unroll, self.target_rows, self.in_vocab)
+            else:
+                loss, stats = micro_batch_loss(engine, batch["features"], batch["ids"], batch["loss_mask"], cfg.train,
+                                               noise_seed=cfg.seed * 1_000_003 + self.progress.step * 1_009 + chunk)
             engine.backward(loss)
             engine.step()
             stats["tokens"] = sum(len(examples[i].input_ids) for i in indices)
@@ -341,7 +419,7 @@ class EagleRecipe:
 
     def _checkpoint(self, stop: StopFlag) -> None:
         """A checkpoint every train.checkpoint_every steps, at the end, and before stopping on Ctrl-C/SIGTERM."""
-        ckpt_dir, step = self.layout.checkpoints, self.progress.step
+        ckpt_dir, step = self.checkpoints, self.progress.step
         client = {"progress": asdict(self.progress), "fingerprint": checkpoint_fingerprint(self.cfg, self.world)}
         if stop.agreed():
             save_checkpoint(self.engine, ckpt_dir, step, client, self.t.keep_checkpoints, self.rank)
@@ -385,7 +463,7 @@ class EagleRecipe:
 
 
 def final_metrics(final: dict[str, float], progress: Progress, depth: int, conversations: int, world: int,
-                  head: EagleHead) -> dict[str, Any]:
+                  head: DraftHead) -> dict[str, Any]:
     """metrics.json of a finished head: the final held-out evaluation, the untrained one, the run's totals."""
     untrained = progress.curve[0]
     return {**{f"eval/{m}": v for m, v in final.items()}, **progress.last,

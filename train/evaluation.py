@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from transformers import DynamicCache, PreTrainedModel
 
-from decode.engine.head import EagleHead, additive_mask
+from decode.engine.head import DraftHead, additive_mask
 from train import replies
 from train.errors import TrainError
 
@@ -17,23 +17,26 @@ from train.errors import TrainError
 @dataclass
 class EvalSequence:
     ids: torch.Tensor       # [L]: held-out prompt + the verifier's own greedy continuation
-    features: torch.Tensor  # [L, h]: the verifier's last hidden states
+    features: torch.Tensor  # [L, h]: the verifier's last hidden states (EAGLE-3: the aux states [L, 3h])
     greedy: torch.Tensor    # [L]: the verifier's argmax next token at each position
     prompt_len: int
 
 
 @torch.no_grad()
-def prepare_eval(model: PreTrainedModel, tokenizer: Any, prompts: list[list[int]], gen_tokens: int,
-                 batch: int) -> list[EvalSequence]:
+def prepare_eval(model: PreTrainedModel, tokenizer: Any, prompts: list[list[int]], gen_tokens: int, batch: int,
+                 aux_layers: tuple[int, ...] = ()) -> list[EvalSequence]:
     """Held-out prompts continued greedily by the verifier: on such text, a chain draft is accepted
-    exactly while the head's argmax equals the verifier's, so acceptance is measured, not approximated."""
+    exactly while the head's argmax equals the verifier's, so acceptance is measured, not approximated.
+    The features are the ones the head drafts from: the last hidden states, or with `aux_layers` (EAGLE-3) the
+    states entering those layers side by side."""
     out = []
     for i in range(0, len(prompts), batch):
         group = prompts[i: i + batch]
         for p, row in zip(group, replies.greedy_replies(model, tokenizer, group, gen_tokens)):
             seq = torch.tensor([p + row], device=model.device)
-            features = getattr(model, model.base_model_prefix)(input_ids=seq).last_hidden_state
-            greedy = model.get_output_embeddings()(features).argmax(-1)
+            result = getattr(model, model.base_model_prefix)(input_ids=seq, output_hidden_states=bool(aux_layers))
+            greedy = model.get_output_embeddings()(result.last_hidden_state).argmax(-1)
+            features = torch.cat([result.hidden_states[i] for i in aux_layers], -1) if aux_layers else result.last_hidden_state
             out.append(EvalSequence(seq[0], features[0], greedy[0], len(p)))
     return out
 
@@ -66,7 +69,7 @@ def unroll(head: Any, ids: torch.Tensor, features: torch.Tensor, depth: int) -> 
 
 
 @torch.no_grad()
-def chain_drafts(head: EagleHead, ids: torch.Tensor, features: torch.Tensor, depth: int) -> torch.Tensor:
+def chain_drafts(head: DraftHead, ids: torch.Tensor, features: torch.Tensor, depth: int) -> torch.Tensor:
     """Depth-`depth` chain drafts (target token ids) from every start of a sequence: [depth, n],
     n = len(ids) - 1 - depth."""
     return torch.stack([head.token_ids(head.logits(h[0]).argmax(-1))
@@ -74,7 +77,7 @@ def chain_drafts(head: EagleHead, ids: torch.Tensor, features: torch.Tensor, dep
 
 
 @torch.no_grad()
-def evaluate(head: EagleHead, sequences: list[EvalSequence], depth: int) -> dict[str, float]:
+def evaluate(head: DraftHead, sequences: list[EvalSequence], depth: int) -> dict[str, float]:
     """Top-1 at depth 1..k of autoregressive drafting from the head's own features, and the expected
     acceptance length (accepted drafts + the verifier's bonus token) of a depth-k chain draft, over
     every start in the verifier-generated text. The draft at depth j is accepted iff it and all
@@ -102,7 +105,7 @@ def evaluate(head: EagleHead, sequences: list[EvalSequence], depth: int) -> dict
     return metrics
 
 
-def evaluate_on_rank0(head: EagleHead, sequences: list[EvalSequence], depth: int, rank: int) -> dict[str, float]:
+def evaluate_on_rank0(head: DraftHead, sequences: list[EvalSequence], depth: int, rank: int) -> dict[str, float]:
     """Rank 0 evaluates with the full weights (gathered under ZeRO-3, a no-op otherwise); others wait."""
     import deepspeed
 

@@ -96,17 +96,22 @@ def step_micro_batches(step: int, n: int, t: DictConfig, seed: int, rank: int, w
     return chunks
 
 
-def pad(examples: list[Example], features: list[torch.Tensor], all_tokens: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded (input_ids, features in fp32, loss_mask) of a micro batch; padding is never a loss position.
-    The loss mask is the examples' (assistant tokens) or, with `all_tokens`, every real position."""
-    L, h = max(len(e.input_ids) for e in examples), features[0].shape[-1]
+def pad(examples: list[Example], stored: list[dict[str, torch.Tensor]],
+        all_tokens: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """Right-padded (input_ids, the stored tensors (train/store.py: floating ones in fp32), loss_mask) of a micro batch;
+    padding is never a loss position. The loss mask is the examples' (assistant tokens) or, with `all_tokens`, every
+    real position."""
+    L = max(len(e.input_ids) for e in examples)
     ids = torch.zeros(len(examples), L, dtype=torch.long)
-    feats = torch.zeros(len(examples), L, h)
     loss = torch.zeros(len(examples), L, dtype=torch.bool)
-    for b, (e, f) in enumerate(zip(examples, features)):
+    padded = {k: torch.zeros(len(examples), L, *v.shape[1:], dtype=torch.float32 if v.is_floating_point() else v.dtype)
+              for k, v in stored[0].items()}
+    for b, (e, s) in enumerate(zip(examples, stored)):
         n = len(e.input_ids)
-        ids[b, :n], feats[b, :n], loss[b, :n] = e.input_ids, f, True if all_tokens else e.loss_mask
-    return ids, feats, loss
+        ids[b, :n], loss[b, :n] = e.input_ids, True if all_tokens else e.loss_mask
+        for k, v in s.items():
+            padded[k][b, :n] = v
+    return ids, padded, loss
 
 
 def draft_vocabulary(cfg: DictConfig, examples: list[Example], tokenizer: Any, vocab_size: int, rank: int) -> torch.Tensor | None:

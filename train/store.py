@@ -1,17 +1,19 @@
-"""The feature store: the verifier's last hidden states over the training conversations, computed once.
+"""The feature store: the verifier's hidden states over the training conversations, computed once.
 
 Online features cost a full verifier forward per token and per epoch, several times the head's own
 step on a CPU; stored once, later epochs pay only the head. The store lives in
-`<root>/<key>/` as safetensors shards (`features` [tokens, h] and `lengths` [examples]) plus a
+`<root>/<key>/` as safetensors shards (`features` [tokens, h] and `lengths` [examples]; for an EAGLE-3 head also
+`aux` [tokens, 3h], the states entering its aux layers, and `argmax` [tokens], the verifier's next token) plus a
 meta.json. The key hashes everything the features depend on: the feature model's weights, the
-tokenized examples (data source, selection, max length, chat template) and the stored dtype. A store
+tokenized examples (data source, selection, max length, chat template), the stored dtype and aux layers. A store
 under another key is never read (it is removed, with a message); an interrupted build keeps the
 shards it finished in `<key>.partial/` and continues from them. With several ranks, each builds every
 world-th shard and rank 0 publishes the folder.
 
 The cross-entropy target needs no storing: it is the verifier's distribution at the next position,
 i.e. its LM head applied to the stored next feature, which training computes over the draft
-vocabulary only (cheap).
+vocabulary only (cheap). Only EAGLE-3's mask (is the verifier's own next token in the draft vocabulary?) needs
+its argmax over the full vocabulary, which is stored. Each example is a dict of these tensors.
 """
 from __future__ import annotations
 
@@ -37,19 +39,21 @@ class StoreError(PolyspecError, RuntimeError):
 STORE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def store_key(feature_hash: str, sequences: list[torch.Tensor], dtype: str) -> str:
-    digest = hashlib.sha256(f"{feature_hash}|{dtype}".encode())
+def store_key(feature_hash: str, sequences: list[torch.Tensor], dtype: str, aux_layers: tuple[int, ...] = ()) -> str:
+    digest = hashlib.sha256(f"{feature_hash}|{dtype}{f'|aux{list(aux_layers)}' if aux_layers else ''}".encode())
     for ids in sequences:
         digest.update(ids.numpy().tobytes() + b"|")
     return digest.hexdigest()[:16]
 
 
 @torch.inference_mode()
-def _features(model: PreTrainedModel, sequences: list[torch.Tensor], batch: int) -> list[torch.Tensor]:
-    """Last hidden states of each sequence; batched by similar length (right padding, causal: exact rows)."""
+def _features(model: PreTrainedModel, sequences: list[torch.Tensor], batch: int,
+              aux_layers: tuple[int, ...] = ()) -> list[dict[str, torch.Tensor]]:
+    """Each sequence's last hidden states (and with aux layers: the states entering them side by side, and the
+    verifier's argmax); batched by similar length (right padding, causal: exact rows)."""
     base = getattr(model, model.base_model_prefix, model)
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
-    out: list[torch.Tensor | None] = [None] * len(sequences)
+    out: list[dict | None] = [None] * len(sequences)
     for start in range(0, len(order), batch):
         group = order[start:start + batch]
         width = max(len(sequences[i]) for i in group)
@@ -57,35 +61,45 @@ def _features(model: PreTrainedModel, sequences: list[torch.Tensor], batch: int)
         attn = torch.zeros(len(group), width, dtype=torch.long)
         for row, i in enumerate(group):
             ids[row, :len(sequences[i])], attn[row, :len(sequences[i])] = sequences[i], 1
-        hidden = base(input_ids=ids.to(model.device), attention_mask=attn.to(model.device)).last_hidden_state.cpu()  # the store lives in host memory
-        for row, i in enumerate(group):
-            out[i] = hidden[row, :len(sequences[i])]
+        result = base(input_ids=ids.to(model.device), attention_mask=attn.to(model.device),
+                      output_hidden_states=bool(aux_layers))
+        parts = {"features": result.last_hidden_state}
+        if aux_layers:
+            parts["aux"] = torch.cat([result.hidden_states[i] for i in aux_layers], -1)
+            head = model.get_output_embeddings()
+            parts["argmax"] = torch.stack([head(row).argmax(-1) for row in result.last_hidden_state])
+        for row, i in enumerate(group):  # the store lives in host memory
+            out[i] = {k: v[row, :len(sequences[i])].cpu() for k, v in parts.items()}
     return out  # type: ignore[return-value]
 
 
-def build_or_load(model: PreTrainedModel, sequences: list[torch.Tensor], root: Path,
-                  feature_hash: str, dtype: str, batch: int, rank: int = 0, world: int = 1) -> list[torch.Tensor]:  # rank/world: each rank computes its share of the store
-    """Per-sequence features [len, h] in `dtype`, from the store under `root` (built first if missing)."""
-    key = store_key(feature_hash, sequences, dtype)
+def build_or_load(model: PreTrainedModel, sequences: list[torch.Tensor], root: Path, feature_hash: str, dtype: str,
+                  batch: int, rank: int = 0, world: int = 1,
+                  aux_layers: tuple[int, ...] = ()) -> list[dict[str, torch.Tensor]]:  # 9: rank/world: each rank's share
+    """Per-sequence {"features": [len, h]} in `dtype` (with aux layers also "aux" [len, 3h] and "argmax" [len]),
+    from the store under `root` (built first if missing)."""
+    key = store_key(feature_hash, sequences, dtype, tuple(aux_layers))
     folder = root / key
     if not (folder / "meta.json").is_file():
-        _build(model, sequences, root, key, STORE_DTYPES[dtype], batch, rank, world)
+        _build(model, sequences, root, key, STORE_DTYPES[dtype], batch, rank, world, tuple(aux_layers))
     elif rank == 0:
         print(f"feature store: reusing {folder}")
     return _load(folder, len(sequences))
 
 
-def _build(model, sequences, root: Path, key: str, dtype: torch.dtype, batch: int, rank: int, world: int) -> None:  # rank/world: each rank computes its share of the store
+def _build(model, sequences, root: Path, key: str, dtype: torch.dtype, batch: int, rank: int, world: int,
+           aux_layers: tuple[int, ...] = ()) -> None:  # rank/world: each rank computes its share of the store
     partial = root / f"{key}.partial"
     tokens, h = sum(len(s) for s in sequences), model.config.hidden_size
+    width = h * (1 + len(aux_layers))  # values per token: the last hidden state and the aux states
     shards = range(0, len(sequences), SHARD_EXAMPLES)
     if rank == 0:
         for stale in root.glob("*") if root.is_dir() else []:
             if stale.name not in (key, partial.name):
                 print(f"feature store: removing {stale} (built for other weights, data or settings)")
                 shutil.rmtree(stale, ignore_errors=True)
-        print(f"feature store: {len(sequences):,} conversations, {tokens:,} tokens x {h} x {dtype} = "
-              f"{tokens * h * dtype.itemsize / 2**20:,.1f} MiB in {root / key}")
+        print(f"feature store: {len(sequences):,} conversations, {tokens:,} tokens x {width} x {dtype} = "
+              f"{tokens * width * dtype.itemsize / 2**20:,.1f} MiB in {root / key}")
     partial.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     mine = [s for n, s in enumerate(shards) if n % world == rank]
@@ -94,9 +108,11 @@ def _build(model, sequences, root: Path, key: str, dtype: torch.dtype, batch: in
     for start in mine:
         part, shard = sequences[start:start + SHARD_EXAMPLES], partial / f"shard-{start // SHARD_EXAMPLES:05d}.safetensors"
         if not shard.is_file():  # shards finished by an interrupted build are kept
-            feats = torch.cat(_features(model, part, batch)).to(dtype)
+            computed = _features(model, part, batch, aux_layers) if aux_layers else _features(model, part, batch)
+            tensors = {k: torch.cat([c[k] for c in computed]) for k in computed[0]}
+            tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
             tmp = shard.with_name(f".{shard.name}.tmp")
-            save_file({"features": feats.contiguous(), "lengths": torch.tensor([len(s) for s in part])}, str(tmp))
+            save_file({**tensors, "lengths": torch.tensor([len(s) for s in part])}, str(tmp))
             tmp.replace(shard)
         bar.update(sum(len(s) for s in part))
     bar.close()
@@ -105,7 +121,7 @@ def _build(model, sequences, root: Path, key: str, dtype: torch.dtype, batch: in
     if rank == 0:
         seconds = time.perf_counter() - started  # all ranks' shards done (the barrier); shards kept from before included
         meta = {"key": key, "conversations": len(sequences), "tokens": tokens, "hidden_size": h,
-                "dtype": str(dtype).removeprefix("torch."), "shard_examples": SHARD_EXAMPLES, "device": str(model.device),
+                "aux_layers": list(aux_layers), "dtype": str(dtype).removeprefix("torch."), "shard_examples": SHARD_EXAMPLES, "device": str(model.device),
                 "build_seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)}
         print(f"feature store: built in {seconds:.1f} s on {model.device} ({tokens / max(seconds, 1e-9):,.0f} tokens/s)")
         (partial / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -114,11 +130,13 @@ def _build(model, sequences, root: Path, key: str, dtype: torch.dtype, batch: in
         dist.barrier()
 
 
-def _load(folder: Path, count: int) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
+def _load(folder: Path, count: int) -> list[dict[str, torch.Tensor]]:
+    out: list[dict[str, torch.Tensor]] = []
     for shard in sorted(folder.glob("shard-*.safetensors")):
         tensors = load_file(str(shard))
-        out += list(torch.split(tensors["features"], tensors["lengths"].tolist()))
+        lengths = tensors.pop("lengths").tolist()
+        split = {k: torch.split(v, lengths) for k, v in tensors.items()}
+        out += [{k: v[i] for k, v in split.items()} for i in range(len(lengths))]
     if len(out) != count:
         raise StoreError(f"{folder}: feature store holds {len(out)} conversations, expected {count}; delete it to rebuild")
     return out

@@ -24,7 +24,8 @@ from decode.backends.cpu.dense import packed_with
 from decode.backends.cpu.int8 import quantize_lm_head
 from decode.backends.cpu.llama import ACTIVATIONS
 from decode.engine.chain import Chain, read_features
-from decode.engine.head import EagleHead, vocabulary_rows
+from decode.engine.head import DraftHead, EagleHead, vocabulary_rows
+from decode.engine.head3 import Eagle3Head, load_head
 from decode.engine.spec import ChainSpec, LevelSpec
 from decode.engine.errors import DecodeError
 from decode.engine.levels import EagleLevel, Level, ModelLevel, NgramLevel
@@ -151,13 +152,16 @@ class ChainBuilder:
         loaded = [self.load(level) for level in spec.levels]
         heads = [head for level, head in zip(spec.levels, loaded) if level.kind == "eagle"]
         read = max((i for i, level in enumerate(spec.levels) if level.kind == "eagle"), default=-1)  # levels above it keep features
+        kept = heads[-1].aux_layers if heads and isinstance(heads[-1], Eagle3Head) else True  # what they keep
         levels: list[Level] = []
         for i, (level, source) in enumerate(zip(spec.levels, loaded)):
             if level.kind == "model":
-                levels.append(self._model_level(level, source, heads, keep_hidden=i < read, first=i == 0))
+                keep = kept if i < read else False
+                levels.append(self._model_level(level, source, heads, keep_hidden=_checked_keep(level, source, keep),
+                                                first=i == 0))
             elif level.kind == "eagle":
                 order = _feature_order(level.features, level.name, source, [l for l in levels[::-1] if isinstance(l, ModelLevel)])
-                features = read_features(order, self.target.config.hidden_size, self.target.dtype)
+                features = read_features(order, source.feature_size, self.target.dtype)
                 levels.append(EagleLevel(level.name, source, features, level.draft))
             else:
                 levels.append(NgramLevel(level.name, level.max_ngram, level.min_ngram, level.draft))
@@ -165,7 +169,7 @@ class ChainBuilder:
 
     def load(self, level: LevelSpec) -> Any:
         """What a level runs, loaded once: its model (model levels), its head (eagle levels), nothing (ngram)."""
-        key = (level.kind, level.model, level.dtype, level.layers, level.lm_head, level.path)
+        key = (level.kind, level.model, level.dtype, level.layers, level.lm_head, level.path, level.method)
         if level.kind != "ngram" and key not in self._loaded:
             self._loaded[key] = self._load(level)
         return self._loaded.get(key)
@@ -183,8 +187,8 @@ class ChainBuilder:
         head.wrap_linear = backends.linear_wrapper(head, self.gemm)
         return head
 
-    def _model_level(self, level: LevelSpec, model: PreTrainedModel, heads: list[EagleHead], keep_hidden: bool,
-                     first: bool) -> ModelLevel:
+    def _model_level(self, level: LevelSpec, model: PreTrainedModel, heads: list[DraftHead],
+                     keep_hidden: bool | tuple[int, ...], first: bool) -> ModelLevel:
         vocab = None if level.vocab is None else _level_vocab(level, heads, first)
         rows = None if vocab is None else backends.linear_wrapper(model, self.gemm)(
             vocabulary_rows(model.get_output_embeddings(), vocab))
@@ -211,7 +215,15 @@ def _int8_lm_head(level: LevelSpec, model: PreTrainedModel, target: PreTrainedMo
         raise DecodeError(f"level {name!r}: lm_head: int8 needs a bias-free CPU LM head and torch's int8 weight-only kernel")
 
 
-def _feature_order(features: str | None, name: str, head: EagleHead, above: list[ModelLevel]) -> list[ModelLevel]:
+def _checked_keep(level: LevelSpec, model: PreTrainedModel, keep: bool | tuple[int, ...]) -> bool | tuple[int, ...]:
+    """What a model level keeps for the EAGLE level below: EAGLE-3's aux layers need a model that has them."""
+    if isinstance(keep, tuple) and max(keep) >= model.config.num_hidden_layers:
+        raise DecodeError(f"level {level.name!r}: the EAGLE-3 head reads the states entering layers {list(keep)}, "
+                          f"but this level's model has {model.config.num_hidden_layers} layers")
+    return keep
+
+
+def _feature_order(features: str | None, name: str, head: DraftHead, above: list[ModelLevel]) -> list[ModelLevel]:
     """The levels an EAGLE level reads features from, in the order it asks them (`above`: nearest first):
     `features` (nearest | target), by default what the head was trained on."""
     trained_on = getattr(head, "feature_source", None)
@@ -219,7 +231,7 @@ def _feature_order(features: str | None, name: str, head: EagleHead, above: list
     return {"nearest": above, "target": above[::-1]}[source]
 
 
-def _level_vocab(level: LevelSpec, heads: list[EagleHead], is_target: bool) -> torch.Tensor:
+def _level_vocab(level: LevelSpec, heads: list[DraftHead], is_target: bool) -> torch.Tensor:
     """A middle level's vocabulary (`vocab: head`): the draft vocabulary of the chain's EAGLE head."""
     name = level.name
     if is_target:
@@ -273,15 +285,16 @@ def truncated_copy(model: PreTrainedModel, layers: int) -> PreTrainedModel:
     return clone.eval()
 
 
-def _eagle_head(level: LevelSpec, tokenizer, artifacts: RunLayout, target: PreTrainedModel) -> EagleHead:
+def _eagle_head(level: LevelSpec, tokenizer, artifacts: RunLayout, target: PreTrainedModel) -> DraftHead:
+    """An eagle level's head: untrained (`method` eagle or eagle3) or loaded, of the method its folder says."""
     path = level.path
     if path == "untrained":
-        return EagleHead.for_target(target).eval()
+        return (Eagle3Head if level.method == "eagle3" else EagleHead).for_target(target).eval()
     folder = artifacts.folder(path)
     if not folder.exists():
         raise DecodeError(f"{folder}: no EAGLE head folder (train one with python -m train.eagle)")
     try:
-        return EagleHead.from_pretrained(str(folder), target, tokenizer).eval()
+        return load_head(folder, target, tokenizer, level.method).eval()
     except (OSError, ValueError, RuntimeError) as err:
         raise DecodeError(f"{folder}: cannot load the EAGLE head ({str(err).splitlines()[0]})") from None
 

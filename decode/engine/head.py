@@ -81,9 +81,136 @@ def head_config(target_config: Any) -> Any:
     return config
 
 
-class EagleHead(nn.Module):
+class DraftHead(nn.Module):
+    """What every draft head shares: the target's frozen input embedding (held by reference, never saved), an
+    optional draft vocabulary (sorted target ids), the folder layout (config.json with polyspec's metadata beside
+    vLLM's keys, model.safetensors) and the refusals on load. Subclasses: EagleHead (vLLM method "eagle"),
+    decode.engine.head3.Eagle3Head ("eagle3"). `forward(ids, features, cache, ...)` returns (hidden, logits, cache):
+    `hidden` is what the next drafting step feeds back as its features."""
+
+    method = ""
+
+    def _share(self, target: PreTrainedModel, draft_vocab: torch.Tensor | None) -> None:
+        """The target's embedding (frozen, not a submodule), its names, the draft vocabulary, the backend hook."""
+        self._shared = {"embed": target.get_input_embeddings()}
+        self._shared["embed"].requires_grad_(False)
+        self.target_name = str(getattr(target.config, "name_or_path", "") or type(target).__name__)
+        self.target_class = type(target).__name__
+        if draft_vocab is not None:
+            draft_vocab = torch.as_tensor(draft_vocab, dtype=torch.long).unique(sorted=True)
+            if draft_vocab.numel() == 0 or draft_vocab[0] < 0 or draft_vocab[-1] >= self.config.vocab_size:
+                raise HeadError(f"draft vocabulary must be token ids in [0, {self.config.vocab_size}), "
+                                f"got {draft_vocab.numel()} ids")
+            self.register_buffer("draft_vocab", draft_vocab, persistent=False)  # saved beside the weights or as d2t
+        else:
+            self.draft_vocab = None
+        self._derived: dict[str, nn.Module] = {}  # modules built on first use (not saved)
+        # a backend's faster linear, set from outside
+        self.wrap_linear: Callable[[nn.Linear], nn.Module] = lambda linear: linear
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self._shared["embed"]
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the features the level above hands this head (EAGLE: the hidden size)."""
+        return self.config.hidden_size
+
+    @classmethod
+    def for_target(cls, target_model: PreTrainedModel, draft_vocab: torch.Tensor | None = None) -> "DraftHead":
+        """An untrained head for a target (optionally with a draft vocabulary), in the target's dtype and device."""
+        return _placed_like(cls(target_model, draft_vocab=draft_vocab), target_model)
+
+    def token_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Target token ids of positions in `logits`' last dimension."""
+        return index if self.draft_vocab is None else self.draft_vocab[index]
+
+    def full_vocab(self, probs: torch.Tensor) -> torch.Tensor:
+        """Probabilities over the draft vocabulary [..., N] spread onto the full vocabulary [..., V] (0 elsewhere)."""
+        if self.draft_vocab is None:
+            return probs
+        return spread(probs, self.draft_vocab, self.config.vocab_size, 0.0)
+
+    def save_pretrained(self, path: str | Path, target_hash: str, tokenizer: PreTrainedTokenizerBase | None = None,
+                        feature_source: str = "target", training: dict | None = None, metrics: dict | None = None,
+                        files: dict[str, bytes] | None = None) -> Path:  # the folder's parts; all but 2 optional
+        """Write the folder vLLM loads as this method's head (config.json, model.safetensors: the head's weights under
+        vLLM's names), metrics.json and any extra `files` (name -> bytes, e.g. a learning-curve PNG); atomic
+        (temp dir + rename)."""
+        path = Path(path)
+        polyspec = {
+            "format": FORMAT, "format_version": FORMAT_VERSION, "method": self.method,
+            "target": {"name": self.target_name, "weights_hash": target_hash,
+                       "vocab_size": self.config.vocab_size, "hidden_size": self.config.hidden_size,
+                       "vocab_hash": vocab_hash(tokenizer) if tokenizer is not None else None},
+            "feature_source": feature_source,
+            "draft_vocab": self._draft_vocab_meta(),
+            "training": training or {},
+        }
+        files = {**self._vocab_files(), **(files or {})}
+        with atomic_dir(path) as tmp:
+            config = json.dumps(self.serving_config(polyspec), indent=2, sort_keys=True, default=str)
+            (tmp / "config.json").write_text(config + "\n")
+            save_file({k: v.detach().contiguous().cpu() for k, v in self.saved_tensors().items()},
+                      str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            (tmp / "metrics.json").write_text(json.dumps(metrics or {}, indent=2, sort_keys=True, default=float) + "\n")
+            for name, content in files.items():
+                (tmp / name).write_bytes(content)
+        return path
+
+    def saved_tensors(self) -> dict[str, torch.Tensor]:
+        return dict(self.state_dict())
+
+    def _draft_vocab_meta(self) -> dict | None:
+        return None if self.draft_vocab is None else {"file": DRAFT_VOCAB_FILE, "size": len(self.draft_vocab)}
+
+    def _vocab_files(self) -> dict[str, bytes]:
+        if self.draft_vocab is None:
+            return {}
+        return {DRAFT_VOCAB_FILE: (json.dumps(self.draft_vocab.tolist()) + "\n").encode()}
+
+    def serving_config(self, polyspec: dict) -> dict:
+        raise NotImplementedError
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, target_model: PreTrainedModel,
+                        target_tokenizer: PreTrainedTokenizerBase | None = None) -> "DraftHead":
+        """Load a saved head onto its target; refuses (HeadError) a head of another method, one trained for other
+        weights or vocabulary, or one written in the old format (its function differs: it must be retrained)."""
+        path = Path(path)
+        if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+            raise HeadError(f"{path}: not an EAGLE head folder (needs config.json and model.safetensors)")
+        meta = _read_metadata(path)
+        method = meta.get("method") or "eagle"
+        if method != cls.method:
+            raise HeadError(f"{path}: an {method} head, not an {cls.method} one (a chain level or vLLM must use "
+                            f"method {method} for it)")
+        _check_target(path, meta, target_model, target_tokenizer)
+        state = _read_weights(path / "model.safetensors")
+        head = _placed_like(cls._saved(path, meta, target_model, state), target_model)
+        try:
+            missing, unexpected = head.load_state_dict(state, strict=False)
+        except RuntimeError as err:  # shape mismatches
+            message = (str(err).splitlines() or [""])[-1].strip()
+            raise HeadError(f"{path / 'model.safetensors'}: does not fit this target's head ({message})") from None
+        if missing or unexpected:
+            raise HeadError(f"{path / 'model.safetensors'}: does not fit this target's head "
+                            f"(missing {list(missing)[:3]}, unexpected {list(unexpected)[:3]})")
+        head.feature_source = meta.get("feature_source", "target")
+        return head.eval()
+
+    @classmethod
+    def _saved(cls, path: Path, meta: dict, target: PreTrainedModel, state: dict[str, torch.Tensor]) -> "DraftHead":
+        """An empty head shaped as the saved one (its draft vocabulary read); `state` keeps only module weights."""
+        return cls(target, draft_vocab=_read_draft_vocab(path, meta))
+
+
+class EagleHead(DraftHead):
     """vLLM's EAGLE-1/2 function: fc(2h -> h, no bias) over [embed(token_{t+1}), feature_t], the target's
     decoder layer with an identity input norm, no final norm, the target's LM head."""
+
+    method = "eagle"
 
     def __init__(self, target: PreTrainedModel, init_std: float | None = None, draft_vocab: torch.Tensor | None = None):
         super().__init__()
@@ -107,20 +234,8 @@ class EagleHead(nn.Module):
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
         # Shared with the target, frozen, deliberately not registered as submodules (not saved, not trained).
-        self._shared = {"embed": target.get_input_embeddings(), "lm_head": target.get_output_embeddings()}
-        for module in self._shared.values():
-            module.requires_grad_(False)
-        self.target_name = str(getattr(target.config, "name_or_path", "") or type(target).__name__)
-        self.target_class = type(target).__name__
-        if draft_vocab is not None:
-            draft_vocab = torch.as_tensor(draft_vocab, dtype=torch.long).unique(sorted=True)
-            if draft_vocab.numel() == 0 or draft_vocab[0] < 0 or draft_vocab[-1] >= self.config.vocab_size:
-                raise HeadError(f"draft vocabulary must be token ids in [0, {self.config.vocab_size}), got {draft_vocab.numel()} ids")
-            self.register_buffer("draft_vocab", draft_vocab, persistent=False)  # saved beside the weights, not in them
-        else:
-            self.draft_vocab = None
-        self._derived: dict[str, nn.Module] = {}  # the draft vocabulary's LM-head rows, built on first use (not saved)
-        self.wrap_linear: Callable[[nn.Linear], nn.Module] = lambda linear: linear  # a backend's faster linear, set from outside
+        self._share(target, draft_vocab)
+        self._shared["lm_head"] = target.get_output_embeddings().requires_grad_(False)
 
     @property
     def layer(self) -> nn.Module:
@@ -128,17 +243,8 @@ class EagleHead(nn.Module):
         return self.layers[0]
 
     @property
-    def embed_tokens(self) -> nn.Module:
-        return self._shared["embed"]
-
-    @property
     def lm_head(self) -> nn.Module:
         return self._shared["lm_head"]
-
-    @classmethod
-    def for_target(cls, target_model: PreTrainedModel, draft_vocab: torch.Tensor | None = None) -> "EagleHead":
-        """An untrained head for a target (optionally with a draft vocabulary); its dtype and device follow the target's."""
-        return _placed_like(cls(target_model, draft_vocab=draft_vocab), target_model)
 
     def forward(
         self,
@@ -192,43 +298,6 @@ class EagleHead(nn.Module):
             self._derived["lm_head"] = rows = self.wrap_linear(vocabulary_rows(self.lm_head, self.draft_vocab))
         return rows
 
-    def token_ids(self, index: torch.Tensor) -> torch.Tensor:
-        """Target token ids of positions in `logits`' last dimension."""
-        return index if self.draft_vocab is None else self.draft_vocab[index]
-
-    def full_vocab(self, probs: torch.Tensor) -> torch.Tensor:
-        """Probabilities over the draft vocabulary [..., N] spread onto the full vocabulary [..., V] (0 elsewhere)."""
-        if self.draft_vocab is None:
-            return probs
-        return spread(probs, self.draft_vocab, self.config.vocab_size, 0.0)
-
-    def save_pretrained(self, path: str | Path, target_hash: str, tokenizer: PreTrainedTokenizerBase | None = None,
-                        feature_source: str = "target", training: dict | None = None, metrics: dict | None = None,
-                        files: dict[str, bytes] | None = None) -> Path:  # the folder's parts; all but path and hash optional
-        """Write the folder vLLM loads as an EAGLE head (config.json, model.safetensors: the head's weights under
-        vLLM's names), the draft vocabulary beside it (draft_vocab.json, if any), metrics.json and any extra
-        `files` (name -> bytes, e.g. a learning-curve PNG); atomic (temp dir + rename)."""
-        path = Path(path)
-        polyspec = {
-            "format": FORMAT, "format_version": FORMAT_VERSION,
-            "target": {"name": self.target_name, "weights_hash": target_hash,
-                       "vocab_size": self.config.vocab_size, "hidden_size": self.config.hidden_size,
-                       "vocab_hash": vocab_hash(tokenizer) if tokenizer is not None else None},
-            "feature_source": feature_source,
-            "draft_vocab": None if self.draft_vocab is None else {"file": DRAFT_VOCAB_FILE, "size": len(self.draft_vocab)},
-            "training": training or {},
-        }
-        with atomic_dir(path) as tmp:
-            (tmp / "config.json").write_text(json.dumps(self.serving_config(polyspec), indent=2, sort_keys=True, default=str) + "\n")
-            save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(tmp / "model.safetensors"),
-                      metadata={"format": "pt"})
-            if self.draft_vocab is not None:
-                (tmp / DRAFT_VOCAB_FILE).write_text(json.dumps(self.draft_vocab.tolist()) + "\n")
-            (tmp / "metrics.json").write_text(json.dumps(metrics or {}, indent=2, sort_keys=True, default=float) + "\n")
-            for name, content in (files or {}).items():
-                (tmp / name).write_bytes(content)
-        return path
-
     def serving_config(self, polyspec: dict) -> dict:
         """config.json: the target's config cut to one layer (vLLM reads the architecture and sizes from it; a
         LlamaForCausalLM head becomes vLLM's EagleLlamaForCausalLM), the weights' dtype, and polyspec's own
@@ -239,30 +308,8 @@ class EagleHead(nn.Module):
         config.pop("torch_dtype", None)
         return config
 
-    @classmethod
-    def from_pretrained(cls, path: str | Path, target_model: PreTrainedModel,
-                        target_tokenizer: PreTrainedTokenizerBase | None = None) -> "EagleHead":
-        """Load a saved head onto its target; refuses (HeadError) a head trained for other weights or vocabulary,
-        or one written in the old format (its function differs: it must be retrained)."""
-        path = Path(path)
-        if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
-            raise HeadError(f"{path}: not an EAGLE head folder (needs config.json and model.safetensors)")
-        meta = _read_metadata(path)
-        _check_target(path, meta, target_model, target_tokenizer)
-        state = _read_weights(path / "model.safetensors")
-        head = _placed_like(cls(target_model, draft_vocab=_read_draft_vocab(path, meta)), target_model)
-        try:
-            missing, unexpected = head.load_state_dict(state, strict=False)
-        except RuntimeError as err:  # shape mismatches
-            message = (str(err).splitlines() or [""])[-1].strip()
-            raise HeadError(f"{path / 'model.safetensors'}: does not fit this target's head ({message})") from None
-        if missing or unexpected:
-            raise HeadError(f"{path / 'model.safetensors'}: does not fit this target's head (missing {list(missing)[:3]}, unexpected {list(unexpected)[:3]})")
-        head.feature_source = meta.get("feature_source", "target")
-        return head.eval()
 
-
-def _placed_like(head: EagleHead, target: PreTrainedModel) -> EagleHead:
+def _placed_like(head: DraftHead, target: PreTrainedModel) -> DraftHead:
     """The head in the target's dtype on the target's device (it reads the target's embeddings and LM head there)."""
     weight = next(target.parameters())
     return head.to(device=weight.device, dtype=weight.dtype)

@@ -153,12 +153,15 @@ class ModelLevel(Level):
     `vocab` restricts the level's logits to those token ids (None = all): its LM head computes those rows only
     and every other token gets -inf, so it never proposes one. Lossless, as any proposal q is: the level above
     still verifies over its own full vocabulary. Never for the target, whose output it would change.
-    `keep_hidden`: keep the last hidden states of the cached tokens, for an EAGLE level below (`read_features`)."""
+    `keep_hidden`: keep the features of the cached tokens for an EAGLE level below (`read_features`): True, the last
+    hidden states (EAGLE-2); a tuple of layer ids, the states entering those layers side by side (EAGLE-3's aux
+    states, which the runner captures)."""
 
     kind = "model"
 
     def __init__(self, name: str, model: PreTrainedModel, mu: int = 1, draft: Draft | dict | None = None,
-                 vocab: torch.Tensor | None = None, keep_hidden: bool = False, *, runner: Runner | None = None,
+                 vocab: torch.Tensor | None = None, keep_hidden: bool | tuple[int, ...] = False, *,
+                 runner: Runner | None = None,
                  lm_head: nn.Module | None = None):  # 8: the level contract's parts; the last two are a backend's
         """`runner` defaults to the model's configured one (decode.engine.runner.configured_runner: its HF decoder
         unless a backend configured another); `lm_head` to its output embedding, or with `vocab`
@@ -169,13 +172,15 @@ class ModelLevel(Level):
         head = model.get_output_embeddings()
         self.lm_head = lm_head or (head if vocab is None else vocabulary_rows(head, vocab))
         self.config, self.device = model.config, self.runner.device
+        if isinstance(keep_hidden, tuple):
+            self.runner.capture(keep_hidden)
         self.reset()
 
     def reset(self) -> None:
         super().reset()
         self.runner.reset()
         self.tokens: list[int] = []  # the tokens whose keys/values the cache holds, in order
-        self.hidden: torch.Tensor | None = None  # [1, len(tokens), h] last hidden states, if keep_hidden
+        self.hidden: torch.Tensor | None = None  # [1, len(tokens), h or 3h] the features kept, if keep_hidden
 
     def hidden_valid(self, ctx: list[int]) -> int:
         return common_prefix(self.tokens, ctx) if self.hidden is not None else 0
@@ -209,7 +214,9 @@ class ModelLevel(Level):
         else:
             self.stats.verify_time_s += elapsed
         if self.keep_hidden:
-            self.hidden = h if self.hidden is None or before == 0 else torch.cat([self.hidden[:, :before], h], dim=1)
+            kept = self.runner.captured if isinstance(self.keep_hidden, tuple) else h
+            fresh = self.hidden is None or before == 0
+            self.hidden = kept if fresh else torch.cat([self.hidden[:, :before], kept], dim=1)
         return logits
 
     def verify(self, ctx, proposal, sampling, gen, record=True):
@@ -305,7 +312,8 @@ class NgramLevel(Level):
 
 
 class EagleLevel(Level):
-    """EAGLE draft head: drafts from `features`, the last hidden states of the model levels above (read_features)."""
+    """EAGLE draft head (EAGLE-2's or EAGLE-3's): drafts from `features`, what the model levels above kept for it
+    (read_features: their last hidden states, or EAGLE-3's aux states), then from its own output."""
 
     kind = "eagle"
 

@@ -17,13 +17,18 @@ class Runner(Protocol):
     """A decoder with a KV cache. `forward` feeds ids [1, T] after the cached positions (mask None = causal, else an
     additive float mask [1, 1, T, cached + T]; positions None = cached .. cached + T - 1, else ids [1, T]) and returns
     the last hidden states after the final norm, [1, T, hidden]. The LM head is not the runner's: the level applies
-    it."""
+    it.
+
+    For an EAGLE-3 level below, `capture(layers)` asks every later forward to also leave the hidden states entering
+    those decoder layers (HF's `output_hidden_states[i]`) side by side in `captured`, [1, T, len(layers) * hidden]."""
 
     config: Any
     device: torch.device
     dtype: torch.dtype
 
     def cached(self) -> int: ...
+
+    def capture(self, layers: tuple[int, ...]) -> None: ...
 
     def crop(self, length: int) -> None: ...
 
@@ -50,6 +55,8 @@ class HFRunner:
     def __init__(self, model: PreTrainedModel):
         self.model, self.config, self.decoder = model, model.config, model.get_decoder()
         self.device, self.dtype = model.device, model.dtype
+        self.layers: tuple[int, ...] = ()
+        self.captured: torch.Tensor | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -57,6 +64,9 @@ class HFRunner:
 
     def cached(self) -> int:
         return self.cache.get_seq_length()
+
+    def capture(self, layers: tuple[int, ...]) -> None:
+        self.layers = tuple(layers)
 
     def crop(self, length: int) -> None:
         extra = self.cached() - length
@@ -68,5 +78,8 @@ class HFRunner:
             layer.keys, layer.values = layer.keys.index_select(-2, index), layer.values.index_select(-2, index)
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None) -> torch.Tensor:
-        return self.decoder(input_ids=ids, past_key_values=self.cache, use_cache=True, attention_mask=mask,
-                            position_ids=positions).last_hidden_state
+        out = self.decoder(input_ids=ids, past_key_values=self.cache, use_cache=True, attention_mask=mask,
+                           position_ids=positions, output_hidden_states=bool(self.layers))
+        if self.layers:
+            self.captured = torch.cat([out.hidden_states[i] for i in self.layers], dim=-1)
+        return out.last_hidden_state

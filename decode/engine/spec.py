@@ -39,7 +39,7 @@ class Draft:
         return draft if isinstance(draft, Draft) else parse(cls, draft or {}, "draft")
 
 
-KIND_KEYS = {"model": ("model", "dtype", "layers", "vocab", "lm_head"), "eagle": ("path", "features"),
+KIND_KEYS = {"model": ("model", "dtype", "layers", "vocab", "lm_head"), "eagle": ("path", "features", "method"),
              "ngram": ("max_ngram", "min_ngram")}
 
 
@@ -47,7 +47,8 @@ KIND_KEYS = {"model": ("model", "dtype", "layers", "vocab", "lm_head"), "eagle":
 class LevelSpec:
     """One level. model: `model` (target | w4 | a spec or folder), dtype, layers (early-exit copy), vocab: head
     (restricted to the head's draft vocabulary), lm_head: int8. eagle: path (eagle | a folder | untrained),
-    features (nearest | target; default: what the head was trained on). ngram: max_ngram, min_ngram.
+    features (nearest | target; default: what the head was trained on), method (eagle | eagle3, vLLM's names;
+    default: the saved head's, eagle for `untrained`). ngram: max_ngram, min_ngram.
     mu: tokens a middle level gathers before handing up; draft: the last level's."""
 
     kind: Literal["model", "eagle", "ngram"] = "model"
@@ -61,6 +62,7 @@ class LevelSpec:
     lm_head: Literal["int8"] | None = None
     path: str = "eagle"
     features: Literal["nearest", "target"] | None = None
+    method: Literal["eagle", "eagle3"] | None = None
     max_ngram: int = 3
     min_ngram: int = 1
 

@@ -73,12 +73,17 @@ EAGLE = {
 }
 
 
+EAGLE.update({f"{shape}, eagle3": [{**lv, "method": "eagle3"} if lv["kind"] == "eagle" else lv for lv in chain]
+              for shape, chain in list(EAGLE.items())})  # the same shapes with an EAGLE-3 head (aux states handed down)
+
+
 @pytest.mark.parametrize("shape", EAGLE)
 def test_eagle_chains_greedy_equal_target_greedy(models, shape):
     """An untrained head proposes poorly, but whatever it proposes must not change the output."""
     target = models[0]
     chain = build_chain(EAGLE[shape], target, tokenizer=None)
     assert isinstance(chain.levels[-1], EagleLevel)
+    assert chain.levels[-1].head.method == ("eagle3" if shape.endswith("eagle3") else "eagle")
     for prompt in prompts(VOCAB, n=2):
         generation = chain.generate(prompt, 30)
         ok, _ = greedy_equal(target, prompt, generation.tokens)
@@ -86,14 +91,18 @@ def test_eagle_chains_greedy_equal_target_greedy(models, shape):
         assert chain.levels[-1].stats.forward_calls > 0
 
 
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
 @pytest.mark.parametrize("mode", [{"length": 4}, TREE])
-def test_eagle_with_draft_vocabulary_greedy_equals_target_greedy(models, mode):
+def test_eagle_with_draft_vocabulary_greedy_equals_target_greedy(models, mode, method):
     """A head that can only propose 40 of the 300 tokens: the rest must still come out, from the target."""
     from decode.engine.head import EagleHead
+    from decode.engine.head3 import Eagle3Head
 
     target = models[0]
-    chain = build_chain([{"kind": "model"}, {"kind": "eagle", "path": "untrained", "draft": mode}], target, tokenizer=None)
-    chain.levels[-1].head = EagleHead.for_target(target, draft_vocab=torch.arange(0, VOCAB, 7)).eval()
+    levels = [{"kind": "model"}, {"kind": "eagle", "path": "untrained", "method": method, "draft": mode}]
+    chain = build_chain(levels, target, tokenizer=None)
+    head_cls = Eagle3Head if method == "eagle3" else EagleHead
+    chain.levels[-1].head = head_cls.for_target(target, draft_vocab=torch.arange(0, VOCAB, 7)).eval()
     assert tokens_outside(chain, target, every=7) > 0, "every token was inside the draft vocabulary; the test exercises nothing"
 
 

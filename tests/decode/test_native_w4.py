@@ -73,6 +73,21 @@ def test_the_forward_is_the_dequantized_w4_model(w4, one_thread):
     assert runner.cached() == 40
 
 
+def test_captured_states_are_the_states_entering_the_layers(w4, one_thread):
+    """EAGLE-3's aux states (runner.capture): the hidden states entering the asked layers, as HF's
+    output_hidden_states[i] of the dequantized model gives them, through a prefill, one token and a verification."""
+    layers = (0, 1, 1)
+    reference, runner, ids = HFRunner(dequantized(w4)), NativeLlamaRunner(w4, 128, "fp32"), text(20)
+    reference.capture(layers)
+    runner.capture(layers)
+    for lo, hi in ((0, 12), (12, 13), (13, 20)):
+        with torch.no_grad():
+            runner.forward(ids[:, lo:hi], None, None), reference.forward(ids[:, lo:hi], None, None)
+        ours, theirs = runner.captured, reference.captured
+        assert ours.shape == theirs.shape == (1, hi - lo, 3 * w4.config.hidden_size)
+        assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4), (lo, (ours - theirs).abs().max())
+
+
 @pytest.mark.parametrize("activations, tolerance", [("fp32", 0.1), ("int8", 0.25)])
 def test_logits_agree_with_gptqmodels_forward(w4, activations, tolerance, one_thread):
     """GPTQModel's CPU kernel rounds activations to bf16, the int8 runner to 8 bits per group: logits (about +-2)
@@ -277,3 +292,26 @@ def test_decode_native_is_checked_before_anything_loads():
         configured_builder(OmegaConf.create({"decode": {"fast": True, "native": "yes"}}), None, None)
     with pytest.raises(DecodeError, match="decode.w4_activations must be one of int8, fp32"):
         configured_builder(OmegaConf.create({"decode": {"fast": True, "w4_activations": "int4"}}), None, None)
+
+
+def test_an_eagle3_head_below_a_native_w4_level_keeps_decoding_lossless(w4, tiny_source, one_thread):  # noqa: F811
+    """target <- W4 (native runner, mu 2) <- EAGLE-3 head: the W4 level hands down the aux states its native forward
+    captured, and the greedy tokens are the target's own."""
+    from decode_fixtures import greedy_equal
+
+    from decode.backends import runner
+    from decode.engine.chain import Chain, read_features
+    from decode.engine.head3 import Eagle3Head
+    from decode.engine.levels import EagleLevel, ModelLevel
+
+    target = LlamaForCausalLM.from_pretrained(tiny_source).eval()
+    head = Eagle3Head(target, init_std=0.2).eval()
+    top = ModelLevel("t", target, keep_hidden=head.aux_layers)
+    middle = ModelLevel("w4", w4, mu=2, keep_hidden=head.aux_layers, runner=runner(w4, "on"))
+    drafter = EagleLevel("head", head, read_features([middle, top], head.feature_size, target.dtype), {"length": 3})
+    chain = Chain([top, middle, drafter])
+    assert isinstance(middle.runner, NativeLlamaRunner)
+    for seed in range(2):
+        prompt = text(12, seed=20 + seed)[0].tolist()
+        ok, _ = greedy_equal(target, prompt, chain.generate(prompt, 24).tokens)
+        assert ok and drafter.stats.forward_calls > 0

@@ -65,14 +65,18 @@ def models(request):
     return tuple(packed(m) for m in trio) if request.param == "packed" else trio
 
 
-def draft_vocab_chain(models, draft: dict) -> Chain:
-    """target <- EAGLE head that can propose only 4 of the 8 tokens: the others come only from residuals."""
+def draft_vocab_chain(models, draft: dict, method: str = "eagle") -> Chain:
+    """target <- EAGLE head (EAGLE-2's or EAGLE-3's: `method`) that can propose only 4 of the 8 tokens: the others
+    come only from residuals."""
     from decode.chains.build import build_chain
     from decode.engine.head import EagleHead
+    from decode.engine.head3 import Eagle3Head
 
-    chain = build_chain([{"kind": "model"}, {"kind": "eagle", "path": "untrained", "draft": draft}], models[0], tokenizer=None)
+    levels = [{"kind": "model"}, {"kind": "eagle", "path": "untrained", "method": method, "draft": draft}]
+    chain = build_chain(levels, models[0], tokenizer=None)
     torch.manual_seed(0)
-    chain.levels[-1].head = EagleHead(models[0], init_std=0.5, draft_vocab=torch.tensor([0, 2, 3, 6])).eval()
+    head_cls = Eagle3Head if method == "eagle3" else EagleHead
+    chain.levels[-1].head = head_cls(models[0], init_std=0.5, draft_vocab=torch.tensor([0, 2, 3, 6])).eval()
     return chain
 
 
@@ -110,18 +114,20 @@ def test_tree_and_prompt_lookup_proposals_sample_like_the_target(models):
         assert p > 1e-3, f"{chain.levels[-1].name}: sampling differs from the target's (chi-square p={p:.2e})"
 
 
-def test_draft_vocabulary_chain_samples_like_the_target(models):
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_draft_vocabulary_chain_samples_like_the_target(models, method):
     joint = exact_joint(models[0])
     for draft in ({"mode": "chain", "length": 2}, {"mode": "tree", "depth": 2, "top_k": 2, "total_tokens": 5}):
-        p = chi_square_pvalue(chain_counts(draft_vocab_chain(models, draft)), joint)
+        p = chi_square_pvalue(chain_counts(draft_vocab_chain(models, draft, method)), joint)
         assert p > 1e-3, f"{draft['mode']} drafts over a draft vocabulary: sampling differs from the target's (p={p:.2e})"
 
 
-@pytest.mark.parametrize("chain", ["three levels", "draft vocabulary", "restricted middle"])
+@pytest.mark.parametrize("chain", ["three levels", "draft vocabulary", "draft vocabulary, eagle3", "restricted middle"])
 def test_broken_acceptance_rule_is_caught(models, monkeypatch, chain):
     monkeypatch.setattr(decode.engine.sampling, "residual", lambda p, q, token: p)  # the classic bug
+    method = "eagle3" if chain.endswith("eagle3") else "eagle"
     built = {"three levels": three_level, "restricted middle": restricted_middle}.get(
-        chain, lambda m: draft_vocab_chain(m, {"mode": "chain", "length": 2}))(models)
+        chain, lambda m: draft_vocab_chain(m, {"mode": "chain", "length": 2}, method))(models)
     p = chi_square_pvalue(chain_counts(built), exact_joint(models[0]))
     assert p < 1e-3, f"a biased acceptance rule went unnoticed (chi-square p={p:.2e})"
 
@@ -133,7 +139,9 @@ def test_sampling_is_reproducible_per_seed_for_every_level_kind(models):
     tree = {"mode": "tree", "depth": 3, "top_k": 2, "total_tokens": 6}
     for levels in ([{"kind": "model"}, {"kind": "model", "model": "target", "layers": 1, "mu": 2},
                     {"kind": "eagle", "path": "untrained", "draft": tree}],
-                   [{"kind": "model"}, {"kind": "eagle", "path": "untrained", "draft": {"length": 3}}]):
+                   [{"kind": "model"}, {"kind": "eagle", "path": "untrained", "draft": {"length": 3}}],
+                   [{"kind": "model"}, {"kind": "model", "model": "target", "mu": 2},  # all layers: the aux ones too
+                    {"kind": "eagle", "path": "untrained", "method": "eagle3", "draft": tree}]):
         chain = build_chain(levels, target, tokenizer=None)
         runs = [chain.generate(PROMPT, 12, Sampling(0.8, 5, 0.9, seed=s)).tokens for s in (7, 7, 8)]
         assert runs[0] == runs[1] and len(runs[0]) == 12 and all(0 <= t < VOCAB for t in runs[0])

@@ -272,7 +272,7 @@ def test_feature_store_is_sized_first_reused_and_rebuilt_when_its_key_changes(ti
                                        tmp_path / "eagle_features", weights_hash(target), "bfloat16", 4)
     with torch.no_grad():
         online = target.model(input_ids=examples[5].input_ids[None]).last_hidden_state[0]
-    torch.testing.assert_close(stored[5].float(), online, rtol=1e-2, atol=1e-2)  # bf16 storage
+    torch.testing.assert_close(stored[5]["features"].float(), online, rtol=1e-2, atol=1e-2)  # bf16 storage
     capsys.readouterr()
     again = eagle.train(compose(tiny_setup, tmp_path))
     assert f"feature store: reusing {store_dir}" in capsys.readouterr().out
@@ -294,7 +294,7 @@ def test_loss_on_all_tokens_reuses_the_store_and_counts_every_real_position(tiny
     examples, _ = train_examples.load_examples(compose(tiny_setup, tmp_path), load_tokenizer(str(tiny_setup / "target")),
                                       tiny_llama(0), "")
     batch = examples[:2]
-    features = [torch.zeros(len(e.input_ids), 32) for e in batch]
+    features = [{"features": torch.zeros(len(e.input_ids), 32)} for e in batch]
     _, _, assistant = train_examples.pad(batch, features)
     _, _, every = train_examples.pad(batch, features, all_tokens=True)
     lengths = [len(e.input_ids) for e in batch]
@@ -322,7 +322,8 @@ def test_interrupted_store_build_keeps_finished_shards(tiny_setup, tmp_path, mon
     calls.clear()
     monkeypatch.setattr(eagle.store, "_features", lambda model, part, batch: calls.append(len(part)) or real(model, part, batch))
     features = eagle.store.build_or_load(target, seqs, tmp_path, "h", "float32", 8)
-    assert calls == [150 - 2 * eagle.store.SHARD_EXAMPLES] and [len(f) for f in features] == [len(s) for s in seqs]
+    assert calls == [150 - 2 * eagle.store.SHARD_EXAMPLES]
+    assert [len(f["features"]) for f in features] == [len(s) for s in seqs]
 
 
 def one_rank_and_two(tiny_setup, tmp_path, common: list[str], env: dict[str, str]) -> tuple[dict, dict]:
@@ -382,3 +383,95 @@ def test_short_real_training_beats_the_untrained_head(tmp_path):
     assert metrics["train/steps"] == 10
     assert metrics["eval/top1_depth1"] > 0.03
     assert metrics["eval/acceptance_length_depth4"] > metrics["untrained/acceptance_length_depth4"] + 0.03
+
+
+def test_eagle3_batched_evaluation_drafts_exactly_like_sequential_decoding():
+    """The training-time test's masked unroll for an EAGLE-3 head: step 1 from the target's aux states (fc), later
+    steps from the head's own pre-norm output, each start seeing only its own earlier steps = drafting alone."""
+    from decode.engine.head3 import Eagle3Head
+
+    target = tiny_llama(1)
+    head = Eagle3Head(target, init_std=0.1, draft_vocab=torch.arange(0, 49152, 5), aux_layers=(0, 1, 1)).eval()
+    ids = torch.randint(0, 49152, (14,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        states = target.model(ids[None], output_hidden_states=True).hidden_states
+    aux = torch.cat([states[i] for i in (0, 1, 1)], -1)[0]
+    depth = 3
+    drafts = evaluation.chain_drafts(head, ids, aux, depth)
+    n = len(ids) - 1 - depth
+    with torch.no_grad():
+        for s in range(n):
+            cache = DynamicCache()
+            hidden, logits, _ = head(ids[None, 1:s + 2], aux[None, :s + 1], cache)
+            hidden, expected = hidden[:, -1:], [head.token_ids(logits[0, -1].argmax())]
+            for j in range(2, depth + 1):
+                hidden, logits, _ = head(ids[None, s + j:s + j + 1], hidden, cache)
+                expected.append(head.token_ids(logits[0, -1].argmax()))
+            assert drafts[:, s].tolist() == [int(e) for e in expected]
+
+
+def test_eagle3_training_lowers_the_loss_and_writes_a_loadable_head(tiny_setup, tmp_path, monkeypatch):
+    """train=eagle3 on the tiny target: over 16 steps on 4 conversations the training-time-test loss falls and the
+    head's top-1 agreement with the target rises (the tiny random target's distributions are nearly flat, so the
+    loss starts close to its floor, their entropy); the store holds the aux states and argmax beside the features,
+    and the head folder is vLLM's EAGLE-3 layout."""
+    from decode.engine.head3 import load_head
+
+    losses = []
+
+    class Recording(eagle.Tracker):
+        def log(self, metrics, step=None):
+            super().log(metrics, step)
+            if "train/loss" in metrics:
+                losses.append((metrics["train/loss"], metrics["train/top1"]))
+
+    monkeypatch.setattr(eagle, "Tracker", Recording)
+    metrics = eagle.train(compose(tiny_setup, tmp_path, "train=eagle3", "train.max_conversations=4", "train.epochs=8",
+                                  "train.grad_accum=1", "train.lr=5e-3", "train.unroll=3", "train.aux_layers=[0,1,1]"))
+    assert metrics["train/steps"] == 16 and len(losses) == 16
+    first, last = [sum(x[k] for x in losses[:4]) for k in (0, 1)], [sum(x[k] for x in losses[-4:]) for k in (0, 1)]
+    assert last[0] < first[0] - 0.02 and last[1] > first[1] + 0.4, losses
+    assert metrics["eval/top1_depth1"] >= 0 and "eval/top1_depth3" in metrics
+    (store_dir,) = [p for p in (tmp_path / "eagle3_features").iterdir() if p.is_dir()]
+    shard = load_file(str(next(store_dir.glob("shard-*.safetensors"))))
+    assert shard["aux"].shape[1] == 3 * 32 and shard["features"].shape[1] == 32
+    assert shard["argmax"].dtype == torch.int64 and len(shard["argmax"]) == len(shard["aux"])
+    assert not (tmp_path / "eagle").exists() and not (tmp_path / "eagle_features").exists()
+    config = json.loads((tmp_path / "eagle3" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["eagle_aux_hidden_state_layer_ids"] == [0, 1, 1]
+    target = LlamaForCausalLM.from_pretrained(tiny_setup / "target")
+    head = load_head(tmp_path / "eagle3", target, load_tokenizer(str(tiny_setup / "target")))
+    assert head.method == "eagle3" and len(head.draft_vocab) == config["draft_vocab_size"] < 49152
+
+
+def test_eagle3_interrupt_then_resume_gives_the_same_weights(tiny_setup, tmp_path, monkeypatch):
+    extra = ("train=eagle3", "train.unroll=2")
+    eagle.train(compose(tiny_setup, tmp_path / "straight", *extra))
+
+    class InterruptAtStep3(eagle.Tracker):
+        def log(self, metrics, step=None):
+            super().log(metrics, step)
+            if step == 3:
+                signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(eagle, "Tracker", InterruptAtStep3)
+    with pytest.raises(eagle.TrainingInterrupted, match="interrupted at step 3/8"):
+        eagle.train(compose(tiny_setup, tmp_path / "interrupted", *extra))
+    assert (tmp_path / "interrupted" / "eagle3_checkpoints" / "latest").read_text() == "step0000003"
+    monkeypatch.undo()
+    metrics = eagle.train(compose(tiny_setup, tmp_path / "interrupted", *extra, "train.resume=true"))
+    assert metrics["train/steps"] == 8
+    straight = load_file(str(tmp_path / "straight" / "eagle3" / "model.safetensors"))
+    resumed = load_file(str(tmp_path / "interrupted" / "eagle3" / "model.safetensors"))
+    assert straight.keys() == resumed.keys() and "d2t" in straight
+    for name in straight:
+        torch.testing.assert_close(resumed[name], straight[name], rtol=0, atol=0)
+
+
+def test_eagle3_config_errors_are_one_line(tiny_setup, tmp_path):
+    with pytest.raises(eagle.TrainError, match=r"train.method='eagle4': must be one of eagle, eagle3"):
+        eagle.validate(compose(tiny_setup, tmp_path, "train.method=eagle4"))
+    with pytest.raises(eagle.TrainError, match=r"an EAGLE-3 head .* starts random"):
+        eagle.validate(compose(tiny_setup, tmp_path, "train=eagle3", "train.init=target_last_layer"))
+    with pytest.raises(HeadError, match=r"aux layers must be layer ids in \[0, 2\)"):
+        eagle.train(compose(tiny_setup, tmp_path, "train=eagle3", "train.aux_layers=[0,1,5]"))

@@ -506,10 +506,12 @@ class Decoder {
   int64_t head_dim() const { return head_dim_; }
 
   // ids [T] long after `cached` cached positions, positions [T] long (rotary), mask: none (causal) or additive
-  // float32 broadcastable to [1, heads, T, cached + T]. Returns the final-norm hidden states [T, hidden].
+  // float32 broadcastable to [1, heads, T, cached + T]. Returns the final-norm hidden states [T, hidden]. With
+  // `aux_layers` (EAGLE-3), `aux` [T, aux_layers * hidden] float32 receives the states entering those layers.
   torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& positions,
                         const c10::optional<torch::Tensor>& mask, int64_t cached, const torch::Tensor& keys,
-                        const torch::Tensor& values) {
+                        const torch::Tensor& values, const c10::optional<torch::Tensor>& aux,
+                        const std::vector<int64_t>& aux_layers) {
     const int64_t T = ids.numel(), H = embed_.size(1), L = cached + T;
     TORCH_CHECK(static_cast<int64_t>(layers_.size()) == layers_wanted_, "forward: the model has not all its layers");
     TORCH_CHECK(keys.dim() == 4 && keys.size(0) == layers_wanted_ && keys.size(1) == kv_heads_ &&
@@ -524,8 +526,16 @@ class Decoder {
     auto step = torch::empty({T, H});
     Scratch scratch;
     std::vector<float> wide;
+    const int64_t aux_width = H * static_cast<int64_t>(aux_layers.size());
+    TORCH_CHECK(aux_layers.empty() || (aux.has_value() && aux->is_contiguous() &&
+                                       aux->scalar_type() == torch::kFloat && aux->size(0) == T &&
+                                       aux->size(1) == aux_width),
+                "forward: aux must be float32 [T, ", aux_layers.size(), " * hidden]");
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
+      for (size_t k = 0; k < aux_layers.size(); ++k) {
+        if (aux_layers[k] == static_cast<int64_t>(i)) aux->narrow(1, k * H, H).copy_(h);
+      }
       rms_norm(h.data_ptr<float>(), T, H, layer.input_norm.data_ptr<float>(), eps_, normed.data_ptr<float>());
       const auto attended = attention(static_cast<int64_t>(i), normed.data_ptr<float>(), T, pos, mask, cached,
                                       keys[i], values[i], scratch, wide);
@@ -610,5 +620,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, double, int64_t>())
       .def("add_layer", &Decoder::add_layer)
       .def("head_dim", &Decoder::head_dim)
-      .def("forward", &Decoder::forward);
+      .def("forward", &Decoder::forward, py::arg("ids"), py::arg("positions"), py::arg("mask"), py::arg("cached"),
+           py::arg("keys"), py::arg("values"), py::arg("aux") = py::none(),
+           py::arg("aux_layers") = std::vector<int64_t>{});
 }

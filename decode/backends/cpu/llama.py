@@ -291,6 +291,12 @@ class NativeLlamaRunner:
         shape = (config.num_hidden_layers, config.num_key_value_heads, self.capacity, self.native.head_dim())
         self.keys, self.values = torch.empty(shape), torch.empty(shape)  # positions >= length are never read
         self.length = 0
+        self.layers: list[int] = []
+        self.captured: torch.Tensor | None = None
+
+    def capture(self, layers: tuple[int, ...]) -> None:
+        """Every later forward also leaves the states entering these layers in `captured` (EAGLE-3's aux states)."""
+        self.layers = [int(i) for i in layers]
 
     def cached(self) -> int:
         return self.length
@@ -325,8 +331,10 @@ class NativeLlamaRunner:
             positions = torch.arange(self.length, self.length + t)
         if mask is not None and mask.dtype != torch.bool:
             mask = mask.float()
+        aux = torch.empty(t, len(self.layers) * self.config.hidden_size) if self.layers else None
         hidden = self.native.forward(ids.reshape(-1), positions.reshape(-1).long().contiguous(), mask, self.length,
-                                     self.keys, self.values)
+                                     self.keys, self.values, aux, self.layers)
+        self.captured = None if aux is None else aux[None]
         self.length += t
         return hidden[None]
 
