@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from data.models import DEFAULT_MODEL, load_model
-from decode import backends
+from decode.backends import prepare
 from decode.engine.levels import ModelLevel
 from infra.timing import level_forward, median_ms
 
@@ -51,8 +51,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     hf, tokenizer = load_model(args.target, "float32")
     native, _ = load_model(args.target, "float32")
-    backends.prepare(hf, "avx2")
-    backends.prepare(native, "avx2", "on")
+    prepare(hf, "avx2")
+    prepare(native, "avx2", "on")
     text = tokenizer(Path("README.md").read_text()).input_ids * 8
     context = text[: args.context]
     steps = {"target packed (HF layers)": level_forward(ModelLevel("target", hf), context),
