@@ -58,10 +58,11 @@ def bundle_levels(bundle: Path) -> list[dict[str, Any]]:
 
 def head_folder(icfg: Any, levels: list[dict[str, Any]], bundle: Path) -> Path:
     """interop.head, else the published chain's EAGLE head."""
-    found = [l["folder"] for l in levels if l["config"].get("kind") == "eagle" and l["folder"]]
+    found = [level["folder"] for level in levels if level["config"].get("kind") == "eagle" and level["folder"]]
     folder = Path(icfg.head) if icfg.head else (found[0] if found else None)
     if folder is None:
-        raise InteropError(f"no head to check: {bundle} has no published chain with an EAGLE head; pass interop.head=<folder>")
+        raise InteropError(f"no head to check: {bundle} has no published chain with an EAGLE head; "
+                           "pass interop.head=<folder>")
     if not (folder / "config.json").exists():
         raise InteropError(f"interop.head={folder}: not a head folder (no config.json)")
     return folder
@@ -70,7 +71,7 @@ def head_folder(icfg: Any, levels: list[dict[str, Any]], bundle: Path) -> Path:
 def w4_folder(cfg: DictConfig, levels: list[dict[str, Any]]) -> Path:
     """interop.w4, else the published chain's quantized level, else the run's quantize.output."""
     icfg = cfg.interop
-    found = [l["folder"] for l in levels if l["config"].get("kind", "model") == "model" and l["folder"]]
+    found = [level["folder"] for level in levels if level["config"].get("kind", "model") == "model" and level["folder"]]
     folder = Path(icfg.w4) if icfg.w4 else (found[0] if found else RunLayout.of(cfg).output("w4"))
     if not (folder / "config.json").exists():
         raise InteropError(f"no W4 model at {folder}: run python -m quantize.w4 or pass interop.w4=<folder>")
@@ -82,15 +83,19 @@ def check_w4_layout(folder: Path) -> dict[str, Any]:
     config = json.loads((folder / "config.json").read_text())
     quant = config.get("quantization_config") or {}
     if quant.get("quant_method") != "gptq" or quant.get("bits") != 4 or not quant.get("sym"):
-        raise InteropError(f"{folder}: vLLM's CPU GPTQ kernel needs a 4-bit symmetric GPTQ checkpoint; this is {quant.get('quant_method')}, bits {quant.get('bits')}, sym {quant.get('sym')}")
+        raise InteropError(f"{folder}: vLLM's CPU GPTQ kernel needs a 4-bit symmetric GPTQ checkpoint; "
+                           f"this is {quant.get('quant_method')}, bits {quant.get('bits')}, sym {quant.get('sym')}")
     group = quant.get("group_size")
     if quant.get("desc_act") and group != -1:
-        raise InteropError(f"{folder}: desc_act=true with groups (activation order), which vLLM refuses; re-quantize with quantize.desc_act=false")
+        raise InteropError(f"{folder}: desc_act=true with groups (activation order), which vLLM refuses; "
+                           "re-quantize with quantize.desc_act=false")
     widths = (config["hidden_size"], config["intermediate_size"])
     if group not in VLLM_GROUP_SIZES or (group != -1 and any(w % group for w in widths)):
-        raise InteropError(f"{folder}: group_size {group} is not one vLLM's CPU kernel takes on input widths {widths} ({VLLM_GROUP_SIZES}, dividing them)")
+        raise InteropError(f"{folder}: group_size {group} is not one vLLM's CPU kernel takes on input widths {widths} "
+                           f"({VLLM_GROUP_SIZES}, dividing them)")
     return {k: quant.get(k) for k in ("bits", "group_size", "sym", "desc_act", "act_group_aware")} | {
-        "quantized_group_size": (quant.get("meta") or {}).get("polyspec", {}).get("groups", {}).get("quantized_group_size", group)}
+        "quantized_group_size": (quant.get("meta") or {}).get("polyspec", {}).get("groups", {}).get(
+            "quantized_group_size", group)}
 
 
 def prompts_of(icfg: Any, tokenizer) -> list[list[int]]:
@@ -127,19 +132,22 @@ def polyspec_side(cfg: DictConfig, head: Path, w4: Path, prompts: list[list[int]
     for prompt in prompts:
         for name, decode in decoders.items():
             runs[name].append(decode(prompt, int(icfg.max_new_tokens)))
-    result = {name: {"tokens": [g.tokens for g in gens], "seconds": [g.stats.wall_time_s for g in gens]} for name, gens in runs.items()}
+    result = {name: {"tokens": [g.tokens for g in gens], "seconds": [g.stats.wall_time_s for g in gens]}
+              for name, gens in runs.items()}
     rounds = [n for g in runs["chain"] for n in g.stats.levels[0].acceptance_lengths]
     result["chain"]["acceptance_length"] = sum(rounds) / max(len(rounds), 1)
     result["chain"]["levels"] = levels
     w4_model = load_model(str(w4), dtype=cfg.model.dtype)[0]
-    result["w4_teacher_forced"] = [teacher_forced_matches(w4_model, p, t) for p, t in zip(prompts, result["ar"]["tokens"])]
+    result["w4_teacher_forced"] = [teacher_forced_matches(w4_model, p, t)
+                                   for p, t in zip(prompts, result["ar"]["tokens"])]
     return result
 
 
 # ------------------------------------------------------------------------------------------------ vLLM
 
 
-def vllm_jobs(icfg: Any, target: str, head: Path, w4: Path, prompts: list[list[int]], ar_tokens: list[list[int]]) -> dict[str, dict]:
+def vllm_jobs(icfg: Any, target: str, head: Path, w4: Path, prompts: list[list[int]],
+              ar_tokens: list[list[int]]) -> dict[str, dict]:
     """One job per engine: vLLM's AR, n-gram and head-drafted decoding of the target, and its W4 model."""
     k = int(icfg.num_speculative_tokens)
     llm = {"model": target, "dtype": icfg.dtype, "max_model_len": int(icfg.max_model_len), "enforce_eager": True,
@@ -149,7 +157,8 @@ def vllm_jobs(icfg: Any, target: str, head: Path, w4: Path, prompts: list[list[i
     return {
         "ar": {"llm": llm, **decode},
         "ngram": {"llm": llm | {"speculative_config": ngram}, **decode},
-        "eagle": {"llm": llm | {"speculative_config": {"method": head_method({}, str(head)), "model": str(head.resolve()),
+        "eagle": {"llm": llm | {"speculative_config": {"method": head_method({}, str(head)),
+                                                       "model": str(head.resolve()),
                                                        "num_speculative_tokens": k}}, **decode},  # eagle or eagle3
         "w4": {"llm": llm | {"model": str(w4.resolve()), "dtype": icfg.w4_dtype}, **decode,
                "teacher_forced": [[p, t] for p, t in zip(prompts, ar_tokens)]},
@@ -157,8 +166,8 @@ def vllm_jobs(icfg: Any, target: str, head: Path, w4: Path, prompts: list[list[i
 
 
 def run_engine(python: Path, venv: Path, name: str, job: dict, threads: int, log: Path) -> dict[str, Any]:
-    """Run one job in the venv (decode/consumers/vllm_run.py), vLLM's output appended to `log`. A failure (vLLM refusing a
-    checkpoint, a crash) is returned as the job's `error`, not raised: it is what the checks are for.
+    """Run one job in the venv (decode/consumers/vllm_run.py), vLLM's output appended to `log`. A failure (vLLM refusing
+    a checkpoint, a crash) is returned as the job's `error`, not raised: it is what the checks are for.
 
     One process per engine (a second engine in one process fails in vLLM 0.32's CPU kernel registration), but
     its engine core and worker inside it (VLLM_ENABLE_V1_MULTIPROCESSING=0): one vLLM import per engine, not three."""
@@ -176,7 +185,7 @@ def run_engine(python: Path, venv: Path, name: str, job: dict, threads: int, log
         results = json.loads(out_file.read_text()) if out_file.exists() else {}
     if name in results:
         return results[name]
-    lines = [l for l in log.read_text().splitlines() if l.strip()]
+    lines = [line for line in log.read_text().splitlines() if line.strip()]
     return {"name": name, "error": f"vLLM exited {done.returncode}: {lines[-1] if lines else ''}"[:300]}
 
 
@@ -212,13 +221,15 @@ def checks(icfg: Any, vllm: dict[str, dict], poly: dict[str, Any],
         found.append(check("head_lossless", False, f"vLLM failed: {(ar if 'error' in ar else eagle)['error']}"))
     else:
         same = sum(a == b for a, b in zip(ar["tokens"], eagle["tokens"]))
-        found.append(check("head_lossless", same == len(ar["tokens"]), f"{same}/{len(ar['tokens'])} prompts identical with and without the head"))
+        found.append(check("head_lossless", same == len(ar["tokens"]),
+                           f"{same}/{len(ar['tokens'])} prompts identical with and without the head"))
     if not flag(icfg.checks, "acceptance", error=InteropError):
         found.append(check("acceptance", None, "skipped (interop.checks.acceptance=false)"))
     elif "error" not in eagle:
         ours, theirs = poly["chain"]["acceptance_length"], vllm_acceptance_length(eagle)
         ratio, tol = theirs / ours, float(icfg.checks.acceptance_tolerance)
-        found.append(check("acceptance", abs(ratio - 1) <= tol, f"vLLM L {theirs:.3f} vs polyspec L {ours:.3f} (ratio {ratio:.3f}, tolerance {tol:.0%})"))
+        found.append(check("acceptance", abs(ratio - 1) <= tol,
+                           f"vLLM L {theirs:.3f} vs polyspec L {ours:.3f} (ratio {ratio:.3f}, tolerance {tol:.0%})"))
     if "not_applicable" in w4 and llama is not None:
         found.append(check("w4_loads", llama["passed"], f"vLLM: not applicable ({w4['not_applicable']}); "
                            f"{llama['detail']}"))
@@ -229,15 +240,17 @@ def checks(icfg: Any, vllm: dict[str, dict], poly: dict[str, Any],
     else:
         ours, theirs = agreement(poly["w4_teacher_forced"]), agreement(w4["teacher_forced"])
         tol = float(icfg.checks.agreement_tolerance)
-        found.append(check("w4_loads", abs(theirs - ours) <= tol, f"teacher-forced greedy agreement with the target: vLLM W4 {theirs:.3f} vs polyspec W4 {ours:.3f} (tolerance {tol})"))
+        found.append(check("w4_loads", abs(theirs - ours) <= tol,
+                           f"teacher-forced greedy agreement with the target: vLLM W4 {theirs:.3f} vs polyspec W4 "
+                           f"{ours:.3f} (tolerance {tol})"))
     return found
 
 
 def table(vllm: dict[str, dict], poly: dict[str, Any], k: int) -> list[dict[str, Any]]:
     """tokens/s per engine and method, with the ratio to the same engine's AR and the acceptance length."""
     rows = [{"engine": "polyspec", "method": "AR", "run": poly["ar"], "reference": poly["ar"]},
-            {"engine": "polyspec", "method": f"dualistic, head chain draft k={k}", "run": poly["chain"], "reference": poly["ar"],
-             "L": poly["chain"]["acceptance_length"]},
+            {"engine": "polyspec", "method": f"dualistic, head chain draft k={k}", "run": poly["chain"],
+             "reference": poly["ar"], "L": poly["chain"]["acceptance_length"]},
             {"engine": "vLLM", "method": "AR", "run": vllm["ar"], "reference": vllm["ar"]},
             {"engine": "vLLM", "method": f"ngram k={k}", "run": vllm["ngram"], "reference": vllm["ar"]},
             {"engine": "vLLM", "method": f"eagle head k={k}", "run": vllm["eagle"], "reference": vllm["ar"]},
@@ -265,7 +278,8 @@ def render(rows: list[dict[str, Any]], found: list[dict[str, Any]], prompts: int
             lines.append(f"{r['engine']:<9} {r['method']:<34} failed: {r['error']}")
             continue
         L = f"{r['L']:.2f}" if "L" in r else "-"
-        lines.append(f"{r['engine']:<9} {r['method']:<34} {r['tokens_per_s']:>7.2f} {r['x_ar']:>6.2f} {L:>6} {r['same_as_ar']:>7}/{prompts}")
+        lines.append(f"{r['engine']:<9} {r['method']:<34} {r['tokens_per_s']:>7.2f} {r['x_ar']:>6.2f} {L:>6} "
+                     f"{r['same_as_ar']:>7}/{prompts}")
     mark = {True: "pass", False: "FAIL", None: "skip"}
     lines += [f"check {c['name']}: {mark[c['passed']]}: {c['detail']}" for c in found]
     return "\n".join(lines)
@@ -275,7 +289,8 @@ def render(rows: list[dict[str, Any]], found: list[dict[str, Any]], prompts: int
 
 
 def validate(icfg: Any) -> None:
-    for key, least in (("num_speculative_tokens", 1), ("max_new_tokens", 1), ("warmup_tokens", 0), ("threads", 1), ("per_category", 1)):
+    for key, least in (("num_speculative_tokens", 1), ("max_new_tokens", 1), ("warmup_tokens", 0), ("threads", 1),
+                       ("per_category", 1)):
         value = icfg.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise InteropError(f"interop.{key} must be an integer >= {least}, got {value!r}")
@@ -321,8 +336,10 @@ def run(cfg: DictConfig) -> int:
     print(f"\n{len(prompts)} prompts, {icfg.max_new_tokens} new tokens, greedy, single stream, {icfg.threads} threads "
           f"({platform.processor() or platform.machine()}); vLLM: {icfg.dtype} target, {icfg.w4_dtype} W4")
     print(render(rows, found, len(prompts)))
-    same = "failed" if "error" in vllm["ar"] else sum(a == b for a, b in zip(vllm["ar"]["tokens"], poly["ar"]["tokens"]))
-    print(f"vLLM's AR output = polyspec's AR output on {same}/{len(prompts)} prompts ({icfg.dtype} vs {cfg.model.dtype}; informational)")
+    same = ("failed" if "error" in vllm["ar"]
+            else sum(a == b for a, b in zip(vllm["ar"]["tokens"], poly["ar"]["tokens"])))
+    print(f"vLLM's AR output = polyspec's AR output on {same}/{len(prompts)} prompts "
+          f"({icfg.dtype} vs {cfg.model.dtype}; informational)")
     record = {"created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "target": target, "head": str(head),
               "w4": str(w4), "w4_layout": layout, "config": OmegaConf.to_container(icfg, resolve=True),
               "checks": found, "table": rows, "vllm_ar_equals_polyspec_ar": same, "polyspec": poly, "vllm": vllm,

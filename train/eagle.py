@@ -77,7 +77,8 @@ def validate(cfg: DictConfig) -> None:
         raise TrainError(f"train.method={t.method!r}: must be one of {', '.join(METHODS)}")
     if t.method == "eagle3" and t.init != "random":
         raise TrainError(f"train.init={t.init!r}: an EAGLE-3 head (q/k/v over 2h inputs) starts random")
-    if t.aux_layers is not None and (not OmegaConf.is_list(t.aux_layers) or not all(isinstance(i, int) for i in t.aux_layers)):
+    if t.aux_layers is not None and (not OmegaConf.is_list(t.aux_layers)
+                                     or not all(isinstance(i, int) for i in t.aux_layers)):
         raise TrainError(f"train.aux_layers={t.aux_layers!r}: must be a list of layer ids (or null for vLLM's default)")
     if t.feature_source not in FEATURE_SOURCES:
         raise TrainError(f"train.feature_source={t.feature_source!r}: must be one of {', '.join(FEATURE_SOURCES)}")
@@ -94,7 +95,8 @@ def validate(cfg: DictConfig) -> None:
     if t.init not in INITS:
         raise TrainError(f"train.init={t.init!r}: must be one of {', '.join(INITS)}")
     if t.draft_vocab is not None and (not isinstance(t.draft_vocab, int) or t.draft_vocab < 1):
-        raise TrainError(f"train.draft_vocab={t.draft_vocab!r}: must be a positive integer (or null for the full vocabulary)")
+        raise TrainError(f"train.draft_vocab={t.draft_vocab!r}: must be a positive integer "
+                         "(or null for the full vocabulary)")
     for key in ("micro_batch", "grad_accum", "epochs", "max_len", "checkpoint_every", "store_batch", "unroll"):
         if not isinstance(t[key], int) or t[key] < 1:
             raise TrainError(f"train.{key}={t[key]!r}: must be a positive integer")
@@ -124,17 +126,20 @@ def init_distributed(device: torch.device) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def load_verifiers(cfg: DictConfig, layout: RunLayout, device: torch.device) -> tuple[PreTrainedModel, Any, PreTrainedModel]:
+def load_verifiers(cfg: DictConfig, layout: RunLayout,
+                   device: torch.device) -> tuple[PreTrainedModel, Any, PreTrainedModel]:
     """(target, its tokenizer, the feature model): the target itself or the W4 model in quantize.output."""
     target, tokenizer = load_model(cfg.model.name, cfg.model.dtype, device)
     if cfg.train.feature_source == "target":
         return target, tokenizer, target
     w4_path = layout.output("w4")
     if not (w4_path / "config.json").is_file():
-        raise TrainError(f"{w4_path}: no W4 model there (run `python -m quantize.w4` first, or use train.feature_source=target)")
+        raise TrainError(f"{w4_path}: no W4 model there "
+                         "(run `python -m quantize.w4` first, or use train.feature_source=target)")
     w4, w4_tokenizer = load_model(str(w4_path), cfg.model.dtype, device)
     if not same_vocabulary(tokenizer, w4_tokenizer) or w4.config.hidden_size != target.config.hidden_size:
-        raise TrainError(f"{w4_path}: the W4 model's vocabulary or hidden size differs from the target {cfg.model.name}")
+        raise TrainError(f"{w4_path}: the W4 model's vocabulary or hidden size differs from the target "
+                         f"{cfg.model.name}")
     return target, tokenizer, w4
 
 
@@ -189,7 +194,8 @@ def ttt_loss(head: Any, batch: dict[str, torch.Tensor], depth: int, target_rows:
         mask = loss_mask[:, j + 1:n + j + 1] & in_vocab[batch["argmax"][:, j:n + j]]
         logits = module.logits(hidden[mask]).float()
         with torch.no_grad():
-            target_p = torch.softmax(target_rows(batch["features"][:, j:n + j][mask].to(target_rows.weight.dtype)).float(), -1)
+            target_p = torch.softmax(
+                target_rows(batch["features"][:, j:n + j][mask].to(target_rows.weight.dtype)).float(), -1)
         ce = -(target_p * torch.log_softmax(logits, dim=-1)).sum(-1).mean() if logits.shape[0] else logits.sum()
         loss = loss + TTT_DECAY ** i * ce
         stats["ce"] += ce.item() / depth
@@ -230,8 +236,10 @@ def head_is_current(cfg: DictConfig, layout: RunLayout, target_hash: str) -> boo
     wanted = {**OmegaConf.to_container(cfg.train, resolve=True), "seed": cfg.seed,
               "data": OmegaConf.to_container(cfg.data, resolve=True)}
     trained = saved.get("training", {})
-    same = all(trained.get(k) == v for k, v in wanted.items() if k not in (*RUN_CONTROL_KEYS, "output"))  # where, not what
-    return same and saved.get("format_version") == FORMAT_VERSION and saved.get("target", {}).get("weights_hash") == target_hash
+    # where, not what
+    same = all(trained.get(k) == v for k, v in wanted.items() if k not in (*RUN_CONTROL_KEYS, "output"))
+    return (same and saved.get("format_version") == FORMAT_VERSION
+            and saved.get("target", {}).get("weights_hash") == target_hash)
 
 
 def aux_layers(cfg: DictConfig, target: PreTrainedModel) -> tuple[int, ...]:
@@ -275,8 +283,9 @@ class EagleRecipe:
     def __init__(self, cfg: DictConfig):
         self.cfg, self.t, self.layout = cfg, cfg.train, RunLayout.of(cfg)
         method = self.t.get("method", "eagle")  # each method keeps its own store and checkpoints in the run dir
-        self.store_root, self.checkpoints = (self.layout.feature_store, self.layout.checkpoints) if method == "eagle" else (
-            self.layout.run_dir / f"{method}_features", self.layout.run_dir / f"{method}_checkpoints")
+        self.store_root, self.checkpoints = ((self.layout.feature_store, self.layout.checkpoints) if method == "eagle"
+                                             else (self.layout.run_dir / f"{method}_features",
+                                                   self.layout.run_dir / f"{method}_checkpoints"))
         self.tracker: Tracker | None = None
         self.eval_sequences: list[EvalSequence] = []
 
@@ -295,8 +304,8 @@ class EagleRecipe:
         if self.t.skip_if_valid and head_is_current(self.cfg, self.layout, self.hashes["target"]):
             return False
         self.hashes["features"] = self.hashes["target"] if feature_model is self.target else weights_hash(feature_model)
-        self.examples, prompts = load_examples(self.cfg, self.tokenizer, feature_model, self.hashes["features"], self.rank,
-                                               self.world, split)
+        self.examples, prompts = load_examples(self.cfg, self.tokenizer, feature_model, self.hashes["features"],
+                                               self.rank, self.world, split)
         self.total_steps = self._total_steps()
         self.aux_layers = aux_layers(self.cfg, self.target)
         self.features = store.build_or_load(feature_model, [e.input_ids for e in self.examples], self.store_root,
@@ -306,13 +315,15 @@ class EagleRecipe:
                                                                      self.target.config.vocab_size, self.rank))
         self._verifier_rows(feature_model)
         self.engine, self.scheduler = self._engine(deepspeed)
-        self.progress = resume_progress(self.engine, self.cfg, self.checkpoints, self.world, self.total_steps, self.rank)
+        self.progress = resume_progress(self.engine, self.cfg, self.checkpoints, self.world, self.total_steps,
+                                        self.rank)
         if self.rank == 0:
             self.tracker = Tracker(self.cfg, "train.eagle")
-            print(f"train.eagle: {len(self.examples)} conversations, {self.total_steps} steps of {self._per_step()} (micro "
-                  f"{self.t.micro_batch} x accum {self.t.grad_accum} x {self.world} ranks), features from {self.t.feature_source}")
-            self.eval_sequences = prepare_eval(feature_model, self.tokenizer, prompts, self.t.eval.gen_tokens, self.t.eval.batch,
-                                               self.aux_layers)
+            print(f"train.eagle: {len(self.examples)} conversations, {self.total_steps} steps of {self._per_step()} "
+                  f"(micro {self.t.micro_batch} x accum {self.t.grad_accum} x {self.world} ranks), "
+                  f"features from {self.t.feature_source}")
+            self.eval_sequences = prepare_eval(feature_model, self.tokenizer, prompts, self.t.eval.gen_tokens,
+                                               self.t.eval.batch, self.aux_layers)
         if not self.progress.curve:
             self.progress.curve.append(curve_point(self.progress, self.evaluate()))
             if self.rank == 0:
@@ -326,7 +337,8 @@ class EagleRecipe:
             return
         vocab, size = self.head.draft_vocab, self.target.config.vocab_size
         head = feature_model.get_output_embeddings()
-        self.target_rows = vocabulary_rows(head, vocab if vocab is not None else torch.arange(size, device=head.weight.device))
+        self.target_rows = vocabulary_rows(head, vocab if vocab is not None
+                                           else torch.arange(size, device=head.weight.device))
         self.in_vocab = torch.zeros(size, dtype=torch.bool, device=head.weight.device)
         self.in_vocab[vocab if vocab is not None else slice(None)] = True
 
@@ -342,7 +354,8 @@ class EagleRecipe:
 
     def _engine(self, deepspeed: Any) -> tuple[Any, Any]:
         t = self.t
-        optimizer = torch.optim.AdamW(self.head.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+        optimizer = torch.optim.AdamW(self.head.parameters(), lr=t.lr, betas=tuple(t.betas),
+                                      weight_decay=t.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: lr_multiplier(s, self.total_steps, t.warmup_steps, t.min_lr_ratio))
         engine, _, _, _ = deepspeed.initialize(model=self.head, optimizer=optimizer, lr_scheduler=scheduler,
@@ -356,14 +369,17 @@ class EagleRecipe:
     def train(self) -> None:
         """The optimizer steps from `progress.step` to the last: evaluation, checkpoints, Ctrl-C."""
         stop = StopFlag()
-        bar = tqdm(total=self.total_steps, initial=self.progress.step, desc="eagle", disable=self.rank != 0, dynamic_ncols=True)
+        bar = tqdm(total=self.total_steps, initial=self.progress.step, desc="eagle", disable=self.rank != 0,
+                   dynamic_ncols=True)
         try:
             while self.progress.step < self.total_steps:
                 self._step()
-                bar.set_postfix(loss=f"{self.progress.last['train/loss']:.3f}", top1=f"{self.progress.last['train/top1']:.3f}",
+                bar.set_postfix(loss=f"{self.progress.last['train/loss']:.3f}",
+                                top1=f"{self.progress.last['train/top1']:.3f}",
                                 tok_s=f"{self.progress.tokens_seen / self.progress.train_seconds:.0f}")
                 bar.update()
-                if self.t.eval_every and self.progress.step % self.t.eval_every == 0 and self.progress.step < self.total_steps:
+                if (self.t.eval_every and self.progress.step % self.t.eval_every == 0
+                        and self.progress.step < self.total_steps):
                     self._log_evaluation()
                 self._checkpoint(stop)
         finally:
@@ -378,8 +394,10 @@ class EagleRecipe:
         sums = self._optimizer_step()
         elapsed = time.perf_counter() - started
         p, micro_batches = self.progress, self.t.grad_accum * self.world
-        p.step, p.train_seconds, p.tokens_seen = p.step + 1, p.train_seconds + elapsed, p.tokens_seen + int(sums["tokens"])
-        p.last = {"train/loss": sums["loss"] / micro_batches, "train/feature_loss": sums["feature_loss"] / micro_batches,
+        p.step, p.train_seconds, p.tokens_seen = (p.step + 1, p.train_seconds + elapsed,
+                                                  p.tokens_seen + int(sums["tokens"]))
+        p.last = {"train/loss": sums["loss"] / micro_batches,
+                  "train/feature_loss": sums["feature_loss"] / micro_batches,
                   "train/ce": sums["ce"] / micro_batches, "train/top1": sums["correct"] / max(1, sums["predicted"]),
                   "train/lr": self.scheduler.get_last_lr()[0], "train/tokens_per_s": sums["tokens"] / elapsed}
         if self.tracker is not None:
@@ -390,7 +408,8 @@ class EagleRecipe:
         cfg, engine, examples = self.cfg, self.engine, self.examples
         engine.train()
         sums = {"loss": 0.0, "feature_loss": 0.0, "ce": 0.0, "correct": 0, "predicted": 0, "tokens": 0}
-        for chunk, indices in step_micro_batches(self.progress.step, len(examples), cfg.train, cfg.seed, self.rank, self.world):
+        for chunk, indices in step_micro_batches(self.progress.step, len(examples), cfg.train, cfg.seed, self.rank,
+                                                 self.world):
             ids, stored, loss_mask = pad([examples[i] for i in indices], [self.features[i] for i in indices],
                                          all_tokens=cfg.train.loss_tokens == "all")
             batch = {"ids": ids, "loss_mask": loss_mask, **stored}
@@ -449,14 +468,15 @@ class EagleRecipe:
               f"(untrained head: {progress.curve[0]['acceptance_length']:.3f}); "
               + ", ".join(f"top-1@{j} {final[f'top1_depth{j}']:.3f}" for j in range(1, k + 1)))
         training = {**OmegaConf.to_container(t, resolve=True), "seed": self.cfg.seed, "world_size": self.world,
-                    "data": OmegaConf.to_container(self.cfg.data, resolve=True), "feature_model_hash": self.hashes["features"],
-                    "total_steps": self.total_steps}
+                    "data": OmegaConf.to_container(self.cfg.data, resolve=True),
+                    "feature_model_hash": self.hashes["features"], "total_steps": self.total_steps}
         out_dir = self.layout.output("eagle")
         self.head.save_pretrained(out_dir, target_hash=self.hashes["target"], tokenizer=self.tokenizer,
                                   feature_source=t.feature_source, training=training, metrics=metrics,
                                   files={"learning_curve.png": learning_curve_png(progress.curve, k)})
         self.tracker.summary({key: v for key, v in metrics.items() if key != "curve"})
-        self.tracker.log_artifact(out_dir, name="eagle-head", type="model", metadata={"target_weights_hash": self.hashes["target"]})
+        self.tracker.log_artifact(out_dir, name="eagle-head", type="model",
+                                  metadata={"target_weights_hash": self.hashes["target"]})
         self.tracker.finish()
         print(f"EAGLE head written to {out_dir} (learning curve: {out_dir / 'learning_curve.png'})")
         return metrics
@@ -469,7 +489,8 @@ def final_metrics(final: dict[str, float], progress: Progress, depth: int, conve
     return {**{f"eval/{m}": v for m, v in final.items()}, **progress.last,
             f"untrained/acceptance_length_depth{depth}": untrained["acceptance_length"],
             "untrained/top1_depth1": untrained["top1_depth1"],
-            "train/steps": progress.step, "train/seconds": progress.train_seconds, "train/tokens_seen": progress.tokens_seen,
+            "train/steps": progress.step, "train/seconds": progress.train_seconds,
+            "train/tokens_seen": progress.tokens_seen,
             "train/tokens_per_s": progress.tokens_seen / max(progress.train_seconds, 1e-9),
             "train/conversations": conversations, "train/world_size": world,
             "draft_vocab": None if head.draft_vocab is None else len(head.draft_vocab), "curve": progress.curve}

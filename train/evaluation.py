@@ -36,7 +36,8 @@ def prepare_eval(model: PreTrainedModel, tokenizer: Any, prompts: list[list[int]
             seq = torch.tensor([p + row], device=model.device)
             result = getattr(model, model.base_model_prefix)(input_ids=seq, output_hidden_states=bool(aux_layers))
             greedy = model.get_output_embeddings()(result.last_hidden_state).argmax(-1)
-            features = torch.cat([result.hidden_states[i] for i in aux_layers], -1) if aux_layers else result.last_hidden_state
+            features = (torch.cat([result.hidden_states[i] for i in aux_layers], -1) if aux_layers
+                        else result.last_hidden_state)
             out.append(EvalSequence(seq[0], features[0], greedy[0], len(p)))
     return out
 

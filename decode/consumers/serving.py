@@ -67,7 +67,8 @@ def serve_section(target: str, dtype: str, drafter: dict[str, Any], drafter_fold
         "vllm_serve": serve_command(llm), "note": TWO_LEVELS,
     }
     if spec is None:
-        section["drafter_not_served"] = f"vLLM has no drafter of kind {drafter.get('kind')!r}: the command serves the target alone"
+        section["drafter_not_served"] = (f"vLLM has no drafter of kind {drafter.get('kind')!r}: "
+                                         "the command serves the target alone")
     if w4_folder:
         w4 = {"model": w4_folder, "dtype": W4_DTYPE}
         section["w4"] = {"llm_kwargs": w4, "vllm_serve": serve_command(w4)}

@@ -24,7 +24,7 @@ class Chain:
     def __init__(self, levels: list[Level]):
         if len(levels) < 2:
             raise DecodeError("a chain needs at least two levels: the target and a drafter")
-        if not isinstance(levels[0], ModelLevel) or not all(isinstance(l, ModelLevel) for l in levels[:-1]):
+        if not isinstance(levels[0], ModelLevel) or not all(isinstance(level, ModelLevel) for level in levels[:-1]):
             raise DecodeError("every level but the last must be a model level (only models verify)")
         for i, level in enumerate(levels[:-1]):
             if level.mu < 1:
@@ -97,7 +97,8 @@ def read_features(order: list[ModelLevel], feature_size: int, dtype: torch.dtype
     level in `order` must have been built with keep_hidden (True, or EAGLE-3's layer ids)."""
     forgetful = [level.name for level in order if not level.keep_hidden]
     if forgetful:
-        raise DecodeError(f"levels {', '.join(forgetful)} do not keep their hidden states (build them with keep_hidden=True)")
+        raise DecodeError(f"levels {', '.join(forgetful)} do not keep their hidden states "
+                          "(build them with keep_hidden=True)")
     empty = torch.zeros(1, 0, feature_size, dtype=dtype, device=order[0].device if order else "cpu")
 
     def features(ctx: list[int], start: int, end: int) -> torch.Tensor:

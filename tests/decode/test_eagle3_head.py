@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from test_head_vllm_layout import HEADS, KV, H, I, V, rms, rotate, tiny_llama
+from test_head_vllm_layout import HEADS, KV, H, INTER, V, rms, rotate, tiny_llama
 from transformers import DynamicCache
 
 from data.models import weights_hash
@@ -23,7 +23,7 @@ def target6():
 
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(
-        vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=N_LAYERS, num_attention_heads=HEADS,
+        vocab_size=V, hidden_size=H, intermediate_size=INTER, num_hidden_layers=N_LAYERS, num_attention_heads=HEADS,
         num_key_value_heads=KV, max_position_embeddings=256, tie_word_embeddings=True)).eval()
 
 
@@ -32,8 +32,8 @@ def vllm_shapes(draft_vocab: int) -> dict[str, tuple]:
     return {"fc.weight": (H, 3 * H), f"{m}input_layernorm.weight": (H,), f"{m}hidden_norm.weight": (H,),
             f"{m}self_attn.q_proj.weight": (H, 2 * H), f"{m}self_attn.k_proj.weight": (H // HEADS * KV, 2 * H),
             f"{m}self_attn.v_proj.weight": (H // HEADS * KV, 2 * H), f"{m}self_attn.o_proj.weight": (H, H),
-            f"{m}post_attention_layernorm.weight": (H,), f"{m}mlp.gate_proj.weight": (I, H),
-            f"{m}mlp.up_proj.weight": (I, H), f"{m}mlp.down_proj.weight": (H, I), "norm.weight": (H,),
+            f"{m}post_attention_layernorm.weight": (H,), f"{m}mlp.gate_proj.weight": (INTER, H),
+            f"{m}mlp.up_proj.weight": (INTER, H), f"{m}mlp.down_proj.weight": (H, INTER), "norm.weight": (H,),
             "lm_head.weight": (draft_vocab, H)}
 
 
@@ -202,7 +202,8 @@ def test_chain_config_builds_an_eagle3_level_and_checks_the_aux_layers(tmp_path)
         tmp_path / "e3", target_hash=weights_hash(target))
     chain = build_chain([{"kind": "model"}, {"kind": "model", "model": "target", "layers": 4, "mu": 2},
                          {"kind": "eagle", "path": str(out), "draft": {"length": 3}}], target, tokenizer=None)
-    assert chain.levels[-1].head.method == "eagle3" and all(l.keep_hidden == (2, 3, 3) for l in chain.levels[:2])
+    assert chain.levels[-1].head.method == "eagle3" and all(level.keep_hidden == (2, 3, 3)
+                                                            for level in chain.levels[:2])
     assert len(chain.generate([5, 6, 7, 8, 9], 12).tokens) == 12
     with pytest.raises(DecodeError, match=r"states entering layers \[2, 3, 3\], but this level's model has 3"):
         build_chain([{"kind": "model"}, {"kind": "model", "model": "target", "layers": 3},

@@ -36,8 +36,10 @@ SHAPES = {
     "2 levels, model drafter, tree": lambda t, m, d: [ModelLevel("t", t), ModelLevel("d", d, draft=TREE)],
     "2 levels, prompt lookup": lambda t, m, d: [ModelLevel("t", t), NgramLevel("n", draft={"length": 5})],
     "3 levels, mu 1": lambda t, m, d: [ModelLevel("t", t), ModelLevel("m", m), ModelLevel("d", d, draft={"length": 3})],
-    "3 levels, mu 4": lambda t, m, d: [ModelLevel("t", t), ModelLevel("m", m, mu=4), ModelLevel("d", d, draft={"length": 3})],
-    "3 levels, tree, mu 3": lambda t, m, d: [ModelLevel("t", t), ModelLevel("m", m, mu=3), ModelLevel("d", d, draft=TREE)],
+    "3 levels, mu 4": lambda t, m, d: [ModelLevel("t", t), ModelLevel("m", m, mu=4),
+                                       ModelLevel("d", d, draft={"length": 3})],
+    "3 levels, tree, mu 3": lambda t, m, d: [ModelLevel("t", t), ModelLevel("m", m, mu=3),
+                                             ModelLevel("d", d, draft=TREE)],
     "4 levels, mu 4/2": lambda t, m, d: [ModelLevel("t", t), ModelLevel("m", m, mu=4), ModelLevel("m2", d, mu=2),
                                          NgramLevel("n", draft={"length": 3})],
     "4 levels, tree": lambda t, m, d: [ModelLevel("t", t), ModelLevel("m", m, mu=2), ModelLevel("m2", d, mu=1),
@@ -103,7 +105,8 @@ def test_eagle_with_draft_vocabulary_greedy_equals_target_greedy(models, mode, m
     chain = build_chain(levels, target, tokenizer=None)
     head_cls = Eagle3Head if method == "eagle3" else EagleHead
     chain.levels[-1].head = head_cls.for_target(target, draft_vocab=torch.arange(0, VOCAB, 7)).eval()
-    assert tokens_outside(chain, target, every=7) > 0, "every token was inside the draft vocabulary; the test exercises nothing"
+    assert tokens_outside(chain, target, every=7) > 0, ("every token was inside the draft vocabulary; "
+                                                        "the test exercises nothing")
 
 
 def tokens_outside(chain: Chain, target, every: int) -> int:
@@ -125,7 +128,8 @@ def test_middle_level_with_restricted_vocabulary_greedy_equals_target_greedy(mod
     target, middle, drafter = models
     chain = Chain([ModelLevel("t", target), ModelLevel("m", middle, mu=3, vocab=torch.arange(0, VOCAB, 3)),
                    ModelLevel("d", drafter, draft=mode)])
-    assert tokens_outside(chain, target, every=3) > 0 and chain.levels[1].stats.accepted > 0, "the test exercises nothing"
+    assert (tokens_outside(chain, target, every=3) > 0
+            and chain.levels[1].stats.accepted > 0), "the test exercises nothing"
 
 
 def test_middle_level_with_int8_lm_head_greedy_equals_target_greedy(models):
@@ -152,7 +156,8 @@ def test_middle_level_with_int8_lm_head_greedy_equals_target_greedy(models):
         assert ok, "an int8 middle-level LM head changed the target's greedy output at a clear margin"
     assert chain.levels[1].stats.accepted > 0
     with pytest.raises(DecodeError, match="would change the target's own logits"):
-        build_chain([{"kind": "model"}, {"kind": "model", "model": "target", "lm_head": "int8"}, config[2]], target, tokenizer=None)
+        build_chain([{"kind": "model"}, {"kind": "model", "model": "target", "lm_head": "int8"}, config[2]], target,
+                    tokenizer=None)
     with pytest.raises(DecodeError, match="lm_head must be one of int8, got .int4."):
         build_chain([config[0], {**config[1], "lm_head": "int4"}, config[2]], target, tokenizer=None)
 
@@ -200,7 +205,8 @@ def test_sibling_linears_run_fused_with_the_unfused_packed_logits():
         if isinstance(m, PackedLinear) and m.sibling is not None:
             m.sibling, m.packed = None, pack_weight(m.weight.detach(), m.gemm)
     groups = {id(m.sibling[0]): m.sibling[0] for m in fused.modules() if getattr(m, "sibling", None)}
-    assert len(groups) in (0, 2 * fused.config.num_hidden_layers) and all(isinstance(g, SiblingGroup) for g in groups.values())
+    assert len(groups) in (0, 2 * fused.config.num_hidden_layers) and all(isinstance(g, SiblingGroup)
+                                                                          for g in groups.values())
     attention = fused.model.layers[0].self_attn
     ids = torch.tensor([prompts(VOCAB, 1, seed=5)[0]])
     with torch.inference_mode():
@@ -231,8 +237,10 @@ def test_packed_grouped_query_attention_skips_repeat_kv_with_the_same_logits(mon
     from decode.backends.cpu import unpack
     from decode.engine.tree import Tree
 
-    model = packed(tiny_model(seed=6, vocab=VOCAB), "onednn")  # the AVX2 product brings its own attention (test_cpu_kernels)
-    assert model.config._attn_implementation == GROUPED_SDPA and model.config.num_key_value_heads < model.config.num_attention_heads
+    # the AVX2 product brings its own attention (test_cpu_kernels)
+    model = packed(tiny_model(seed=6, vocab=VOCAB), "onednn")
+    assert (model.config._attn_implementation == GROUPED_SDPA
+            and model.config.num_key_value_heads < model.config.num_attention_heads)
     ids = torch.tensor([prompts(VOCAB, 1, seed=7)[0]])
     tree = Tree()
     for token, parent in ((5, -1), (9, 0), (7, 0), (11, 1)):
@@ -276,7 +284,8 @@ def test_restricted_vocabulary_comes_from_the_chains_head_and_never_on_the_targe
 def test_eos_stops_generation(models):
     target, middle, _ = models
     prompt = prompts(VOCAB, n=1)[0]
-    reference = Chain([ModelLevel("t", target), ModelLevel("d", middle, draft={"length": 4})]).generate(prompt, 30).tokens
+    reference = Chain([ModelLevel("t", target),
+                       ModelLevel("d", middle, draft={"length": 4})]).generate(prompt, 30).tokens
     eos = reference[10]
     chain = Chain([ModelLevel("t", target), ModelLevel("m", middle, mu=3), NgramLevel("n", draft={"length": 4})])
     tokens = chain.generate(prompt, 30, eos_token_id=eos).tokens
@@ -323,7 +332,8 @@ def test_real_packed_target_decodes_like_the_eager_target(bundled_target):
 
     model, tokenizer = bundled_target
     fast = packed_copy(model)
-    for question in ("Explain what a compiler does in two sentences.", "Translate 'good morning' into French and Spanish."):
+    for question in ("Explain what a compiler does in two sentences.",
+                     "Translate 'good morning' into French and Spanish."):
         prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": question}])
         tokens = autoregressive(fast, prompt, 48, eos_token_id=tokenizer.eos_token_id).tokens
         ok, _ = greedy_equal(model, prompt, tokens)

@@ -196,7 +196,8 @@ def test_unsupported_models_are_refused_with_a_reason(w4, tiny_llama):
     tiny_llama.to(torch.bfloat16)
     for key, value, says in (("hidden_act", "gelu", "activation"), ("model_type", "gpt2", "architecture"),
                              ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "rope type"),
-                             ("quantization_config", {"quant_method": "gptq", "bits": 8, "sym": True}, "not symmetric")):
+                             ("quantization_config", {"quant_method": "gptq", "bits": 8, "sym": True},
+                              "not symmetric")):
         config = copy.deepcopy(w4.config)
         setattr(config, key, value)
         w4.config, original = config, w4.config

@@ -2,9 +2,9 @@
 
 The first new token comes from the target's prefill alone, so the test looks at new tokens 2 and 3,
 which the chain speculates: their exact joint distribution under the target (marginalised over token 1)
-is computed from the target's logits, and many chain samples are compared with it by a chi-square test. A deliberately broken acceptance rule
-(resampling from p instead of the residual norm(max(0, p - q)) after a rejection) must fail the same test,
-which shows the test has the power to catch a biased rule.
+is computed from the target's logits, and many chain samples are compared with it by a chi-square test. A deliberately
+broken acceptance rule (resampling from p instead of the residual norm(max(0, p - q)) after a rejection) must fail the
+same test, which shows the test has the power to catch a biased rule.
 """
 from __future__ import annotations
 
@@ -107,7 +107,8 @@ def test_tree_and_prompt_lookup_proposals_sample_like_the_target(models):
     target, middle, drafter = models
     tree = Chain([ModelLevel("target", target),
                   ModelLevel("drafter", drafter, draft={"mode": "tree", "depth": 2, "top_k": 2, "total_tokens": 5})])
-    ngram = Chain([ModelLevel("target", target), ModelLevel("middle", middle, mu=2), NgramLevel("lookup", draft={"length": 4})])
+    ngram = Chain([ModelLevel("target", target), ModelLevel("middle", middle, mu=2),
+                   NgramLevel("lookup", draft={"length": 4})])
     joint = exact_joint(target)
     for chain in (tree, ngram):
         p = chi_square_pvalue(chain_counts(chain), joint)
@@ -119,7 +120,8 @@ def test_draft_vocabulary_chain_samples_like_the_target(models, method):
     joint = exact_joint(models[0])
     for draft in ({"mode": "chain", "length": 2}, {"mode": "tree", "depth": 2, "top_k": 2, "total_tokens": 5}):
         p = chi_square_pvalue(chain_counts(draft_vocab_chain(models, draft, method)), joint)
-        assert p > 1e-3, f"{draft['mode']} drafts over a draft vocabulary: sampling differs from the target's (p={p:.2e})"
+        assert p > 1e-3, (f"{draft['mode']} drafts over a draft vocabulary: sampling differs from the target's "
+                          f"(p={p:.2e})")
 
 
 @pytest.mark.parametrize("chain", ["three levels", "draft vocabulary", "draft vocabulary, eagle3", "restricted middle"])

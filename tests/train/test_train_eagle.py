@@ -112,7 +112,8 @@ def test_unroll_3_trains_a_loadable_head(tiny_setup, tmp_path):
 
 
 def test_target_last_layer_init_copies_the_layer_but_its_input_norm():
-    """The head's layer has no input norm (vLLM's function): init copies every other weight of the target's last layer."""
+    """The head's layer has no input norm (vLLM's function): init copies every other weight of the target's last
+    layer."""
     from omegaconf import OmegaConf
 
     target = tiny_llama(1)
@@ -132,7 +133,8 @@ def test_config_errors_are_one_line(tiny_setup, tmp_path):
         [sys.executable, "-m", "train.eagle", *overrides(tiny_setup, tmp_path, "train.zero_stage=7")],
         cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "WANDB_MODE": "disabled"})
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1] == "error: train.zero_stage=7: DeepSpeed ZeRO stage must be one of 0, 1, 2, 3"
+    assert result.stderr.strip().splitlines()[-1] == ("error: train.zero_stage=7: "
+                                                      "DeepSpeed ZeRO stage must be one of 0, 1, 2, 3")
     assert "Traceback" not in result.stderr
 
 
@@ -148,8 +150,8 @@ def test_target_without_decoder_layer_class_is_refused(tiny_setup, tmp_path):
 def test_training_writes_a_loadable_head_folder(tiny_setup, tmp_path):
     metrics = eagle.train(compose(tiny_setup, tmp_path, "train.lr=3e-3"))
     out = tmp_path / "eagle"
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "draft_vocab.json", "learning_curve.png", "metrics.json",
-                                                     "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "draft_vocab.json", "learning_curve.png",
+                                                     "metrics.json", "model.safetensors"]
     assert (out / "learning_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     config = json.loads((out / "config.json").read_text())["polyspec"]
     assert config["target"]["weights_hash"] == weights_hash(tiny_llama(0))
@@ -250,7 +252,8 @@ def test_verifier_replies_are_its_own_greedy_answers_generated_once(tiny_setup, 
     metrics = eagle.train(compose(tiny_setup, tmp_path, "train.replies=verifier", "train.regenerate.max_new_tokens=6",
                                   "train.regenerate.batch=3", "train.epochs=1"))
     assert torch.isfinite(torch.tensor(metrics["train/loss"]))
-    monkeypatch.setattr(train_examples.replies, "greedy_replies", lambda *a: pytest.fail("cached replies were regenerated"))
+    monkeypatch.setattr(train_examples.replies, "greedy_replies",
+                        lambda *a: pytest.fail("cached replies were regenerated"))
     again, _ = train_examples.load_examples(cfg, tokenizer, target, weights_hash(target))
     assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(examples, again))
     with pytest.raises(pytest.fail.Exception, match="regenerated"):  # another model: another key, never the old file
@@ -267,7 +270,8 @@ def test_feature_store_is_sized_first_reused_and_rebuilt_when_its_key_changes(ti
     meta = json.loads((store_dir / "meta.json").read_text())
     assert meta["key"] == store_dir.name and meta["conversations"] == 16
     target = LlamaForCausalLM.from_pretrained(tiny_setup / "target")
-    examples, _ = train_examples.load_examples(compose(tiny_setup, tmp_path), load_tokenizer(str(tiny_setup / "target")), target, "")
+    examples, _ = train_examples.load_examples(compose(tiny_setup, tmp_path),
+                                               load_tokenizer(str(tiny_setup / "target")), target, "")
     stored = eagle.store.build_or_load(target, [e.input_ids for e in examples],
                                        tmp_path / "eagle_features", weights_hash(target), "bfloat16", 4)
     with torch.no_grad():
@@ -291,8 +295,8 @@ def test_loss_on_all_tokens_reuses_the_store_and_counts_every_real_position(tiny
     everything = eagle.train(compose(tiny_setup, tmp_path, "train.loss_tokens=all"))
     assert "feature store: reusing" in capsys.readouterr().out
     assert everything["train/loss"] != replies["train/loss"]
-    examples, _ = train_examples.load_examples(compose(tiny_setup, tmp_path), load_tokenizer(str(tiny_setup / "target")),
-                                      tiny_llama(0), "")
+    examples, _ = train_examples.load_examples(compose(tiny_setup, tmp_path),
+                                               load_tokenizer(str(tiny_setup / "target")), tiny_llama(0), "")
     batch = examples[:2]
     features = [{"features": torch.zeros(len(e.input_ids), 32)} for e in batch]
     _, _, assistant = train_examples.pad(batch, features)
@@ -320,7 +324,8 @@ def test_interrupted_store_build_keeps_finished_shards(tiny_setup, tmp_path, mon
     (partial,) = tmp_path.iterdir()
     assert partial.name.endswith(".partial") and len(list(partial.glob("shard-*"))) == 2
     calls.clear()
-    monkeypatch.setattr(eagle.store, "_features", lambda model, part, batch: calls.append(len(part)) or real(model, part, batch))
+    monkeypatch.setattr(eagle.store, "_features",
+                        lambda model, part, batch: calls.append(len(part)) or real(model, part, batch))
     features = eagle.store.build_or_load(target, seqs, tmp_path, "h", "float32", 8)
     assert calls == [150 - 2 * eagle.store.SHARD_EXAMPLES]
     assert [len(f["features"]) for f in features] == [len(s) for s in seqs]
@@ -338,8 +343,8 @@ def one_rank_and_two(tiny_setup, tmp_path, common: list[str], env: dict[str, str
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
     double = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}", "-m", "train.eagle",
-         *overrides(tiny_setup, tmp_path / "two", *common, "train.grad_accum=1")],
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}", "-m",
+         "train.eagle", *overrides(tiny_setup, tmp_path / "two", *common, "train.grad_accum=1")],
         cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert double.returncode == 0, double.stderr[-2000:]
     return tuple(json.loads((tmp_path / run / "eagle" / "metrics.json").read_text()) for run in ("one", "two"))
@@ -350,7 +355,8 @@ def test_two_process_torchrun_matches_one_process_with_the_same_global_batch(tin
     """ZeRO-2 over gloo: 2 ranks x accum 1 vs 1 rank x accum 2, 6 steps; tolerance 1e-4 relative on the
     final loss and 1e-4 absolute on the weights (only the all-reduce summation order differs; measured:
     equal loss, weights within 1e-8). About 45 s."""
-    one, two = one_rank_and_two(tiny_setup, tmp_path, ["train.epochs=1", "train.max_conversations=24", "train.zero_stage=2"],
+    one, two = one_rank_and_two(tiny_setup, tmp_path,
+                                ["train.epochs=1", "train.max_conversations=24", "train.zero_stage=2"],
                                 {"OMP_NUM_THREADS": "1"})
     assert one["train/steps"] == two["train/steps"] == 6 and two["train/world_size"] == 2
     assert two["train/loss"] == pytest.approx(one["train/loss"], rel=1e-4)
@@ -362,7 +368,8 @@ def test_two_process_torchrun_matches_one_process_with_the_same_global_batch(tin
 def test_bf16_training_keeps_bf16_head_weights(tiny_setup, tmp_path):
     eagle.train(compose(tiny_setup, tmp_path, "train.precision=bf16", "train.zero_stage=1", "train.epochs=1"))
     weights = head_weights(tmp_path)
-    assert "draft_vocab" not in weights and (tmp_path / "eagle" / "draft_vocab.json").is_file()  # the token map, not a weight
+    # the token map, not a weight
+    assert "draft_vocab" not in weights and (tmp_path / "eagle" / "draft_vocab.json").is_file()
     assert {t.dtype for t in weights.values()} == {torch.bfloat16}
     assert json.loads((tmp_path / "eagle" / "config.json").read_text())["dtype"] == "bfloat16"
 
@@ -438,7 +445,8 @@ def test_eagle3_training_lowers_the_loss_and_writes_a_loadable_head(tiny_setup, 
     assert shard["argmax"].dtype == torch.int64 and len(shard["argmax"]) == len(shard["aux"])
     assert not (tmp_path / "eagle").exists() and not (tmp_path / "eagle_features").exists()
     config = json.loads((tmp_path / "eagle3" / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["eagle_aux_hidden_state_layer_ids"] == [0, 1, 1]
+    assert (config["architectures"] == ["LlamaForCausalLMEagle3"]
+            and config["eagle_aux_hidden_state_layer_ids"] == [0, 1, 1])
     target = LlamaForCausalLM.from_pretrained(tiny_setup / "target")
     head = load_head(tmp_path / "eagle3", target, load_tokenizer(str(tiny_setup / "target")))
     assert head.method == "eagle3" and len(head.draft_vocab) == config["draft_vocab_size"] < 49152
