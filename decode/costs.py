@@ -61,14 +61,14 @@ def _w4_steps(w4: Any, w4_runner: Callable[[], Any], context: list[int], steps: 
     """The W4 level's rows: as it is, and with lm_head: int8 (a CPU kernel), each level on its own runner."""
     from decode import backends
     from decode.backends.cpu.int8 import Int8RowLinear
-    from decode.engine.levels import ModelLevel
+    from decode.engine.levels import LevelCompute, ModelLevel
 
     runner = w4_runner()
-    steps["w4"] = level_forward(ModelLevel("w4", w4, runner=runner), context)
+    steps["w4"] = level_forward(ModelLevel("w4", w4, compute=LevelCompute(runner)), context)
     notes["w4"] = f"{w4.name_or_path}, {type(runner).__name__}"
     if backends.on_cpu(w4):
         int8_head, runner = Int8RowLinear(w4.get_output_embeddings()), w4_runner()
-        level = ModelLevel("w4", w4, runner=runner, lm_head=backends.lm_head(int8_head, runner) or int8_head)
+        level = ModelLevel("w4", w4, compute=LevelCompute(runner, backends.lm_head(int8_head, runner) or int8_head))
         steps["w4 int8 head"] = level_forward(level, context)
         notes["w4 int8 head"] = "the W4 level with lm_head: int8"
 
@@ -134,7 +134,7 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str], dict | 
     from decode.chains.build import gemm_choice, native_settings
     from decode.engine.head import EagleHead, vocabulary_rows
     from decode.engine.head3 import load_head
-    from decode.engine.levels import ModelLevel
+    from decode.engine.levels import LevelCompute, ModelLevel
 
     device = configured_device(cfg)
     _, held_out = load_split(cfg.data)  # the data before any model or kernel build: refused in seconds
@@ -175,7 +175,9 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str], dict | 
     vocab = heads["head"].draft_vocab if "head" in heads else None
     if "w4" in steps and vocab is not None:
         rows = backends.linear_wrapper(w4, gemm)(vocabulary_rows(w4.get_output_embeddings(), vocab))
-        steps["w4 V=head"] = level_forward(ModelLevel("w4", w4, vocab=vocab, runner=w4_runner(), lm_head=rows), context)
+        steps["w4 V=head"] = level_forward(
+            ModelLevel("w4", w4, vocab=vocab, compute=LevelCompute(w4_runner(), rows)), context
+        )
         notes["w4 V=head"] = f"the W4 level restricted to the head's {len(vocab)}-token vocabulary (vocab: head)"
     return steps, notes, rounds
 

@@ -3,6 +3,7 @@ where a tensor must live to be all-reduced (NCCL only reduces CUDA tensors; gloo
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -10,6 +11,14 @@ import torch.distributed as dist
 
 from infra.device import configured_device
 from train.errors import TrainError
+
+
+@dataclass(frozen=True)
+class Share:
+    """This process's share of a data-parallel run: rank `rank` of `world` processes does every `world`-th piece."""
+
+    rank: int = 0
+    world: int = 1
 
 
 def training_device(cfg: Any) -> torch.device:

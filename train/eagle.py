@@ -49,11 +49,12 @@ from infra.layout import RunLayout
 from data.models import load_model, same_vocabulary, weights_hash
 from data.sharegpt import load_split
 from infra.tracking import Tracker
-from decode.engine.head import FORMAT_VERSION, DraftHead, EagleHead, vocabulary_rows
+from decode.engine.head import FORMAT_VERSION, DraftHead, EagleHead, TrainingRecord, vocabulary_rows
 from decode.engine.head3 import Eagle3Head, check_aux_layers, default_aux_layers
 from train import store
+from train.store import FeatureSource
 from train.checkpoints import Progress, StopFlag, checkpoint_fingerprint, resume_progress, save_checkpoint
-from train.distributed import backend_for, collective_device, training_device
+from train.distributed import Share, backend_for, collective_device, training_device
 from train.errors import TrainError, TrainingInterrupted
 from train.evaluation import EvalSequence, evaluate, evaluate_on_rank0, prepare_eval, unroll
 from train.examples import draft_vocabulary, load_examples, pad, step_micro_batches
@@ -304,13 +305,12 @@ class EagleRecipe:
         if self.t.skip_if_valid and head_is_current(self.cfg, self.layout, self.hashes["target"]):
             return False
         self.hashes["features"] = self.hashes["target"] if feature_model is self.target else weights_hash(feature_model)
-        self.examples, prompts = load_examples(self.cfg, self.tokenizer, feature_model, self.hashes["features"],
-                                               self.rank, self.world, split)
+        source, share = FeatureSource(feature_model, self.hashes["features"]), Share(self.rank, self.world)
+        self.examples, prompts = load_examples(self.cfg, self.tokenizer, source, share, split)
         self.total_steps = self._total_steps()
         self.aux_layers = aux_layers(self.cfg, self.target)
-        self.features = store.build_or_load(feature_model, [e.input_ids for e in self.examples], self.store_root,
-                                            self.hashes["features"], self.t.store_dtype, self.t.store_batch, self.rank,
-                                            self.world, self.aux_layers)
+        settings = store.StoreSettings(self.store_root, self.t.store_dtype, self.t.store_batch, self.aux_layers)
+        self.features = store.build_or_load(source, [e.input_ids for e in self.examples], settings, share)
         self.head = new_head(self.cfg, self.target, draft_vocabulary(self.cfg, self.examples, self.tokenizer,
                                                                      self.target.config.vocab_size, self.rank))
         self._verifier_rows(feature_model)
@@ -471,9 +471,9 @@ class EagleRecipe:
                     "data": OmegaConf.to_container(self.cfg.data, resolve=True),
                     "feature_model_hash": self.hashes["features"], "total_steps": self.total_steps}
         out_dir = self.layout.output("eagle")
-        self.head.save_pretrained(out_dir, target_hash=self.hashes["target"], tokenizer=self.tokenizer,
-                                  feature_source=t.feature_source, training=training, metrics=metrics,
-                                  files={"learning_curve.png": learning_curve_png(progress.curve, k)})
+        record = TrainingRecord(t.feature_source, training, metrics,
+                                {"learning_curve.png": learning_curve_png(progress.curve, k)})
+        self.head.save_pretrained(out_dir, target_hash=self.hashes["target"], tokenizer=self.tokenizer, record=record)
         self.tracker.summary({key: v for key, v in metrics.items() if key != "curve"})
         self.tracker.log_artifact(out_dir, name="eagle-head", type="model",
                                   metadata={"target_weights_hash": self.hashes["target"]})

@@ -7,13 +7,14 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig
-from transformers import PreTrainedModel
 
 from infra.layout import RunLayout
 from data.sharegpt import chat_prompt_ids, load_split, tokenize_conversation, warn_truncated
 from data.vocab import assistant_token_counts, coverage, top_tokens
 from train import replies
+from train.distributed import Share
 from train.errors import TrainError
+from train.store import FeatureSource
 
 
 @dataclass(frozen=True)
@@ -23,17 +24,17 @@ class Example:
     loss_mask: torch.Tensor  # [L] bool: assistant tokens
 
 
-def load_examples(cfg: DictConfig, tokenizer: Any, feature_model: PreTrainedModel, feature_hash: str,
-                  rank: int = 0, world: int = 1, split: tuple[list, list] | None = None,
-                  ) -> tuple[list[Example], list[list[int]]]:  # rank/world: each rank's share; split: read before any model
+def load_examples(cfg: DictConfig, tokenizer: Any, source: FeatureSource, share: Share = Share(),
+                  split: tuple[list, list] | None = None) -> tuple[list[Example], list[list[int]]]:
     """Training conversations (tokenized, masked, capped; their replies the dataset's or, with
-    `train.replies=verifier`, the feature model's own) and held-out chat prompts for evaluation."""
+    `train.replies=verifier`, the feature model's own, each rank generating its share) and held-out chat prompts for
+    evaluation. `split`: the conversations, when the caller read them before loading any model."""
     train, held_out = split or load_split(cfg.data)
     caps = [c for c in (cfg.data.get("max_conversations"), cfg.train.max_conversations) if c]
     train = train[: min(caps)] if caps else train
-    max_len = min(cfg.data.max_len, cfg.train.max_len)
+    max_len = token_cap(cfg)
     if cfg.train.replies == "verifier":
-        examples = verifier_examples(cfg, train, tokenizer, feature_model, feature_hash, max_len, rank, world)
+        examples = verifier_examples(cfg, train, tokenizer, source, share)
     else:
         tokenized = [tokenize_conversation(tokenizer, conv, max_len) for conv in train]
         warn_truncated(tokenized, max_len, "train.max_len")
@@ -58,14 +59,19 @@ def first_turn_prompt(tokenizer: Any, conv: Any) -> list[int] | None:
     return None if first_reply is None else chat_prompt_ids(tokenizer, conv.messages()[:first_reply])
 
 
-def verifier_examples(cfg: DictConfig, conversations: list[Any], tokenizer: Any, model: PreTrainedModel, feature_hash: str,
-                      max_len: int, rank: int, world: int) -> list[Example]:  # rank/world: each rank generates its share
+def token_cap(cfg: DictConfig) -> int:
+    """Tokens per training conversation: the smaller of data.max_len and train.max_len."""
+    return min(cfg.data.max_len, cfg.train.max_len)
+
+
+def verifier_examples(cfg: DictConfig, conversations: list[Any], tokenizer: Any, source: FeatureSource,
+                      share: Share) -> list[Example]:
     """Each conversation's first user turn and the feature model's greedy reply to it (train/replies.py)."""
-    r = cfg.train.regenerate
+    max_len = token_cap(cfg)
     pairs = [(conv.id, ids) for conv in conversations
              if (ids := first_turn_prompt(tokenizer, conv)) is not None and len(ids) < max_len - 2]
-    answers = replies.regenerate(model, tokenizer, [ids for _, ids in pairs], r.max_new_tokens, r.batch,
-                                 RunLayout.of(cfg).feature_store, feature_hash, rank, world)
+    answers = replies.regenerate(source, tokenizer, [ids for _, ids in pairs], cfg.train.regenerate,
+                                 RunLayout.of(cfg).feature_store, share)
     examples = []
     for (conv_id, prompt), reply in zip(pairs, answers):
         reply = reply[: max_len - len(prompt)]
@@ -80,7 +86,8 @@ def sample_index(i: int, n: int, seed: int) -> int:
     return int(torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))[pos])
 
 
-def step_micro_batches(step: int, n: int, t: DictConfig, seed: int, rank: int, world: int) -> list[tuple[int, list[int]]]:
+def step_micro_batches(step: int, n: int, t: DictConfig, seed: int, rank: int,
+                       world: int) -> list[tuple[int, list[int]]]:
     """This rank's micro batches of an optimizer step as (chunk id, example indices).
 
     The step's global batch is cut into world*accum chunks; chunk a*world + rank is this rank's a-th
@@ -114,7 +121,8 @@ def pad(examples: list[Example], stored: list[dict[str, torch.Tensor]],
     return ids, padded, loss
 
 
-def draft_vocabulary(cfg: DictConfig, examples: list[Example], tokenizer: Any, vocab_size: int, rank: int) -> torch.Tensor | None:
+def draft_vocabulary(cfg: DictConfig, examples: list[Example], tokenizer: Any, vocab_size: int,
+                     rank: int) -> torch.Tensor | None:
     """The head's draft vocabulary: the `train.draft_vocab` most frequent assistant tokens (and EOS), or None (full)."""
     n = cfg.train.draft_vocab
     if not n or n >= vocab_size:
@@ -122,5 +130,6 @@ def draft_vocabulary(cfg: DictConfig, examples: list[Example], tokenizer: Any, v
     counts = assistant_token_counts((e.input_ids.tolist(), e.loss_mask.tolist()) for e in examples)
     vocab = top_tokens(counts, int(n), vocab_size, always=[i for i in [tokenizer.eos_token_id] if i is not None])
     if rank == 0:
-        print(f"draft vocabulary: {len(vocab):,} of {vocab_size:,} tokens, covering {coverage(counts, vocab):.2%} of training reply tokens")
+        print(f"draft vocabulary: {len(vocab):,} of {vocab_size:,} tokens, "
+              f"covering {coverage(counts, vocab):.2%} of training reply tokens")
     return vocab

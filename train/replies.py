@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,8 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from infra.tracking import write_json_atomic
+from train.distributed import Share
+from train.store import FeatureSource
 
 
 def replies_key(feature_hash: str, prompts: list[list[int]], max_new_tokens: int, eos: int | None) -> str:
@@ -45,12 +48,14 @@ def greedy_replies(model: PreTrainedModel, tokenizer, prompts: list[list[int]], 
     return [row[: row.index(eos) + 1] if eos in row else row for row in out[:, width:].tolist()]
 
 
-def regenerate(model: PreTrainedModel, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch: int,
-               root: Path, feature_hash: str,
-               # rank/world: each rank generates its share
-               rank: int = 0, world: int = 1) -> list[list[int]]:
-    """The feature model's greedy reply to each prompt (token ids), from the cache under `root` or generated."""
-    path = root / f"replies-{replies_key(feature_hash, prompts, max_new_tokens, tokenizer.eos_token_id)}.json"
+def regenerate(source: FeatureSource, tokenizer: Any, prompts: list[list[int]], settings: Any, root: Path,
+               share: Share = Share()) -> list[list[int]]:
+    """The feature model's greedy reply to each prompt (token ids, up to `settings.max_new_tokens`, `settings.batch`
+    prompts a forward), from the cache under `root` or generated, each rank generating its share."""
+    model, max_new_tokens, batch = source.model, settings.max_new_tokens, settings.batch
+    rank, world = share.rank, share.world
+    key = replies_key(source.weights_hash, prompts, max_new_tokens, tokenizer.eos_token_id)
+    path = root / f"replies-{key}.json"
     if path.is_file():
         if rank == 0:
             print(f"replies: reusing {path}")

@@ -21,6 +21,7 @@ import hashlib
 import json
 import shutil
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from infra.cli import PolyspecError
+from train.distributed import Share
 
 SHARD_EXAMPLES = 64
 
@@ -73,22 +75,43 @@ def _features(model: PreTrainedModel, sequences: list[torch.Tensor], batch: int,
     return out  # type: ignore[return-value]
 
 
-def build_or_load(model: PreTrainedModel, sequences: list[torch.Tensor], root: Path, feature_hash: str, dtype: str,
-                  batch: int, rank: int = 0, world: int = 1,
-                  aux_layers: tuple[int, ...] = ()) -> list[dict[str, torch.Tensor]]:  # 9: rank/world: each rank's share
-    """Per-sequence {"features": [len, h]} in `dtype` (with aux layers also "aux" [len, 3h] and "argmax" [len]),
-    from the store under `root` (built first if missing)."""
-    key = store_key(feature_hash, sequences, dtype, tuple(aux_layers))
-    folder = root / key
+@dataclass(frozen=True)
+class FeatureSource:
+    """The model the head's features come from (the target, or the W4 model) and its weights hash."""
+
+    model: PreTrainedModel
+    weights_hash: str
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """Where and how a store is kept: its folder's parent, the stored dtype (float32 | bfloat16), the batch of its
+    forwards, and the layers whose entering states it also keeps (EAGLE-3's aux states; () for EAGLE-2)."""
+
+    root: Path
+    dtype: str = "bfloat16"
+    batch: int = 8
+    aux_layers: tuple[int, ...] = ()
+
+
+def build_or_load(source: FeatureSource, sequences: list[torch.Tensor], settings: StoreSettings,
+                  share: Share = Share()) -> list[dict[str, torch.Tensor]]:
+    """Per-sequence {"features": [len, h]} in the settings' dtype (with aux layers also "aux" [len, 3h] and
+    "argmax" [len]), from the store under its root (built first if missing, each rank computing its share)."""
+    aux_layers = tuple(settings.aux_layers)
+    key = store_key(source.weights_hash, sequences, settings.dtype, aux_layers)
+    folder = settings.root / key
     if not (folder / "meta.json").is_file():
-        _build(model, sequences, root, key, STORE_DTYPES[dtype], batch, rank, world, tuple(aux_layers))
-    elif rank == 0:
+        _build(source.model, sequences, key, replace(settings, aux_layers=aux_layers), share)
+    elif share.rank == 0:
         print(f"feature store: reusing {folder}")
     return _load(folder, len(sequences))
 
 
-def _build(model, sequences, root: Path, key: str, dtype: torch.dtype, batch: int, rank: int, world: int,
-           aux_layers: tuple[int, ...] = ()) -> None:  # rank/world: each rank computes its share of the store
+def _build(model: PreTrainedModel, sequences: list[torch.Tensor], key: str, settings: StoreSettings,
+           share: Share) -> None:
+    root, dtype, batch, aux_layers = settings.root, STORE_DTYPES[settings.dtype], settings.batch, settings.aux_layers
+    rank, world = share.rank, share.world
     partial = root / f"{key}.partial"
     tokens, h = sum(len(s) for s in sequences), model.config.hidden_size
     width = h * (1 + len(aux_layers))  # values per token: the last hidden state and the aux states
@@ -106,7 +129,8 @@ def _build(model, sequences, root: Path, key: str, dtype: torch.dtype, batch: in
     bar = tqdm(total=sum(len(t) for s in mine for t in sequences[s:s + SHARD_EXAMPLES]), unit="tok",
                desc="feature store", disable=rank != 0, dynamic_ncols=True)
     for start in mine:
-        part, shard = sequences[start:start + SHARD_EXAMPLES], partial / f"shard-{start // SHARD_EXAMPLES:05d}.safetensors"
+        part = sequences[start:start + SHARD_EXAMPLES]
+        shard = partial / f"shard-{start // SHARD_EXAMPLES:05d}.safetensors"
         if not shard.is_file():  # shards finished by an interrupted build are kept
             computed = _features(model, part, batch, aux_layers) if aux_layers else _features(model, part, batch)
             tensors = {k: torch.cat([c[k] for c in computed]) for k in computed[0]}
@@ -119,11 +143,14 @@ def _build(model, sequences, root: Path, key: str, dtype: torch.dtype, batch: in
     if dist.is_initialized():
         dist.barrier()
     if rank == 0:
-        seconds = time.perf_counter() - started  # all ranks' shards done (the barrier); shards kept from before included
+        # all ranks' shards done (the barrier); shards kept from before included
+        seconds = time.perf_counter() - started
         meta = {"key": key, "conversations": len(sequences), "tokens": tokens, "hidden_size": h,
-                "aux_layers": list(aux_layers), "dtype": str(dtype).removeprefix("torch."), "shard_examples": SHARD_EXAMPLES, "device": str(model.device),
+                "aux_layers": list(aux_layers), "dtype": str(dtype).removeprefix("torch."),
+                "shard_examples": SHARD_EXAMPLES, "device": str(model.device),
                 "build_seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)}
-        print(f"feature store: built in {seconds:.1f} s on {model.device} ({tokens / max(seconds, 1e-9):,.0f} tokens/s)")
+        print(f"feature store: built in {seconds:.1f} s on {model.device} "
+              f"({tokens / max(seconds, 1e-9):,.0f} tokens/s)")
         (partial / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         partial.rename(root / key)
     if dist.is_initialized():
@@ -138,5 +165,6 @@ def _load(folder: Path, count: int) -> list[dict[str, torch.Tensor]]:
         split = {k: torch.split(v, lengths) for k, v in tensors.items()}
         out += [{k: v[i] for k, v in split.items()} for i in range(len(lengths))]
     if len(out) != count:
-        raise StoreError(f"{folder}: feature store holds {len(out)} conversations, expected {count}; delete it to rebuild")
+        raise StoreError(f"{folder}: feature store holds {len(out)} conversations, expected {count}; "
+                         "delete it to rebuild")
     return out

@@ -7,6 +7,7 @@ draft vocabulary (`vocab: head`) gets it at construction, although the head is l
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,7 +29,7 @@ from decode.engine.head import DraftHead, EagleHead, vocabulary_rows
 from decode.engine.head3 import Eagle3Head, load_head
 from decode.engine.spec import ChainSpec, LevelSpec
 from decode.engine.errors import DecodeError
-from decode.engine.levels import EagleLevel, Level, ModelLevel, NgramLevel
+from decode.engine.levels import EagleLevel, Level, LevelCompute, ModelLevel, NgramLevel
 from decode.engine.sampling import GREEDY, Sampling
 
 def gemm_choice(cfg: Any) -> str | None:
@@ -102,13 +103,15 @@ def configured_spec(cfg: Any, chain_cfg: Any) -> ChainSpec:
 def configured_builder(cfg: Any, target_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> ChainBuilder:
     """A builder for the config's run: its artifacts, model.dtype, and decode.fast's packed product."""
     fast, settings = flag(cfg.decode, "fast", default=False, error=DecodeError), native_settings(cfg)
-    return ChainBuilder(target_model, tokenizer, RunLayout.of(cfg), cfg.model.dtype, gemm_choice(cfg) if fast else None,
-                        *settings)
+    return ChainBuilder(target_model, tokenizer, RunLayout.of(cfg),
+                        LevelSettings(cfg.model.dtype, gemm_choice(cfg) if fast else None, *settings))
 
 
 def native_settings(cfg: Any) -> tuple[str, str]:
     """(decode.native, decode.w4_activations) checked: how W4 levels run (native "off" without decode.fast)."""
-    native = str(cfg.decode.get("native", "auto")) if flag(cfg.decode, "fast", default=False, error=DecodeError) else "off"
+    native = (
+        str(cfg.decode.get("native", "auto")) if flag(cfg.decode, "fast", default=False, error=DecodeError) else "off"
+    )
     activations = str(cfg.decode.get("w4_activations", "int8"))
     if native not in backends.NATIVE:
         raise DecodeError(f"decode.native must be one of {', '.join(backends.NATIVE)}, got {native!r}")
@@ -127,31 +130,49 @@ def native_fp32_setting(cfg: Any) -> str:
     return native
 
 
-def build_chain(levels: list[dict], target_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None,
-                artifacts: RunLayout | None = None, gemm: str | None = None, draft_defaults: dict | None = None) -> Chain:
+def build_chain(
+    levels: list[dict],
+    target_model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase | None,
+    artifacts: RunLayout | None = None,
+    gemm: str | None = None,
+    draft_defaults: dict | None = None,
+) -> Chain:
     """A chain from a level list (conf/decode/chain.yaml's form; engine.spec.LevelSpec documents the keys)."""
-    return ChainBuilder(target_model, tokenizer, artifacts, gemm=gemm).build(ChainSpec.parse(levels, draft_defaults))
+    builder = ChainBuilder(target_model, tokenizer, artifacts, LevelSettings(gemm=gemm))
+    return builder.build(ChainSpec.parse(levels, draft_defaults))
+
+
+@dataclass(frozen=True)
+class LevelSettings:
+    """How the model levels a builder loads run: `dtype` their default dtype; `gemm` the packed product (None:
+    unpacked; pack the target with load_target); `native` whether W4 Llama-family levels run the native CPU runner
+    (auto, on, off) and `activations` its activations (int8, fp32)."""
+
+    dtype: str = "float32"
+    gemm: str | None = None
+    native: str = "off"
+    activations: str = "int8"
 
 
 class ChainBuilder:
     """Chains for one target from specs. Every model or head is loaded once, the first time a spec names it, and
     shared by every chain built here (a planned variant of a chain costs no load); levels are built complete.
-    `artifacts` resolves folders (None: relative to the working directory); `dtype` is the model levels' default;
-    `gemm` the packed product of every model level loaded here (None: unpacked; pack the target with load_target);
-    `native` whether W4 Llama-family levels run the native CPU runner (decode.backends.runner: auto, on, off),
-    `activations` its activations (int8, fp32)."""
+    `artifacts` resolves folders (None: relative to the working directory)."""
 
-    def __init__(self, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, artifacts: RunLayout | None = None,
-                 dtype: str = "float32", gemm: str | None = None, native: str = "off", activations: str = "int8"):  # 7: the run's settings
-        self.target, self.tokenizer, self.dtype, self.gemm, self.native = target, tokenizer, dtype, gemm, native
-        self.activations = activations
+    def __init__(self, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None,
+                 artifacts: RunLayout | None = None, settings: LevelSettings = LevelSettings()):
+        self.target, self.tokenizer = target, tokenizer
+        self.dtype, self.gemm, self.native = settings.dtype, settings.gemm, settings.native
+        self.activations = settings.activations
         self.artifacts = artifacts or RunLayout(Path("."))
         self._loaded: dict[tuple, Any] = {}
 
     def build(self, spec: ChainSpec) -> Chain:
         loaded = [self.load(level) for level in spec.levels]
         heads = [head for level, head in zip(spec.levels, loaded) if level.kind == "eagle"]
-        read = max((i for i, level in enumerate(spec.levels) if level.kind == "eagle"), default=-1)  # levels above it keep features
+        # the levels above the last EAGLE level keep features for it
+        read = max((i for i, level in enumerate(spec.levels) if level.kind == "eagle"), default=-1)
         kept = heads[-1].aux_layers if heads and isinstance(heads[-1], Eagle3Head) else True  # what they keep
         levels: list[Level] = []
         for i, (level, source) in enumerate(zip(spec.levels, loaded)):
@@ -160,7 +181,8 @@ class ChainBuilder:
                 levels.append(self._model_level(level, source, heads, keep_hidden=_checked_keep(level, source, keep),
                                                 first=i == 0))
             elif level.kind == "eagle":
-                order = _feature_order(level.features, level.name, source, [l for l in levels[::-1] if isinstance(l, ModelLevel)])
+                above = [model_level for model_level in levels[::-1] if isinstance(model_level, ModelLevel)]
+                order = _feature_order(level.features, level.name, source, above)
                 features = read_features(order, source.feature_size, self.target.dtype)
                 levels.append(EagleLevel(level.name, source, features, level.draft))
             else:
@@ -193,8 +215,8 @@ class ChainBuilder:
         rows = None if vocab is None else backends.linear_wrapper(model, self.gemm)(
             vocabulary_rows(model.get_output_embeddings(), vocab))
         runner = self._runner(model)
-        return ModelLevel(level.name, model, level.mu, level.draft, vocab=vocab, keep_hidden=keep_hidden,
-                          runner=runner, lm_head=rows or backends.lm_head(model.get_output_embeddings(), runner))
+        compute = LevelCompute(runner, rows or backends.lm_head(model.get_output_embeddings(), runner))
+        return ModelLevel(level.name, model, level.mu, level.draft, vocab, compute).keeping(keep_hidden)
 
     def _runner(self, model: PreTrainedModel) -> Any:
         """One runner per loaded model and chain (its KV cache is the level's): the target's as configured
@@ -212,7 +234,9 @@ def _int8_lm_head(level: LevelSpec, model: PreTrainedModel, target: PreTrainedMo
         raise DecodeError(f"level {name!r}: lm_head: int8 would change the target's own logits (and the output); "
                           "only a drafting level may have it")
     if not quantize_lm_head(model):
-        raise DecodeError(f"level {name!r}: lm_head: int8 needs a bias-free CPU LM head and torch's int8 weight-only kernel")
+        raise DecodeError(
+            f"level {name!r}: lm_head: int8 needs a bias-free CPU LM head and torch's int8 weight-only kernel"
+        )
 
 
 def _checked_keep(level: LevelSpec, model: PreTrainedModel, keep: bool | tuple[int, ...]) -> bool | tuple[int, ...]:
@@ -235,14 +259,18 @@ def _level_vocab(level: LevelSpec, heads: list[DraftHead], is_target: bool) -> t
     """A middle level's vocabulary (`vocab: head`): the draft vocabulary of the chain's EAGLE head."""
     name = level.name
     if is_target:
-        raise DecodeError(f"level {name!r}: the target cannot have a restricted vocabulary (it would change the output)")
+        raise DecodeError(
+            f"level {name!r}: the target cannot have a restricted vocabulary (it would change the output)"
+        )
     vocabularies = [head.draft_vocab for head in heads if head.draft_vocab is not None]
     if not vocabularies:
         raise DecodeError(f"level {name!r}: vocab: head needs an EAGLE level whose head has a draft vocabulary")
     return vocabularies[0]
 
 
-def level_model(level: LevelSpec, target: PreTrainedModel, tokenizer, artifacts: RunLayout, dtype: str) -> PreTrainedModel:
+def level_model(
+    level: LevelSpec, target: PreTrainedModel, tokenizer, artifacts: RunLayout, dtype: str
+) -> PreTrainedModel:
     """A model level's model: the target itself, or the model its `model:` names (checked against the
     target's vocabulary) on the target's device, cut to its first `layers` layers if set."""
     spec, name = level.model, level.name
@@ -257,7 +285,9 @@ def level_model(level: LevelSpec, target: PreTrainedModel, tokenizer, artifacts:
         if not same_vocabulary(tokenizer, level_tokenizer):
             raise DecodeError(f"level {name!r}: {spec} has a different vocabulary than the target")
     if model.config.vocab_size != target.config.vocab_size:
-        raise DecodeError(f"level {name!r}: vocab size {model.config.vocab_size} != target's {target.config.vocab_size}")
+        raise DecodeError(
+            f"level {name!r}: vocab size {model.config.vocab_size} != target's {target.config.vocab_size}"
+        )
     if level.layers:
         model = truncated_copy(model, level.layers)
     return model

@@ -98,7 +98,7 @@ def read_features(order: list[ModelLevel], feature_size: int, dtype: torch.dtype
     forgetful = [level.name for level in order if not level.keep_hidden]
     if forgetful:
         raise DecodeError(f"levels {', '.join(forgetful)} do not keep their hidden states "
-                          "(build them with keep_hidden=True)")
+                          "(build them keeping features: ModelLevel.keeping)")
     empty = torch.zeros(1, 0, feature_size, dtype=dtype, device=order[0].device if order else "cpu")
 
     def features(ctx: list[int], start: int, end: int) -> torch.Tensor:

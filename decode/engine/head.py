@@ -28,6 +28,7 @@ import copy
 import hashlib
 import inspect
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -43,6 +44,17 @@ from infra.tracking import atomic_dir
 FORMAT = "polyspec-eagle-head"
 FORMAT_VERSION = 2  # 1: the pre-vLLM function (input norm, fc bias, final norm) in a private layout
 DRAFT_VOCAB_FILE = "draft_vocab.json"  # not *.safetensors: vLLM loads every safetensors file of the folder
+
+
+@dataclass(frozen=True)
+class TrainingRecord:
+    """What a saved head records of its training beside its weights: the features it was trained on, the training
+    config, its metrics (metrics.json) and extra files (name -> bytes, e.g. a learning-curve PNG)."""
+
+    feature_source: str = "target"
+    training: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)
+    files: dict[str, bytes] = field(default_factory=dict)
 
 
 class HeadError(PolyspecError, RuntimeError):
@@ -133,12 +145,10 @@ class DraftHead(nn.Module):
         return spread(probs, self.draft_vocab, self.config.vocab_size, 0.0)
 
     def save_pretrained(self, path: str | Path, target_hash: str, tokenizer: PreTrainedTokenizerBase | None = None,
-                        feature_source: str = "target", training: dict | None = None, metrics: dict | None = None,
-                        files: dict[str, bytes] | None = None) -> Path:  # the folder's parts; all but 2 optional
+                        record: TrainingRecord = TrainingRecord()) -> Path:
         """Write the folder vLLM loads as this method's head (config.json, model.safetensors: the head's weights under
-        vLLM's names), metrics.json and any extra `files` (name -> bytes, e.g. a learning-curve PNG); atomic
-        (temp dir + rename)."""
-        path = Path(path)
+        vLLM's names), metrics.json and the record's extra files; atomic (temp dir + rename)."""
+        path, feature_source, training = Path(path), record.feature_source, record.training
         polyspec = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "method": self.method,
             "target": {"name": self.target_name, "weights_hash": target_hash,
@@ -146,15 +156,16 @@ class DraftHead(nn.Module):
                        "vocab_hash": vocab_hash(tokenizer) if tokenizer is not None else None},
             "feature_source": feature_source,
             "draft_vocab": self._draft_vocab_meta(),
-            "training": training or {},
+            "training": training,
         }
-        files = {**self._vocab_files(), **(files or {})}
+        files = {**self._vocab_files(), **record.files}
         with atomic_dir(path) as tmp:
             config = json.dumps(self.serving_config(polyspec), indent=2, sort_keys=True, default=str)
             (tmp / "config.json").write_text(config + "\n")
             save_file({k: v.detach().contiguous().cpu() for k, v in self.saved_tensors().items()},
                       str(tmp / "model.safetensors"), metadata={"format": "pt"})
-            (tmp / "metrics.json").write_text(json.dumps(metrics or {}, indent=2, sort_keys=True, default=float) + "\n")
+            metrics = json.dumps(record.metrics, indent=2, sort_keys=True, default=float)
+            (tmp / "metrics.json").write_text(metrics + "\n")
             for name, content in files.items():
                 (tmp / name).write_bytes(content)
         return path
@@ -222,9 +233,11 @@ class EagleHead(DraftHead):
             self.layers = nn.ModuleList([layer_cls(self.config, layer_idx=0)])
             self.rotary_emb = rotary_cls(config=self.config)
         except Exception as err:  # a layer class whose constructor needs more than its config
-            raise HeadError(f"target {type(target).__name__}: cannot build {layer_cls.__name__} from its config ({err.__class__.__name__}: {err})") from None
+            raise HeadError(f"target {type(target).__name__}: cannot build {layer_cls.__name__} from its config "
+                            f"({err.__class__.__name__}: {err})") from None
         if not isinstance(getattr(self.layer, "input_layernorm", None), nn.Module):
-            raise HeadError(f"target {type(target).__name__}: decoder layer {layer_cls.__name__} has no input_layernorm (the EAGLE head drops it)")
+            raise HeadError(f"target {type(target).__name__}: decoder layer {layer_cls.__name__} has no "
+                            "input_layernorm (the EAGLE head drops it)")
         self.layer.input_layernorm = nn.Identity()
         self._rotary_takes_layer_type = "layer_type" in inspect.signature(self.rotary_emb.forward).parameters
         std = init_std if init_std is not None else getattr(self.config, "initializer_range", 0.02)
@@ -320,7 +333,8 @@ def _first_line(err: BaseException) -> str:
 
 
 def _read_metadata(path: Path) -> dict:
-    """The `polyspec` section of a head's config.json; a one-line HeadError for anything else (an old-format head included)."""
+    """The `polyspec` section of a head's config.json; a one-line HeadError for anything else (an old-format head
+    included)."""
     try:
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
         old = config.get("format") == FORMAT
@@ -329,8 +343,10 @@ def _read_metadata(path: Path) -> dict:
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OSError) as err:  # ValueError: JSON, UTF-8
         raise HeadError(f"{path}/config.json: not an EAGLE head config ({_first_line(err)})") from None
     if old or meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
-        raise HeadError(f"{path}: a {meta.get('format')} v{meta.get('format_version')} head, which computes another function than "
-                        f"this version's (v{FORMAT_VERSION}, vLLM's EAGLE head); retrain it with `python -m train.eagle`")
+        raise HeadError(
+            f"{path}: a {meta.get('format')} v{meta.get('format_version')} head, which computes another function than "
+            f"this version's (v{FORMAT_VERSION}, vLLM's EAGLE head); retrain it with `python -m train.eagle`"
+        )
     return meta
 
 
@@ -340,9 +356,13 @@ def _check_target(path: Path, meta: dict, target: PreTrainedModel, tokenizer: Pr
 
     expected, actual = meta["target"]["weights_hash"], weights_hash(target)
     if actual != expected:
-        raise HeadError(f"{path}: head was trained for target weights {expected}, but the chain's target hashes to {actual}")
+        raise HeadError(
+            f"{path}: head was trained for target weights {expected}, but the chain's target hashes to {actual}"
+        )
     if meta["target"].get("vocab_size") != target.config.vocab_size:
-        raise HeadError(f"{path}: head vocabulary size {meta['target'].get('vocab_size')} != target's {target.config.vocab_size}")
+        raise HeadError(
+            f"{path}: head vocabulary size {meta['target'].get('vocab_size')} != target's {target.config.vocab_size}"
+        )
     saved_vocab = meta["target"].get("vocab_hash")
     if tokenizer is not None and saved_vocab is not None and saved_vocab != vocab_hash(tokenizer):
         raise HeadError(f"{path}: head was trained with a different tokenizer vocabulary than the chain's target")
@@ -356,7 +376,8 @@ def _read_weights(weights: Path) -> dict[str, torch.Tensor]:
         raise HeadError(f"{weights}: unreadable ({_first_line(err)}); retrain or restore the head") from None
     bad = sorted(name for name, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all()))
     if bad:
-        raise HeadError(f"{weights}: non-finite weights in {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} (NaN or inf: a diverged training run?)")
+        raise HeadError(f"{weights}: non-finite weights in {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} "
+                        "(NaN or inf: a diverged training run?)")
     return state
 
 

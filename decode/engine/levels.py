@@ -36,7 +36,8 @@ class LevelStats:
     acceptance_lengths: list[int] = field(default_factory=list)  # per verification call, bonus included (L_i)
     proposed: int = 0  # tokens the level below proposed to this level
     accepted: int = 0  # of those, accepted
-    forwards: list[tuple[int, float]] = field(default_factory=list)  # (tokens fed, seconds) of each forward (decode.chains.plan)
+    # (tokens fed, seconds) of each forward (decode.chains.plan)
+    forwards: list[tuple[int, float]] = field(default_factory=list)
 
     @property
     def mean_forward_time_s(self) -> float:  # T_i
@@ -147,34 +148,46 @@ class Level:
             self.stats.accepted += accepted
 
 
+@dataclass(frozen=True)
+class LevelCompute:
+    """How a model level computes, where a backend has something faster than the model's own: its runner (decoder
+    and KV cache) and its LM head. None: the model's configured runner, its output embedding."""
+
+    runner: Runner | None = None
+    lm_head: nn.Module | None = None
+
+
 class ModelLevel(Level):
     """Any HF causal LM (the target, a quantized copy, a smaller model of the same vocabulary), run by a `Runner`.
 
     `vocab` restricts the level's logits to those token ids (None = all): its LM head computes those rows only
     and every other token gets -inf, so it never proposes one. Lossless, as any proposal q is: the level above
     still verifies over its own full vocabulary. Never for the target, whose output it would change.
-    `keep_hidden`: keep the features of the cached tokens for an EAGLE level below (`read_features`): True, the last
-    hidden states (EAGLE-2); a tuple of layer ids, the states entering those layers side by side (EAGLE-3's aux
-    states, which the runner captures)."""
+    `keeping(keep_hidden)`: keep the features of the cached tokens for an EAGLE level below (`read_features`): True,
+    the last hidden states (EAGLE-2); a tuple of layer ids, the states entering those layers side by side (EAGLE-3's
+    aux states, which the runner captures)."""
 
     kind = "model"
 
     def __init__(self, name: str, model: PreTrainedModel, mu: int = 1, draft: Draft | dict | None = None,
-                 vocab: torch.Tensor | None = None, keep_hidden: bool | tuple[int, ...] = False, *,
-                 runner: Runner | None = None,
-                 lm_head: nn.Module | None = None):  # 8: the level contract's parts; the last two are a backend's
-        """`runner` defaults to the model's configured one (decode.engine.runner.configured_runner: its HF decoder
-        unless a backend configured another); `lm_head` to its output embedding, or with `vocab`
+                 vocab: torch.Tensor | None = None, compute: LevelCompute = LevelCompute()):
+        """`compute.runner` defaults to the model's configured one (decode.engine.runner.configured_runner: its HF
+        decoder unless a backend configured another); `compute.lm_head` to its output embedding, or with `vocab`
         the rows of it for those ids (a backend passes faster versions of either)."""
         super().__init__(name, mu, draft)
-        self.model, self.vocab, self.keep_hidden = model, vocab, keep_hidden
-        self.runner = runner or configured_runner(model)
+        self.model, self.vocab, self.keep_hidden = model, vocab, False
+        self.runner = compute.runner or configured_runner(model)
         head = model.get_output_embeddings()
-        self.lm_head = lm_head or (head if vocab is None else vocabulary_rows(head, vocab))
+        self.lm_head = compute.lm_head or (head if vocab is None else vocabulary_rows(head, vocab))
         self.config, self.device = model.config, self.runner.device
+        self.reset()
+
+    def keeping(self, keep_hidden: bool | tuple[int, ...]) -> "ModelLevel":
+        """This level, keeping the features an EAGLE level below reads (see the class docstring); returns itself."""
+        self.keep_hidden = keep_hidden
         if isinstance(keep_hidden, tuple):
             self.runner.capture(keep_hidden)
-        self.reset()
+        return self
 
     def reset(self) -> None:
         super().reset()
@@ -275,7 +288,9 @@ class ModelLevel(Level):
             if tree is None:
                 return torch.log_softmax(self.forward(ctx, 1, "draft")[-1].float(), -1)
             mask = tree.attention_mask(base, base, self.runner.dtype, lo, hi, self.device)
-            logits = self._run(tree.tokens[lo:hi], hi - lo, "draft", mask, tree.position_ids(base, base, lo, hi, self.device))
+            logits = self._run(
+                tree.tokens[lo:hi], hi - lo, "draft", mask, tree.position_ids(base, base, lo, hi, self.device)
+            )
             return torch.log_softmax(logits.float(), -1)
 
         return step
@@ -380,7 +395,9 @@ class EagleLevel(Level):
                 return self._full_log_probs(root_logits)
             feats = torch.cat([node_hidden[p] if p >= 0 else root_hidden for p in tree.parents[lo:hi]], dim=1)
             mask = tree.attention_mask(real, real, feats.dtype, lo, hi, self.device)
-            hidden, logits = self._head(tree.tokens[lo:hi], feats, tree.position_ids(real, real, lo, hi)[0].tolist(), mask)
+            hidden, logits = self._head(
+                tree.tokens[lo:hi], feats, tree.position_ids(real, real, lo, hi)[0].tolist(), mask
+            )
             node_hidden.extend(hidden[:, i : i + 1] for i in range(hi - lo))
             return self._full_log_probs(logits[0])
 

@@ -9,7 +9,7 @@ from transformers import (
     DynamicCache, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
 )
 
-from decode.engine.head import EagleHead, HeadError, additive_mask, causal_mask
+from decode.engine.head import EagleHead, HeadError, TrainingRecord, additive_mask, causal_mask
 
 TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -98,7 +98,8 @@ def test_save_and_load_roundtrip_and_refusals(tmp_path):
 
     target = tiny_target("llama")
     head = EagleHead.for_target(target)
-    out = head.save_pretrained(tmp_path / "eagle", target_hash=weights_hash(target), metrics={"acc": 0.5})
+    out = head.save_pretrained(tmp_path / "eagle", target_hash=weights_hash(target),
+                               record=TrainingRecord(metrics={"acc": 0.5}))
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "metrics.json", "model.safetensors"]
     config = json.loads((out / "config.json").read_text())["polyspec"]
     assert config["target"]["weights_hash"] == weights_hash(target) and config["feature_source"] == "target"

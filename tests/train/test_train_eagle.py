@@ -20,6 +20,7 @@ import train.evaluation as evaluation
 import train.examples as train_examples
 from data.models import load_tokenizer, weights_hash
 from decode.engine.head import EagleHead, HeadError
+from train.store import FeatureSource, StoreSettings
 
 REPO = Path(__file__).resolve().parents[2]
 # Stages this one does not read (of quantize it reads the W4 model's folder, quantize.output); dropping them
@@ -241,7 +242,7 @@ def test_verifier_replies_are_its_own_greedy_answers_generated_once(tiny_setup, 
                   "train.regenerate.batch=3")
     target = LlamaForCausalLM.from_pretrained(tiny_setup / "target").eval()
     tokenizer = load_tokenizer(str(tiny_setup / "target"))
-    examples, _ = train_examples.load_examples(cfg, tokenizer, target, weights_hash(target))
+    examples, _ = train_examples.load_examples(cfg, tokenizer, FeatureSource(target, weights_hash(target)))
     assert len(examples) == 16 and len(list((tmp_path / "eagle_features").glob("replies-*.json"))) == 1
     for example in examples[:4]:
         prompt = example.input_ids[~example.loss_mask]
@@ -254,10 +255,10 @@ def test_verifier_replies_are_its_own_greedy_answers_generated_once(tiny_setup, 
     assert torch.isfinite(torch.tensor(metrics["train/loss"]))
     monkeypatch.setattr(train_examples.replies, "greedy_replies",
                         lambda *a: pytest.fail("cached replies were regenerated"))
-    again, _ = train_examples.load_examples(cfg, tokenizer, target, weights_hash(target))
+    again, _ = train_examples.load_examples(cfg, tokenizer, FeatureSource(target, weights_hash(target)))
     assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(examples, again))
     with pytest.raises(pytest.fail.Exception, match="regenerated"):  # another model: another key, never the old file
-        train_examples.load_examples(cfg, tokenizer, tiny_llama(7), "other-weights")
+        train_examples.load_examples(cfg, tokenizer, FeatureSource(tiny_llama(7), "other-weights"))
 
 
 def test_feature_store_is_sized_first_reused_and_rebuilt_when_its_key_changes(tiny_setup, tmp_path, capsys):
@@ -271,9 +272,9 @@ def test_feature_store_is_sized_first_reused_and_rebuilt_when_its_key_changes(ti
     assert meta["key"] == store_dir.name and meta["conversations"] == 16
     target = LlamaForCausalLM.from_pretrained(tiny_setup / "target")
     examples, _ = train_examples.load_examples(compose(tiny_setup, tmp_path),
-                                               load_tokenizer(str(tiny_setup / "target")), target, "")
-    stored = eagle.store.build_or_load(target, [e.input_ids for e in examples],
-                                       tmp_path / "eagle_features", weights_hash(target), "bfloat16", 4)
+                                               load_tokenizer(str(tiny_setup / "target")), FeatureSource(target, ""))
+    stored = eagle.store.build_or_load(FeatureSource(target, weights_hash(target)), [e.input_ids for e in examples],
+                                       StoreSettings(tmp_path / "eagle_features", "bfloat16", 4))
     with torch.no_grad():
         online = target.model(input_ids=examples[5].input_ids[None]).last_hidden_state[0]
     torch.testing.assert_close(stored[5]["features"].float(), online, rtol=1e-2, atol=1e-2)  # bf16 storage
@@ -295,8 +296,9 @@ def test_loss_on_all_tokens_reuses_the_store_and_counts_every_real_position(tiny
     everything = eagle.train(compose(tiny_setup, tmp_path, "train.loss_tokens=all"))
     assert "feature store: reusing" in capsys.readouterr().out
     assert everything["train/loss"] != replies["train/loss"]
-    examples, _ = train_examples.load_examples(compose(tiny_setup, tmp_path),
-                                               load_tokenizer(str(tiny_setup / "target")), tiny_llama(0), "")
+    tokenizer = load_tokenizer(str(tiny_setup / "target"))
+    examples, _ = train_examples.load_examples(compose(tiny_setup, tmp_path), tokenizer,
+                                               FeatureSource(tiny_llama(0), ""))
     batch = examples[:2]
     features = [{"features": torch.zeros(len(e.input_ids), 32)} for e in batch]
     _, _, assistant = train_examples.pad(batch, features)
@@ -320,13 +322,13 @@ def test_interrupted_store_build_keeps_finished_shards(tiny_setup, tmp_path, mon
 
     monkeypatch.setattr(eagle.store, "_features", failing_after_two_shards)
     with pytest.raises(KeyboardInterrupt):
-        eagle.store.build_or_load(target, seqs, tmp_path, "h", "float32", 8)
+        eagle.store.build_or_load(FeatureSource(target, "h"), seqs, StoreSettings(tmp_path, "float32", 8))
     (partial,) = tmp_path.iterdir()
     assert partial.name.endswith(".partial") and len(list(partial.glob("shard-*"))) == 2
     calls.clear()
     monkeypatch.setattr(eagle.store, "_features",
                         lambda model, part, batch: calls.append(len(part)) or real(model, part, batch))
-    features = eagle.store.build_or_load(target, seqs, tmp_path, "h", "float32", 8)
+    features = eagle.store.build_or_load(FeatureSource(target, "h"), seqs, StoreSettings(tmp_path, "float32", 8))
     assert calls == [150 - 2 * eagle.store.SHARD_EXAMPLES]
     assert [len(f["features"]) for f in features] == [len(s) for s in seqs]
 
