@@ -8,7 +8,8 @@
 // done by the caller), and every linear is `packed_linear`, which takes either kind: one layer loop for both.
 //
 // fp32 weights run kernels.cpp's product (one FMA chain per output over the inputs from zero, bias after).
-// int4 weights: y = x W^T with W = (q - 8) * s (4-bit codes q, one scale s per output and group of inputs,
+// int4 weights on fp32 activations (w4_activations: fp32; the default int8 path is below, at the int8 tiles):
+// y = x W^T with W = (q - 8) * s (4-bit codes q, one scale s per output and group of inputs,
 // symmetric like GPTQModel's CPU kernel). The codes of one panel of kLanes outputs at input k are one word
 // (AVX2: 8 nibbles in a uint32; AVX-512: 16 in a uint64, even lanes in the low half); a weight is dequantized
 // in registers as it streams, (q * s - 8 s) in one FMA, exactly (q - 8) * s in fp32. Each output is then one FMA

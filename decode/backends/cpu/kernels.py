@@ -2,7 +2,7 @@
 cached under the project's cache dir, keyed by every source and header, the flags and the torch version.
 
 The C++ is headers plus sources: kernels.h (the helpers every kernel shares), kernels.cpp (the packed fp32 product
-and attention), kernels_module.cpp (their Python module) and llama_w4.cpp (the native decoder, its own module,
+and attention), kernels_module.cpp (their Python module) and decoder.cpp (the native decoder, its own module,
 linked with kernels.cpp)."""
 from __future__ import annotations
 

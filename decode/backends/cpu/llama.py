@@ -1,7 +1,7 @@
 """A native runner for Llama-family models (Llama, Qwen2, Mistral, SmolLM): the whole decoder forward in one C++
 call (decode/backends/cpu/decoder.cpp) with a preallocated KV cache whose rollback is setting a length. One layer
 loop serves two kinds of weights: fp32 (a chain's target, on decode.fast's packed avx2 panels, shared with the
-model's packed linears) and GPTQ W4 (int4 dequantization fused into the weight stream).
+model's packed linears) and GPTQ W4 (by default on int8 activations and integer dot products; see "Activations").
 
 Eager PyTorch spends much of a small model's forward outside its weights: thousands of small aten ops per forward
 (BENCHMARKS.md). Every row of a native forward is one fixed sequence of operations, so a k-token forward gives the
