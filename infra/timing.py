@@ -59,3 +59,15 @@ def level_forward(level, context: list[int]) -> Step:
             return level.forward(context + context[-k:], k, "verify")
 
     return step
+
+
+def times_table(times: dict[str, dict[int, float]], base: str, label: str) -> list[str]:
+    """One line per row of `median_ms`'s result: ms at each k, its ratio to row `base` (called `label`), and the
+    row's T(largest k) / T(smallest k)."""
+    width = max(map(len, times)) + 2
+    lines = []
+    for name, per in times.items():
+        ks = sorted(per)
+        cells = "  ".join(f"k={k}: {per[k]:6.2f} ms ({per[k] / times[base][k]:.3f}x {label})" for k in ks)
+        lines.append(f"{name:{width}s}{cells}  T({ks[-1]})/T({ks[0]}) {per[ks[-1]] / per[ks[0]]:.2f}")
+    return lines

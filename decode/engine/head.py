@@ -134,6 +134,19 @@ class DraftHead(nn.Module):
         """An untrained head for a target (optionally with a draft vocabulary), in the target's dtype and device."""
         return _placed_like(cls(target_model, draft_vocab=draft_vocab), target_model)
 
+    def step_inputs(self, input_ids: torch.LongTensor, past_key_values: Any, position_ids: torch.LongTensor | None,
+                    attention_mask: torch.Tensor | None) -> tuple[torch.LongTensor, torch.Tensor]:
+        """One forward's positions and additive mask in the head's dtype: past..past+T-1 and causal after the cached
+        prefix where the caller gives none (a tree draft gives both)."""
+        B, T = input_ids.shape
+        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        dtype = self.fc.weight.dtype
+        if position_ids is None:
+            position_ids = torch.arange(past, past + T, device=input_ids.device).unsqueeze(0).expand(B, T)
+        if attention_mask is None:
+            attention_mask = causal_mask(T, past, dtype, input_ids.device)
+        return position_ids, attention_mask.to(dtype)
+
     def token_ids(self, index: torch.Tensor) -> torch.Tensor:
         """Target token ids of positions in `logits`' last dimension."""
         return index if self.draft_vocab is None else self.draft_vocab[index]
@@ -273,19 +286,14 @@ class EagleHead(DraftHead):
         [B,1,T,past+T] (tree drafting); None means causal after the cached prefix. Positions default to
         past..past+T-1. The cache (e.g. DynamicCache) is extended in place. `compute_logits=False` returns
         None for logits (training applies the LM head to the loss positions only)."""
-        B, T = input_ids.shape
-        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        position_ids, attention_mask = self.step_inputs(input_ids, past_key_values, position_ids, attention_mask)
         dtype = self.fc.weight.dtype
-        if position_ids is None:
-            position_ids = torch.arange(past, past + T, device=input_ids.device).unsqueeze(0).expand(B, T)
-        if attention_mask is None:
-            attention_mask = causal_mask(T, past, dtype, input_ids.device)
         x = self.fc(torch.cat([self.embed_tokens(input_ids).to(dtype), features.to(dtype)], dim=-1))
         rotary_args = ("full_attention",) if self._rotary_takes_layer_type else ()
         position_embeddings = self.rotary_emb(x, position_ids, *rotary_args)
         out = self.layer(
             x,
-            attention_mask=attention_mask.to(dtype),
+            attention_mask=attention_mask,
             position_ids=position_ids,
             past_key_values=past_key_values,
             use_cache=past_key_values is not None,

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from decode.engine.head import DraftHead, HeadError, _layer_parts, causal_mask, head_config
+from decode.engine.head import DraftHead, HeadError, _layer_parts, head_config
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # vLLM's Eagle3LlamaForCausalLM, SGLang's LlamaForCausalLMEagle3
 LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
@@ -88,20 +88,15 @@ class Eagle3Head(DraftHead):
                 compute_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
         """(pre-norm output g' [B,T,h], logits [B,T,draft vocab], cache). `features`: the verifier's aux states
         [B,T,3h] (fused by fc) or the head's previous output [B,T,h]. Masks, positions and cache as EagleHead's."""
-        B, T = input_ids.shape
-        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        position_ids, attention_mask = self.step_inputs(input_ids, past_key_values, position_ids, attention_mask)
         dtype = self.fc.weight.dtype
-        if position_ids is None:
-            position_ids = torch.arange(past, past + T, device=input_ids.device).unsqueeze(0).expand(B, T)
-        if attention_mask is None:
-            attention_mask = causal_mask(T, past, dtype, input_ids.device)
         g = features.to(dtype)
         if g.shape[-1] != self.config.hidden_size:
             g = self.fc(g)
         layer = self.midlayer
         x = torch.cat([layer.input_layernorm(self.embed_tokens(input_ids).to(dtype)), layer.hidden_norm(g)], dim=-1)
         rotary_args = ("full_attention",) if self._rotary_takes_layer_type else ()
-        attended = layer.self_attn(hidden_states=x, attention_mask=attention_mask.to(dtype), position_ids=position_ids,
+        attended = layer.self_attn(hidden_states=x, attention_mask=attention_mask, position_ids=position_ids,
                                    past_key_values=past_key_values, use_cache=past_key_values is not None,
                                    position_embeddings=self.rotary_emb(g, position_ids, *rotary_args))[0]
         h = g + attended  # the residual is g before hidden_norm (norm_before_residual: false)

@@ -17,7 +17,7 @@ import torch
 from data.models import DEFAULT_MODEL, load_model
 from decode.backends import prepare
 from decode.engine.levels import ModelLevel
-from infra.timing import level_forward, median_ms
+from infra.timing import level_forward, median_ms, times_table
 
 
 def read_bandwidth(gib: float = 1.0, repeats: int = 7) -> float:
@@ -58,12 +58,9 @@ def main() -> None:
     steps = {"target packed (HF layers)": level_forward(ModelLevel("target", hf), context),
              "target native": level_forward(ModelLevel("target", native), context)}
     times = median_ms(steps, args.ks, args.repeats)
-    base = times["target packed (HF layers)"]
     print(f"median ms of one forward (LM head included), {args.context}-token context, {torch.get_num_threads()} "
           f"threads, CPU capability {torch.backends.cpu.get_cpu_capability()}")
-    for name, per in times.items():
-        cells = "  ".join(f"k={k}: {per[k]:6.2f} ms ({per[k] / base[k]:.3f}x HF)" for k in args.ks)
-        print(f"{name:28s} {cells}  T({max(args.ks)})/T({min(args.ks)}) {per[max(args.ks)] / per[min(args.ks)]:.2f}")
+    print("\n".join(times_table(times, "target packed (HF layers)", "HF")))
     bandwidth, size = read_bandwidth(), weight_bytes(native)
     print(f"weight-streaming floor: {size / 2**20:.0f} MiB of weights / {bandwidth / 1e9:.1f} GB/s read = "
           f"{size / bandwidth * 1000:.1f} ms per forward")

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from data.models import DEFAULT_MODEL, load_model
-from infra.timing import Step, cached_forward, median_ms
+from infra.timing import Step, cached_forward, median_ms, times_table
 from decode.backends.cpu.llama import NativeInt8Head, NativeLlamaRunner
 from decode.backends.cpu import pack
 from decode.backends.cpu.int8 import quantize_lm_head
@@ -59,12 +59,9 @@ def main() -> None:
              "w4 native int8 act. (native int8 head)": runner_forward(runner, int8_head, context[: args.context]),
              "w4 native int8 act., decoder only": runner_forward(runner, None, context[: args.context])}
     times = median_ms(steps, args.ks, args.repeats)
-    base = times["target fp32 packed"]
     print(f"median ms of one forward, {args.context}-token context, {torch.get_num_threads()} threads, "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
-    for name, per in times.items():
-        cells = "  ".join(f"k={k}: {per[k]:6.2f} ms ({per[k] / base[k]:.3f}x target)" for k in args.ks)
-        print(f"{name:40s} {cells}  T(8)/T(1) {per[max(args.ks)] / per[min(args.ks)]:.2f}")
+    print("\n".join(times_table(times, "target fp32 packed", "target")))
 
 
 if __name__ == "__main__":
