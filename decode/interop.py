@@ -1,18 +1,23 @@
-"""`python -m decode.interop`: what polyspec publishes, loaded and decoded by a real serving engine (vLLM, CPU).
+"""`python -m decode.interop`: what polyspec publishes, loaded and decoded by real serving engines (vLLM and
+llama.cpp, CPU).
 
 The published head and the W4 model are meant to be served by engines that compute them natively, so this
-check runs the consumer itself: vLLM in its own venv (decode/consumers/vllm_venv.py; created on first use), one engine
-per process (decode/consumers/vllm_run.py). On the default prompts' first turns, greedy, single stream,
-same threads:
+check runs the consumers themselves: vLLM in its own venv (decode/consumers/vllm_venv.py; created on first use), one
+engine per process (decode/consumers/vllm_run.py); llama.cpp's own tools and converter (decode/consumers/llamacpp.py).
+On the default prompts' first turns, greedy, single stream, same threads:
 
-  (a) vLLM's output with the head as its EAGLE drafter equals its output without (lossless in vLLM too);
-  (b) vLLM's mean acceptance length with the head (k drafted tokens) is within a tolerance of polyspec's own
-      for the same target, head and a chain draft of k tokens;
+  (a) vLLM's output with the head as its EAGLE drafter (method eagle or eagle3) equals its output without
+      (lossless in vLLM too); for an EAGLE-3 head, llama.cpp's too (`draft-eagle3`, the head converted by
+      llama.cpp's convert_hf_to_gguf.py unchanged);
+  (b) each engine's mean acceptance length with the head (k drafted tokens) is within a tolerance of polyspec's
+      own for the same target, head and a chain draft of k tokens;
   (c) vLLM loads the W4 model, and its teacher-forced greedy agreement with the target's continuations
-      matches polyspec's W4 level's on the same continuations.
+      matches polyspec's W4 level's on the same continuations (where vLLM has no W4 kernel: llama.cpp drafts
+      with the W4 level as a Q4_0 GGUF, losslessly).
 
 It prints those and a tokens/s table: polyspec's AR and dualistic chain next to vLLM's AR, n-gram and head
-(and its W4 AR), and writes everything to interop.out. Exit 0 when every check passed, 4 when one failed.
+(and its W4 AR) and llama.cpp's AR and EAGLE-3 head, and writes everything to interop.out. Exit 0 when every
+check passed, 4 when one failed.
 """
 from __future__ import annotations
 
@@ -109,9 +114,9 @@ def prompts_of(icfg: Any, tokenizer) -> list[list[int]]:
 # -------------------------------------------------------------------------------------------- polyspec
 
 
-def polyspec_side(cfg: DictConfig, head: Path, w4: Path, prompts: list[list[int]]) -> dict[str, Any]:
+def polyspec_side(cfg: DictConfig, head: Path, w4: Path | None, prompts: list[list[int]]) -> dict[str, Any]:
     """AR and the dualistic chain (chain draft of k tokens), interleaved per prompt; then polyspec's W4 level's
-    teacher-forced agreement with AR's continuations."""
+    teacher-forced agreement with AR's continuations (unless `w4` is None: check (c) is off)."""
     from data.models import load_model
     from decode.chains.baselines import autoregressive
     from decode.chains.build import configured_chain, eos_of, load_target
@@ -137,32 +142,36 @@ def polyspec_side(cfg: DictConfig, head: Path, w4: Path, prompts: list[list[int]
     rounds = [n for g in runs["chain"] for n in g.stats.levels[0].acceptance_lengths]
     result["chain"]["acceptance_length"] = sum(rounds) / max(len(rounds), 1)
     result["chain"]["levels"] = levels
-    w4_model = load_model(str(w4), dtype=cfg.model.dtype)[0]
-    result["w4_teacher_forced"] = [teacher_forced_matches(w4_model, p, t)
-                                   for p, t in zip(prompts, result["ar"]["tokens"])]
+    if w4 is not None:
+        w4_model = load_model(str(w4), dtype=cfg.model.dtype)[0]
+        result["w4_teacher_forced"] = [teacher_forced_matches(w4_model, p, t)
+                                       for p, t in zip(prompts, result["ar"]["tokens"])]
     return result
 
 
 # ------------------------------------------------------------------------------------------------ vLLM
 
 
-def vllm_jobs(icfg: Any, target: str, head: Path, w4: Path, prompts: list[list[int]],
+def vllm_jobs(icfg: Any, target: str, head: Path, w4: Path | None, prompts: list[list[int]],
               ar_tokens: list[list[int]]) -> dict[str, dict]:
-    """One job per engine: vLLM's AR, n-gram and head-drafted decoding of the target, and its W4 model."""
+    """One job per engine: vLLM's AR, n-gram and head-drafted decoding of the target, and its W4 model (where
+    check (c) is on)."""
     k = int(icfg.num_speculative_tokens)
     llm = {"model": target, "dtype": icfg.dtype, "max_model_len": int(icfg.max_model_len), "enforce_eager": True,
            "seed": 0, "disable_log_stats": False}
     decode = {"prompts": prompts, "max_tokens": int(icfg.max_new_tokens), "warmup_tokens": int(icfg.warmup_tokens)}
     ngram = {"method": "ngram", "num_speculative_tokens": k, **OmegaConf.to_container(icfg.ngram, resolve=True)}
-    return {
+    jobs = {
         "ar": {"llm": llm, **decode},
         "ngram": {"llm": llm | {"speculative_config": ngram}, **decode},
         "eagle": {"llm": llm | {"speculative_config": {"method": head_method({}, str(head)),
                                                        "model": str(head.resolve()),
                                                        "num_speculative_tokens": k}}, **decode},  # eagle or eagle3
-        "w4": {"llm": llm | {"model": str(w4.resolve()), "dtype": icfg.w4_dtype}, **decode,
-               "teacher_forced": [[p, t] for p, t in zip(prompts, ar_tokens)]},
     }
+    if w4 is not None:
+        jobs["w4"] = {"llm": llm | {"model": str(w4.resolve()), "dtype": icfg.w4_dtype}, **decode,
+                      "teacher_forced": [[p, t] for p, t in zip(prompts, ar_tokens)]}
+    return jobs
 
 
 def run_engine(python: Path, venv: Path, name: str, job: dict, threads: int, log: Path) -> dict[str, Any]:
@@ -211,39 +220,67 @@ def check(name: str, passed: bool | None, detail: str) -> dict[str, Any]:
     return {"name": name, "passed": passed, "detail": detail}
 
 
+def acceptance_check(icfg: Any, name: str, engine: str, theirs: float, poly: dict[str, Any]) -> dict[str, Any]:
+    """(b): an engine's mean acceptance length with the head vs polyspec's for the same chain draft of k tokens."""
+    ours, tol = poly["chain"]["acceptance_length"], float(icfg.checks.acceptance_tolerance)
+    ratio = theirs / ours
+    return check(name, abs(ratio - 1) <= tol,
+                 f"{engine} L {theirs:.3f} vs polyspec L {ours:.3f} (ratio {ratio:.3f}, tolerance {tol:.0%})")
+
+
+def vllm_head_checks(icfg: Any, vllm: dict[str, dict], poly: dict[str, Any]) -> list[dict[str, Any]]:
+    """(a) and (b) in vLLM."""
+    ar, eagle = vllm["ar"], vllm["eagle"]
+    if "error" in ar or "error" in eagle:
+        return [check("head_lossless", False, f"vLLM failed: {(ar if 'error' in ar else eagle)['error']}")]
+    same = sum(a == b for a, b in zip(ar["tokens"], eagle["tokens"]))
+    found = [check("head_lossless", same == len(ar["tokens"]),
+                   f"{same}/{len(ar['tokens'])} prompts identical with and without the head")]
+    if not flag(icfg.checks, "acceptance", error=InteropError):
+        return found + [check("acceptance", None, "skipped (interop.checks.acceptance=false)")]
+    return found + [acceptance_check(icfg, "acceptance", "vLLM", vllm_acceptance_length(eagle), poly)]
+
+
+def llamacpp_head_checks(icfg: Any, head: dict[str, Any] | None, poly: dict[str, Any]) -> list[dict[str, Any]]:
+    """(a) and (b) in llama.cpp, for an EAGLE-3 head (llama.cpp drafts with no other kind of head)."""
+    if head is None:
+        return []
+    if "error" in head:
+        return [check("llamacpp_head_lossless", False, head["error"])]
+    found = [check("llamacpp_head_lossless", head["identical"] == head["prompts"],
+                   f"llama.cpp drafting with the converted head ({Path(head['gguf']).name}): {head['identical']}/"
+                   f"{head['prompts']} outputs equal its AR")]
+    if not flag(icfg.checks, "acceptance", error=InteropError):
+        return found + [check("llamacpp_acceptance", None, "skipped (interop.checks.acceptance=false)")]
+    return found + [acceptance_check(icfg, "llamacpp_acceptance", "llama.cpp", head["acceptance_length"], poly)]
+
+
+def w4_check(icfg: Any, w4: dict[str, Any] | None, poly: dict[str, Any], llama: dict[str, Any] | None) -> dict:
+    """(c): vLLM loads the W4 model and agrees as polyspec's W4 level does; in llama.cpp (`llama`) where vLLM
+    cannot run it."""
+    if w4 is None:
+        return check("w4_loads", None, "skipped (interop.checks.w4=false)")
+    if "not_applicable" in w4 and llama is not None:
+        return check("w4_loads", llama["passed"], f"vLLM: not applicable ({w4['not_applicable']}); {llama['detail']}")
+    if "not_applicable" in w4:
+        return check("w4_loads", None, f"not applicable: {w4['not_applicable']}, and llama.cpp is off")
+    if "error" in w4:
+        return check("w4_loads", False, f"vLLM failed on the W4 model: {w4['error']}")
+    ours, theirs = agreement(poly["w4_teacher_forced"]), agreement(w4["teacher_forced"])
+    tol = float(icfg.checks.agreement_tolerance)
+    return check("w4_loads", abs(theirs - ours) <= tol,
+                 f"teacher-forced greedy agreement with the target: vLLM W4 {theirs:.3f} vs polyspec W4 {ours:.3f} "
+                 f"(tolerance {tol})")
+
+
 def checks(icfg: Any, vllm: dict[str, dict], poly: dict[str, Any],
            llama: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """(a) output with the head = without, (b) acceptance length vs polyspec's, (c) the W4 model loads and agrees
-    (in llama.cpp, `llama`, where vLLM cannot run it)."""
-    ar, eagle, w4 = vllm["ar"], vllm["eagle"], vllm["w4"]
-    found = []
-    if "error" in ar or "error" in eagle:
-        found.append(check("head_lossless", False, f"vLLM failed: {(ar if 'error' in ar else eagle)['error']}"))
-    else:
-        same = sum(a == b for a, b in zip(ar["tokens"], eagle["tokens"]))
-        found.append(check("head_lossless", same == len(ar["tokens"]),
-                           f"{same}/{len(ar['tokens'])} prompts identical with and without the head"))
-    if not flag(icfg.checks, "acceptance", error=InteropError):
-        found.append(check("acceptance", None, "skipped (interop.checks.acceptance=false)"))
-    elif "error" not in eagle:
-        ours, theirs = poly["chain"]["acceptance_length"], vllm_acceptance_length(eagle)
-        ratio, tol = theirs / ours, float(icfg.checks.acceptance_tolerance)
-        found.append(check("acceptance", abs(ratio - 1) <= tol,
-                           f"vLLM L {theirs:.3f} vs polyspec L {ours:.3f} (ratio {ratio:.3f}, tolerance {tol:.0%})"))
-    if "not_applicable" in w4 and llama is not None:
-        found.append(check("w4_loads", llama["passed"], f"vLLM: not applicable ({w4['not_applicable']}); "
-                           f"{llama['detail']}"))
-    elif "not_applicable" in w4:
-        found.append(check("w4_loads", None, f"not applicable: {w4['not_applicable']}, and llama.cpp is off"))
-    elif "error" in w4:
-        found.append(check("w4_loads", False, f"vLLM failed on the W4 model: {w4['error']}"))
-    else:
-        ours, theirs = agreement(poly["w4_teacher_forced"]), agreement(w4["teacher_forced"])
-        tol = float(icfg.checks.agreement_tolerance)
-        found.append(check("w4_loads", abs(theirs - ours) <= tol,
-                           f"teacher-forced greedy agreement with the target: vLLM W4 {theirs:.3f} vs polyspec W4 "
-                           f"{ours:.3f} (tolerance {tol})"))
-    return found
+    """(a) output with the head = without, (b) acceptance length vs polyspec's, in vLLM and (an EAGLE-3 head,
+    `llama["head"]`) in llama.cpp; (c) the W4 model loads and agrees (in llama.cpp, `llama["w4"]`, where vLLM
+    cannot run it)."""
+    llama = llama or {}
+    return [*vllm_head_checks(icfg, vllm, poly), *llamacpp_head_checks(icfg, llama.get("head"), poly),
+            w4_check(icfg, vllm.get("w4"), poly, llama.get("w4"))]
 
 
 def table(vllm: dict[str, dict], poly: dict[str, Any], k: int) -> list[dict[str, Any]]:
@@ -253,8 +290,9 @@ def table(vllm: dict[str, dict], poly: dict[str, Any], k: int) -> list[dict[str,
              "reference": poly["ar"], "L": poly["chain"]["acceptance_length"]},
             {"engine": "vLLM", "method": "AR", "run": vllm["ar"], "reference": vllm["ar"]},
             {"engine": "vLLM", "method": f"ngram k={k}", "run": vllm["ngram"], "reference": vllm["ar"]},
-            {"engine": "vLLM", "method": f"eagle head k={k}", "run": vllm["eagle"], "reference": vllm["ar"]},
-            {"engine": "vLLM", "method": "W4 AR", "run": vllm["w4"], "reference": vllm["ar"]}]
+            {"engine": "vLLM", "method": f"eagle head k={k}", "run": vllm["eagle"], "reference": vllm["ar"]}]
+    if "w4" in vllm:
+        rows.append({"engine": "vLLM", "method": "W4 AR", "run": vllm["w4"], "reference": vllm["ar"]})
     out = []
     for row in rows:
         run, ref = row.pop("run"), row.pop("reference")
@@ -269,6 +307,22 @@ def table(vllm: dict[str, dict], poly: dict[str, Any], k: int) -> list[dict[str,
             row["L"] = vllm_acceptance_length(run)
         out.append(row)
     return out
+
+
+def llamacpp_rows(head: dict[str, Any] | None, k: int) -> list[dict[str, Any]]:
+    """llama.cpp's AR and EAGLE-3-drafted decoding (from the head check's runs) as table rows."""
+    if not head or "runs" not in head:
+        return []
+
+    def speed(outs: list[dict[str, Any]]) -> float:
+        return sum(o["new_tokens"] for o in outs) / max(sum(o["prompt_s"] + o["decode_s"] for o in outs), 1e-9)
+
+    ar, drafted = head["runs"]["llamacpp_ar"], head["runs"]["eagle3"]
+    base = {"engine": "llama.cpp", "tokens": 0}
+    return [base | {"method": "AR (F32 GGUF)", "tokens_per_s": speed(ar), "x_ar": 1.0, "same_as_ar": len(ar)},
+            base | {"method": f"draft-eagle3 head k={k}", "tokens_per_s": speed(drafted),
+                    "x_ar": speed(drafted) / speed(ar), "same_as_ar": head["identical"],
+                    "L": head["acceptance_length"]}]
 
 
 def render(rows: list[dict[str, Any]], found: list[dict[str, Any]], prompts: int) -> str:
@@ -295,55 +349,93 @@ def validate(icfg: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise InteropError(f"interop.{key} must be an integer >= {least}, got {value!r}")
     flag(icfg.checks, "acceptance", error=InteropError)
+    flag(icfg.checks, "w4", error=InteropError)
     if not (isinstance(icfg.get("llamacpp", False), bool) or icfg.llamacpp == "auto"):
         raise InteropError(f"interop.llamacpp must be auto, true or false, got {icfg.llamacpp!r}")
     check_writable(icfg.out, "interop.out", kind="file", error=InteropError)
 
 
-def run(cfg: DictConfig) -> int:
-    from data.models import load_tokenizer
-    from infra.tracking import write_json_atomic
-    from decode.consumers.vllm_venv import ensure_venv, w4_kernel_missing
-
+def inputs(cfg: DictConfig) -> tuple[Path, Path | None, dict[str, Any] | None, str]:
+    """The head, the W4 model (None with interop.checks.w4=false) and its layout, the target's folder; checked
+    before anything is installed or loaded."""
     icfg = cfg.interop
     validate(icfg)
     bundle = Path(icfg.bundle or cfg.eval.publish.dir)
     levels = bundle_levels(bundle)
-    head, w4 = head_folder(icfg, levels, bundle), w4_folder(cfg, levels)
-    layout = check_w4_layout(w4)
+    head = head_folder(icfg, levels, bundle)
+    w4 = w4_folder(cfg, levels) if icfg.checks.w4 else None
+    layout = check_w4_layout(w4) if w4 is not None else None
     target = resolve_model_path(cfg.model.name)
     if not Path(target).is_dir():
         raise InteropError(f"model.name={cfg.model.name}: vLLM needs the target as a local folder")
-    venv = Path(icfg.venv).expanduser() if icfg.venv else cache_dir() / "vllm-venv"
-    python = ensure_venv(venv)
-    torch.set_num_threads(int(icfg.threads))
-    prompts = prompts_of(icfg, load_tokenizer(target))
-    poly = polyspec_side(cfg, head, w4, prompts)
+    return head, w4, layout, target
+
+
+def vllm_side(cfg: DictConfig, python: Path, venv: Path, jobs: dict[str, dict]) -> dict[str, dict]:
+    """Every job in its own vLLM engine; the W4 job is not applicable where vLLM's CPU build has no W4 kernel."""
+    from decode.consumers.vllm_venv import w4_kernel_missing
+
+    icfg = cfg.interop
     log = Path(icfg.out).with_name("vllm.log")
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("")
-    jobs = vllm_jobs(icfg, target, head, w4, prompts, poly["ar"]["tokens"])
     vllm = {name: run_engine(python, venv, name, job, int(icfg.threads), log) for name, job in jobs.items()
             if name != "w4" or not w4_kernel_missing()}
-    vllm.setdefault("w4", {"name": "w4", "not_applicable": w4_kernel_missing()})
-    llama = None
-    if "not_applicable" in vllm["w4"]:  # vLLM's CPU build has no W4 kernel here: check (c) in llama.cpp instead
-        from decode.consumers.llamacpp_peer import w4_draft_check
+    if "w4" in jobs:
+        vllm.setdefault("w4", {"name": "w4", "not_applicable": w4_kernel_missing()})
+    return vllm
 
-        tokenizer = load_tokenizer(target)
-        llama = w4_draft_check(cfg, w4, [tokenizer.decode(p, skip_special_tokens=False) for p in prompts])
-    found, rows = checks(icfg, vllm, poly, llama), table(vllm, poly, int(icfg.num_speculative_tokens))
-    print(f"\n{len(prompts)} prompts, {icfg.max_new_tokens} new tokens, greedy, single stream, {icfg.threads} threads "
+
+def llamacpp_side(cfg: DictConfig, vllm: dict[str, dict], paths: tuple[Path, Path | None, str],
+                  texts: list[str], python: Path) -> dict[str, Any]:
+    """llama.cpp's checks (None each where llama.cpp is off): the W4 level as its draft model where vLLM cannot run
+    it, and an EAGLE-3 head converted by llama.cpp's converter (run by `python`, the vLLM venv's)."""
+    from decode.consumers.llamacpp_peer import eagle3_head_check, w4_draft_check
+
+    head, w4, target = paths
+    found: dict[str, Any] = {"w4": None, "head": None}
+    if w4 is not None and "not_applicable" in vllm.get("w4", {}):
+        found["w4"] = w4_draft_check(cfg, w4, texts)
+    if head_method({}, str(head)) == "eagle3":
+        found["head"] = eagle3_head_check(cfg, head, Path(target), texts, python)
+    return found
+
+
+def report(cfg: DictConfig, found: list[dict[str, Any]], rows: list[dict[str, Any]], record: dict[str, Any]) -> None:
+    icfg = cfg.interop
+    prompts = len(record["polyspec"]["ar"]["tokens"])
+    print(f"\n{prompts} prompts, {icfg.max_new_tokens} new tokens, greedy, single stream, {icfg.threads} threads "
           f"({platform.processor() or platform.machine()}); vLLM: {icfg.dtype} target, {icfg.w4_dtype} W4")
-    print(render(rows, found, len(prompts)))
+    print(render(rows, found, prompts))
+    print(f"vLLM's AR output = polyspec's AR output on {record['vllm_ar_equals_polyspec_ar']}/{prompts} prompts "
+          f"({icfg.dtype} vs {cfg.model.dtype}; informational)")
+
+
+def run(cfg: DictConfig) -> int:
+    from data.models import load_tokenizer
+    from decode.consumers.vllm_venv import ensure_venv
+    from infra.tracking import write_json_atomic
+
+    icfg = cfg.interop
+    head, w4, layout, target = inputs(cfg)
+    venv = Path(icfg.venv).expanduser() if icfg.venv else cache_dir() / "vllm-venv"
+    python = ensure_venv(venv)
+    torch.set_num_threads(int(icfg.threads))
+    tokenizer = load_tokenizer(target)
+    prompts = prompts_of(icfg, tokenizer)
+    poly = polyspec_side(cfg, head, w4, prompts)
+    vllm = vllm_side(cfg, python, venv, vllm_jobs(icfg, target, head, w4, prompts, poly["ar"]["tokens"]))
+    texts = [tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
+    llama = llamacpp_side(cfg, vllm, (head, w4, target), texts, python)
+    k = int(icfg.num_speculative_tokens)
+    found, rows = checks(icfg, vllm, poly, llama), table(vllm, poly, k) + llamacpp_rows(llama["head"], k)
     same = ("failed" if "error" in vllm["ar"]
             else sum(a == b for a, b in zip(vllm["ar"]["tokens"], poly["ar"]["tokens"])))
-    print(f"vLLM's AR output = polyspec's AR output on {same}/{len(prompts)} prompts "
-          f"({icfg.dtype} vs {cfg.model.dtype}; informational)")
     record = {"created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "target": target, "head": str(head),
-              "w4": str(w4), "w4_layout": layout, "config": OmegaConf.to_container(icfg, resolve=True),
+              "w4": str(w4) if w4 else None, "w4_layout": layout, "config": OmegaConf.to_container(icfg, resolve=True),
               "checks": found, "table": rows, "vllm_ar_equals_polyspec_ar": same, "polyspec": poly, "vllm": vllm,
-              "llamacpp_w4": llama}
+              "llamacpp_w4": llama["w4"], "llamacpp_head": llama["head"]}
+    report(cfg, found, rows, record)
     write_json_atomic(icfg.out, record)
     print(f"written {icfg.out}")
     return EXIT_CHECK_FAILED if any(c["passed"] is False for c in found) else 0

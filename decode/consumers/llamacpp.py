@@ -76,19 +76,21 @@ def _step(args: list[str], log: Path, cwd: Path | None = None) -> None:
         raise LlamaCppError(f"building llama.cpp failed at `{' '.join(args[:3])}` (exit {done.returncode}); see {log}")
 
 
-def _vendored_source(work: Path, log: Path) -> Path:
-    """Download the sdist (pip, no build) and extract only its vendored llama.cpp."""
+def _vendored_source(work: Path, log: Path, parts: tuple[str, ...] = ("",)) -> Path:
+    """Download the sdist (pip, no build) and extract the `parts` of its vendored llama.cpp (paths under it that
+    each member's path starts with; the default, all of it)."""
     _step([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:", SDIST,
            "-d", str(work)], log)
     sdist = next(work.glob("llama_cpp_python-*.tar.gz"), None)
     if sdist is None:
         raise LlamaCppError(f"pip download of {SDIST} left no sdist in {work}; see {log}")
     with tarfile.open(sdist) as tar:
-        members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name]
+        members = [m for m in tar.getmembers()
+                   if "/vendor/llama.cpp/" in m.name and m.name.split("/vendor/llama.cpp/", 1)[1].startswith(parts)]
         tar.extractall(work / "src", members=members, filter="data")
     source = next((work / "src").glob("*/vendor/llama.cpp"), None)
-    if source is None or not (source / "CMakeLists.txt").exists():
-        raise LlamaCppError(f"{sdist.name} vendors no llama.cpp; see {log}")
+    if source is None or not all((source / (part or "CMakeLists.txt")).exists() for part in parts):
+        raise LlamaCppError(f"{sdist.name} vendors no llama.cpp with {', '.join(parts)}; see {log}")
     return source
 
 
@@ -136,8 +138,62 @@ def ensure_built(folder: Path | None = None, jobs: int | None = None) -> Path:
     return folder / "bin"
 
 
+# ------------------------------------------------------------------------------------------------ converter
+
+CONVERTER = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")  # llama.cpp's HF -> GGUF converter, as vendored
+
+
+def converter_folder() -> Path:
+    """Where llama.cpp's converter is kept: plain Python, the same on every CPU kind (beside the builds)."""
+    from data.models import cache_dir
+
+    return cache_dir() / "llamacpp" / f"{SDIST.split('==')[1]}-convert"
+
+
+def ensure_converter(folder: Path | None = None) -> Path:
+    """The folder holding llama.cpp's own `convert_hf_to_gguf.py` (with its `conversion/` package and `gguf-py/`),
+    extracted once from the sdist, all-or-nothing as the build is."""
+    folder = Path(folder or converter_folder()).expanduser()
+    marker = folder / MARKER
+    if marker.exists() and marker.read_text().strip() == SDIST:
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_work(folder.parent)
+    work, log = folder.parent / f".{folder.name}.work-{os.getpid()}", folder.with_name(f"{folder.name}.log")
+    log.write_text("")
+    try:
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir()
+        source = _vendored_source(work, log, CONVERTER)
+        (source / MARKER).write_text(SDIST + "\n")
+        shutil.rmtree(folder, ignore_errors=True)
+        source.rename(folder)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return folder
+
+
+def convert_eagle3(head: Path, target: Path, out: Path, python: Path) -> Path:
+    """An EAGLE-3 head folder (vLLM's layout) as the GGUF llama.cpp drafts with (`--spec-type draft-eagle3`),
+    converted by llama.cpp's own converter unchanged: `convert_hf_to_gguf.py <head> --target-model-dir <target HF
+    folder>`, run by `python` (an interpreter with torch, transformers and sentencepiece: the vLLM venv's); written
+    to a temp path and renamed."""
+    converter = ensure_converter()
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    args = [str(python), str(converter / CONVERTER[0]), str(head), "--target-model-dir", str(target),
+            "--outfile", str(tmp), "--outtype", "f32"]
+    done = subprocess.run(args, capture_output=True, text=True, errors="replace")  # it puts its gguf-py first
+    if done.returncode or not tmp.exists():
+        tmp.unlink(missing_ok=True)
+        raise LlamaCppError(f"llama.cpp's convert_hf_to_gguf.py failed on {head} (exit {done.returncode}): "
+                            f"{_last_line(done.stderr)}")
+    tmp.replace(out)
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ running
 
+DRAFT_KINDS = ("draft-simple", "draft-eagle3")  # a draft model GGUF, or an EAGLE-3 head's GGUF (convert_eagle3)
 NGRAM_KINDS = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
 # llama-speculative-simple needs a drafter; plain decoding gets one that never drafts: an n-gram lookup whose key is
 # 1024 tokens (the longest it takes), which finds no earlier occurrence in a chat (and is checked to draft nothing)
@@ -148,7 +204,8 @@ CONTEXT = 4096  # tokens of KV cache: a chat prompt and its reply, without llama
 @dataclass(frozen=True)
 class Speculation:
     """What llama-speculative-simple drafts with: nothing (plain greedy decoding: one target token per step), a
-    draft GGUF (`draft-simple`, `draft_max` tokens per step), or an n-gram kind (NGRAM_KINDS) with its settings."""
+    draft GGUF (`draft-simple` for a draft model, `draft-eagle3` for an EAGLE-3 head; `draft_max` tokens per step),
+    or an n-gram kind (NGRAM_KINDS) with its settings."""
 
     kind: str = "none"
     draft: Path | None = None
@@ -158,13 +215,13 @@ class Speculation:
     def args(self, threads: int) -> list[str]:
         if self.kind == "none":
             return list(NO_DRAFT)
-        if self.kind == "draft-simple":
+        if self.kind in DRAFT_KINDS:
             if self.draft is None:
-                raise LlamaCppError("speculation draft-simple needs a draft GGUF")
+                raise LlamaCppError(f"speculation {self.kind} needs a draft GGUF")
             return ["--spec-type", self.kind, "-md", str(self.draft), "-td", str(threads),
                     "--spec-draft-n-max", str(self.draft_max)]
         if self.kind not in NGRAM_KINDS:
-            raise LlamaCppError(f"unknown llama.cpp speculation {self.kind!r}; known: none, draft-simple, "
+            raise LlamaCppError(f"unknown llama.cpp speculation {self.kind!r}; known: none, {', '.join(DRAFT_KINDS)}, "
                                 f"{', '.join(NGRAM_KINDS)}")
         settings = [arg for key, value in self.ngram for arg in (f"--spec-{self.kind}-{key}", str(value))]
         return ["--spec-type", self.kind, *settings]

@@ -93,33 +93,69 @@ def peer_from_config(cfg: Any, threads: int) -> LlamaPeer | None:
     return LlamaPeer(tools, target, threads, engines, notes)
 
 
+def _checked_peer(cfg: Any, name: str, speculation: Speculation, prompts: list[str]) -> tuple[LlamaPeer, int]:
+    """llama.cpp's AR and `speculation` on decode.interop's prompts (after a warm-up), and on how many of them the
+    two outputs are the same."""
+    icfg = cfg.interop
+    peer = LlamaPeer(ensure_built(), _target(cfg), int(icfg.threads), {AR: Speculation(), name: speculation}, {})
+    peer.decode_all(prompts[0], int(icfg.warmup_tokens), keep=False)
+    for prompt in prompts:
+        peer.decode_all(prompt, int(icfg.max_new_tokens))
+    return peer, sum(same_greedy(a, b, peer.new_tokens) for a, b in zip(peer.runs[AR], peer.runs[name]))
+
+
+def _target(cfg: Any) -> Path:
+    from decode.consumers.llamacpp_gguf import target_gguf
+
+    return target_gguf(str(cfg.model.name).removeprefix("bundled:"))
+
+
+def _enabled(cfg: Any) -> bool:
+    return usable(cfg.interop.get("llamacpp", False), str(cfg.model.name), str(cfg.model.dtype), "interop.llamacpp")
+
+
 def w4_draft_check(cfg: Any, w4_folder: Path, prompts: list[str]) -> dict[str, Any] | None:
     """decode.interop's check (c) in llama.cpp, for where vLLM cannot run the W4 model: the W4 level as a Q4_0
     GGUF drafts for the F32 target (k = interop.num_speculative_tokens); passed when it loads and every output
     equals llama.cpp's own AR. None where llama.cpp is off (interop.llamacpp)."""
-    from decode.consumers.llamacpp_gguf import GgufExportError, target_gguf, w4_gguf
+    from decode.consumers.llamacpp_gguf import GgufExportError, w4_gguf
 
-    icfg, model = cfg.interop, str(cfg.model.name)
-    if not usable(icfg.get("llamacpp", False), model, str(cfg.model.dtype), "interop.llamacpp"):
+    if not _enabled(cfg):
         return None
-    tools = ensure_built()
-    target = target_gguf(model.removeprefix("bundled:"))
     try:
-        draft = w4_gguf(w4_folder, target)
+        draft = w4_gguf(w4_folder, _target(cfg))
     except GgufExportError as err:
         return {"passed": False, "detail": f"llama.cpp: {err}"}
-    k = int(icfg.num_speculative_tokens)
-    peer = LlamaPeer(tools, target, int(icfg.threads), {AR: Speculation(), "w4": Speculation("draft-simple", draft, k)},
-                     {})
-    peer.decode_all(prompts[0], int(icfg.warmup_tokens), keep=False)
-    for prompt in prompts:
-        peer.decode_all(prompt, int(icfg.max_new_tokens))
-    same = sum(same_greedy(a, b, peer.new_tokens) for a, b in zip(peer.runs[AR], peer.runs["w4"]))
+    k = int(cfg.interop.num_speculative_tokens)
+    peer, same = _checked_peer(cfg, "w4", Speculation("draft-simple", draft, k), prompts)
     acceptance = _acceptance(peer.runs["w4"])
     accepted = f"{acceptance:.0%} of drafted tokens accepted" if acceptance is not None else "no token drafted"
     detail = (f"llama.cpp loads {draft.name} as the draft model (k {k}): {same}/{len(prompts)} outputs equal its "
               f"AR, {accepted}")
     return {"passed": same == len(prompts), "detail": detail, "acceptance": acceptance, "identical": same,
+            "runs": {name: [vars(o) for o in outs] for name, outs in peer.runs.items()}}
+
+
+def eagle3_head_check(cfg: Any, head: Path, target: Path, prompts: list[str], python: Path) -> dict[str, Any] | None:
+    """decode.interop's head checks in llama.cpp: the EAGLE-3 head folder, converted by llama.cpp's own converter
+    (run by `python`), drafts k tokens a step for the F32 target (`draft-eagle3`). Returns the outputs equal to
+    llama.cpp's AR and its acceptance length, 1 + k x accepted / drafted (a chain of k drafted every step); None
+    where llama.cpp is off."""
+    from decode.consumers.llamacpp import convert_eagle3
+
+    if not _enabled(cfg):
+        return None
+    out = Path(cfg.interop.out).with_name("head.eagle3.gguf")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        gguf_head = convert_eagle3(head, target, out, python)
+    except LlamaCppError as err:
+        return {"error": str(err)}
+    k = int(cfg.interop.num_speculative_tokens)
+    peer, same = _checked_peer(cfg, "eagle3", Speculation("draft-eagle3", gguf_head, k), prompts)
+    acceptance = _acceptance(peer.runs["eagle3"])
+    return {"gguf": str(gguf_head), "identical": same, "prompts": len(prompts), "acceptance": acceptance,
+            "acceptance_length": 1 + k * (acceptance or 0.0),
             "runs": {name: [vars(o) for o in outs] for name, outs in peer.runs.items()}}
 
 

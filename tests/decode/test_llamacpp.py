@@ -4,6 +4,7 @@ decode."""
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -130,15 +131,45 @@ def test_interop_check_c_is_made_in_llamacpp_where_vllm_cannot_run_w4():
     vllm = {"ar": runs, "eagle": runs, "w4": {"not_applicable": missing}}
     llama = {"passed": True,
              "detail": "llama.cpp loads w4.Q4_0.gguf as the draft model (k 3): 1/1 outputs equal its AR"}
-    (w4,) = [c for c in checks(icfg, vllm, {}, llama) if c["name"] == "w4_loads"]
+    (w4,) = [c for c in checks(icfg, vllm, {}, {"w4": llama}) if c["name"] == "w4_loads"]
     assert w4["passed"] is True and "AVX2 only" in w4["detail"] and "1/1 outputs equal its AR" in w4["detail"]
-    (w4,) = [c for c in checks(icfg, vllm, {}, llama | {"passed": False}) if c["name"] == "w4_loads"]
+    (w4,) = [c for c in checks(icfg, vllm, {}, {"w4": llama | {"passed": False}}) if c["name"] == "w4_loads"]
     assert w4["passed"] is False
     (w4,) = [c for c in checks(icfg, vllm, {}) if c["name"] == "w4_loads"]
     assert w4["passed"] is None and "llama.cpp is off" in w4["detail"]
     failed = vllm | {"w4": {"error": "AttributeError: '_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16'"}}
-    (w4,) = [c for c in checks(icfg, failed, {}, llama) if c["name"] == "w4_loads"]
+    (w4,) = [c for c in checks(icfg, failed, {}, {"w4": llama}) if c["name"] == "w4_loads"]
     assert w4["passed"] is False  # vLLM failing where it should run is a failure, whatever llama.cpp says
+
+
+def test_interop_checks_an_eagle3_head_in_llamacpp_as_in_vllm():
+    from decode.interop import checks, llamacpp_rows
+
+    icfg = OmegaConf.create({"checks": {"acceptance": True, "acceptance_tolerance": 0.10, "w4": False}})
+    runs = {"tokens": [[1, 2]], "spec": {"num_drafts": 10, "num_accepted_tokens": 4}}
+    vllm, poly = {"ar": runs, "eagle": runs}, {"chain": {"acceptance_length": 1.4}}
+    out = {"new_tokens": 8, "prompt_s": 0.1, "decode_s": 0.3}
+    head = {"gguf": "/r/head.eagle3.gguf", "identical": 2, "prompts": 2, "acceptance_length": 1.45,
+            "runs": {"llamacpp_ar": [out, out], "eagle3": [out | {"decode_s": 0.1}] * 2}}
+    found = {c["name"]: c for c in checks(icfg, vllm, poly, {"head": head})}
+    assert found["head_lossless"]["passed"] and found["acceptance"]["passed"]  # vLLM: L 1.4 = polyspec's
+    assert found["llamacpp_head_lossless"]["passed"] and "2/2 outputs equal its AR" in found["llamacpp_head_lossless"][
+        "detail"]
+    assert found["llamacpp_acceptance"]["passed"] and "llama.cpp L 1.450" in found["llamacpp_acceptance"]["detail"]
+    assert found["w4_loads"]["passed"] is None  # interop.checks.w4=false
+    worse = {c["name"]: c for c in checks(icfg, vllm, poly, {"head": head | {"identical": 1, "acceptance_length": 1.0}})}
+    assert worse["llamacpp_head_lossless"]["passed"] is False and worse["llamacpp_acceptance"]["passed"] is False
+    failed = {c["name"]: c for c in checks(icfg, vllm, poly, {"head": {"error": "convert_hf_to_gguf.py failed"}})}
+    assert failed["llamacpp_head_lossless"]["passed"] is False and "llamacpp_acceptance" not in failed
+    ar_row, head_row = llamacpp_rows(head, 3)
+    assert ar_row["tokens_per_s"] == 20.0 and head_row["x_ar"] == 2.0 and head_row["L"] == 1.45
+
+
+def test_speculation_drafts_with_an_eagle3_gguf():
+    args = Speculation("draft-eagle3", Path("h.gguf"), 3).args(2)
+    assert args == ["--spec-type", "draft-eagle3", "-md", "h.gguf", "-td", "2", "--spec-draft-n-max", "3"]
+    with pytest.raises(LlamaCppError, match="draft-eagle3 needs a draft GGUF"):
+        Speculation("draft-eagle3").args(2)
 
 
 def test_greedy_outputs_agree_up_to_a_drafting_runs_overshoot():
