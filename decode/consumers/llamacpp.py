@@ -319,6 +319,18 @@ def serve_commands(target: str, draft: str, draft_max: int) -> dict[str, str]:
                                                     "-p", "PROMPT"])}
 
 
+def eagle3_serve_commands(target: str, target_hf: str, head: str, draft_max: int) -> dict[str, str]:
+    """How llama.cpp serves the target with an EAGLE-3 head: the head folder converted by llama.cpp's own
+    converter (as decode.interop converts it), then `llama-server` drafting with it."""
+    gguf_head = str(Path(head).with_name(Path(head).name + ".eagle3.gguf"))
+    spec = ["-md", gguf_head, "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(draft_max)]
+    return {"convert": shlex.join(["python", "convert_hf_to_gguf.py", head, "--target-model-dir", target_hf,
+                                   "--outfile", gguf_head, "--outtype", "f32"]),
+            "llama_server": shlex.join(["llama-server", "-m", target, *spec]),
+            "llama_speculative_simple": shlex.join(["llama-speculative-simple", "-m", target, *spec, "--temp", "0",
+                                                    "-p", "PROMPT"])}
+
+
 def tokenize(tools: Path, model: Path, text: str) -> list[int]:
     """The token ids llama.cpp reads `text` as (special tokens parsed), as the decoding tools tokenize a prompt."""
     done = subprocess.run([str(tools / "llama-tokenize"), "-m", str(model), "-p", text, "--ids", "--log-disable"],

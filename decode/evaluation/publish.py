@@ -116,6 +116,8 @@ def chain_manifest(
         "serve": serve_of(cfg, levels),
     }
     manifest["serve"]["llamacpp"], w4_gguf = llamacpp_serve(cfg, levels)
+    if (eagle3 := llamacpp_eagle3_serve(cfg, levels)) is not None:
+        manifest["serve"]["llamacpp_eagle3"] = eagle3
     if w4_gguf is not None:
         folders[LLAMACPP_W4] = w4_gguf
     return manifest, folders
@@ -161,6 +163,30 @@ def llamacpp_serve(cfg: DictConfig, levels: list[dict[str, Any]]) -> tuple[dict[
                       "decode.interop)", **serve_commands(str(target), str(bundled), draft_max),
             "target_gguf": str(target), "draft_gguf": f"levels/{LLAMACPP_W4}",
             "note": "llama.cpp serves two levels: the target and the W4 level as its draft model."}, draft
+
+
+def llamacpp_eagle3_serve(cfg: DictConfig, levels: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """chain.json's serve.llamacpp_eagle3 where the chain drafts with an EAGLE-3 head: llama.cpp's converter and
+    server commands for the bundled head (None for any other drafter); where the target is not a bundled GGUF,
+    the reason."""
+    from data.models import resolve_model_path
+    from decode.consumers.llamacpp import SDIST, eagle3_serve_commands
+    from decode.consumers.llamacpp_gguf import target_gguf
+    from decode.consumers.serving import draft_length, head_method
+
+    drafter = levels[-1]
+    if drafter["config"].get("kind") != "eagle" or "bundled_as" not in drafter:
+        return None
+    if head_method(drafter["config"], drafter.get("source")) != "eagle3":
+        return None
+    model = str(cfg.model.name)
+    if not model.startswith("bundled:"):
+        return {"not_served": f"llama.cpp: the target {model} is not a bundled GGUF"}
+    head = Path(cfg.eval.publish.dir).resolve() / drafter["bundled_as"]
+    commands = eagle3_serve_commands(str(target_gguf(model.removeprefix("bundled:"))), resolve_model_path(model),
+                                     str(head), draft_length(drafter["config"].get("draft") or {}))
+    return {"engine": f"llama.cpp (vendored by {SDIST}; converted and checked by decode.interop)", **commands,
+            "note": "llama.cpp serves two levels: the target and the EAGLE-3 head (--spec-type draft-eagle3)."}
 
 
 def gate(checks: list[dict[str, Any]], speedups: dict[str, paired.Interval], choice: str = "best",

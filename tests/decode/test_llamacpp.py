@@ -112,6 +112,32 @@ def test_the_bundle_serves_llamacpp_only_where_it_can(tmp_path):
     assert gguf is None and "is not a bundled GGUF" in section["not_served"]
 
 
+def test_the_bundle_gives_llamacpp_commands_for_an_eagle3_head(tmp_path, monkeypatch):
+    from decode.consumers import llamacpp_gguf
+    from decode.evaluation.publish import llamacpp_eagle3_serve
+
+    from data import models
+
+    monkeypatch.setattr(llamacpp_gguf, "target_gguf", lambda name: tmp_path / f"{name}-F32.gguf")
+    monkeypatch.setattr(models, "resolve_model_path", lambda name: str(tmp_path / "hf"))
+    cfg = OmegaConf.create({"model": {"name": "bundled:smollm2-135m-instruct"},
+                            "eval": {"publish": {"dir": str(tmp_path / "p")}}})
+    target = {"config": {"kind": "model", "model": "target"}}
+    head3 = {"config": {"kind": "eagle", "path": "eagle", "method": "eagle3", "draft": {"mode": "chain", "length": 3}},
+             "bundled_as": "levels/head", "source": str(tmp_path / "h")}
+    found = llamacpp_eagle3_serve(cfg, [target, head3])
+    convert, server = shlex.split(found["convert"]), shlex.split(found["llama_server"])
+    bundled = str(tmp_path / "p" / "levels" / "head")
+    assert convert[1:3] == ["convert_hf_to_gguf.py", bundled] and "--target-model-dir" in convert
+    assert server[server.index("--spec-type") + 1] == "draft-eagle3"
+    assert server[server.index("-md") + 1] == convert[convert.index("--outfile") + 1] == bundled + ".eagle3.gguf"
+    assert server[server.index("--spec-draft-n-max") + 1] == "3"
+    head2 = {**head3, "config": {**head3["config"], "method": "eagle"}}
+    assert llamacpp_eagle3_serve(cfg, [target, head2]) is None  # llama.cpp has no EAGLE-1/2 drafter
+    other = OmegaConf.merge(cfg, {"model": {"name": str(tmp_path / "hf")}})
+    assert "not a bundled GGUF" in llamacpp_eagle3_serve(other, [target, head3])["not_served"]
+
+
 def test_a_bundle_entry_may_be_a_file(tmp_path):
     from decode.evaluation.publish import publish_bundle
 
