@@ -183,7 +183,8 @@ def test_interop_checks_an_eagle3_head_in_llamacpp_as_in_vllm():
         "detail"]
     assert found["llamacpp_acceptance"]["passed"] and "llama.cpp L 1.450" in found["llamacpp_acceptance"]["detail"]
     assert found["w4_loads"]["passed"] is None  # interop.checks.w4=false
-    worse = {c["name"]: c for c in checks(icfg, vllm, poly, {"head": head | {"identical": 1, "acceptance_length": 1.0}})}
+    worse_head = head | {"identical": 1, "acceptance_length": 1.0}
+    worse = {c["name"]: c for c in checks(icfg, vllm, poly, {"head": worse_head})}
     assert worse["llamacpp_head_lossless"]["passed"] is False and worse["llamacpp_acceptance"]["passed"] is False
     failed = {c["name"]: c for c in checks(icfg, vllm, poly, {"head": {"error": "convert_hf_to_gguf.py failed"}})}
     assert failed["llamacpp_head_lossless"]["passed"] is False and "llamacpp_acceptance" not in failed
