@@ -7,7 +7,8 @@ process, interleaved. Every ratio is to the configured target's 1-token forward,
 curve is what decides draft lengths, tree sizes and mu, and whether a level pays (Theorem 3.2).
 Beside the curve, one greedy decode of `decode.chain` on the same context splits a round's time into each level's
 forwards and the round overhead: what a round costs beside forwards (acceptance, drafting logic, cache crops,
-Python). Writes `decode.costs.out` (json).
+Python); and the target's 1-token forward against its weight-streaming floor (the bytes of its weights over the
+read bandwidth measured in the same process). Writes `decode.costs.out` (json).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from transformers import DynamicCache
 from infra.cli import check_writable, run_main
 from infra.device import configured_device
 from infra.layout import RunLayout
-from infra.timing import Step, cached_forward, level_forward, median_ms
+from infra.timing import Step, cached_forward, level_forward, median_ms, streaming_floor_ms
 
 
 def head_forward(head, context: list[int], features: torch.Tensor) -> Step:
@@ -126,8 +127,9 @@ def round_costs(cfg: DictConfig, target: Any, tokenizer: Any, prompt: list[int])
             "forward_ms": forwards, "overhead_ms": round_ms - sum(forwards.values())}
 
 
-def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str], dict | None]:
-    """The forwards to time, a note per row on what it is, and the round costs of decode.chain."""
+def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str], dict]:
+    """The forwards to time, a note per row on what it is, and what is measured beside them: the configured target's
+    weight-streaming floor and the round costs of decode.chain."""
     from data.models import load_model
     from data.sharegpt import load_split
     from decode import backends
@@ -144,7 +146,9 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str], dict | 
     steps = {"target eager": cached_forward(target, context)}
     notes = {"target eager": f"{cfg.model.dtype}, plain nn.Linear"}
     fast_target = _target_steps(cfg, gemm, context, steps, notes)
-    rounds = round_costs(cfg, fast_target, tokenizer, context)
+    floor_ms, size, bandwidth = streaming_floor_ms(fast_target)
+    beside = {"floor": {"ms": floor_ms, "weight_bytes": size, "read_bytes_per_s": bandwidth},
+              "round": round_costs(cfg, fast_target, tokenizer, context)}
     artifacts = RunLayout.of(cfg)
     w4_dir = artifacts.output("w4")
     if (w4_dir / "config.json").is_file():
@@ -179,7 +183,7 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str], dict | 
             ModelLevel("w4", w4, vocab=vocab, compute=LevelCompute(w4_runner(), rows)), context
         )
         notes["w4 V=head"] = f"the W4 level restricted to the head's {len(vocab)}-token vocabulary (vocab: head)"
-    return steps, notes, rounds
+    return steps, notes, beside
 
 
 def _print_rounds(rounds: dict) -> None:
@@ -196,7 +200,7 @@ def run(cfg: DictConfig) -> dict:
     check_writable(c.out, "decode.costs.out", kind="file")  # refuse before minutes of timing, not after
     if cfg.decode.get("threads"):
         torch.set_num_threads(int(cfg.decode.threads))
-    steps, notes, rounds = steps_for(cfg)
+    steps, notes, beside = steps_for(cfg)
     ks = [int(k) for k in c.ks]
     ms = median_ms(steps, ks, int(c.repeats))
     base = ms["target"][1]
@@ -208,9 +212,14 @@ def run(cfg: DictConfig) -> dict:
     result = {"device": str(configured_device(cfg)), "context": int(c.context), "threads": torch.get_num_threads(),
               "repeats": int(c.repeats), "notes": notes, "ms": ms,
               "ratio_to_target_1": {n: {k: v / base for k, v in per.items()} for n, per in ms.items()}}
-    if rounds is not None:
-        _print_rounds(rounds)
-        result["round"] = rounds
+    floor = beside["floor"]
+    print(f"target T(1) {base:.1f} ms = {base / floor['ms']:.2f}x its weight-streaming floor: "
+          f"{floor['weight_bytes'] / 2**20:.0f} MiB of weights / {floor['read_bytes_per_s'] / 1e9:.1f} GB/s read "
+          f"= {floor['ms']:.1f} ms")
+    result["floor"] = dict(floor, ratio=base / floor["ms"])
+    if beside["round"] is not None:
+        _print_rounds(beside["round"])
+        result["round"] = beside["round"]
     write_json_atomic(c.out, result)
     print(f"written {c.out}")
     return result

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Callable
 
 from infra.device import synchronized_clock
@@ -71,3 +72,34 @@ def times_table(times: dict[str, dict[int, float]], base: str, label: str) -> li
         cells = "  ".join(f"k={k}: {per[k]:6.2f} ms ({per[k] / times[base][k]:.3f}x {label})" for k in ks)
         lines.append(f"{name:{width}s}{cells}  T({ks[-1]})/T({ks[0]}) {per[ks[-1]] / per[ks[0]]:.2f}")
     return lines
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 7) -> float:
+    """Bytes per second of a plain large-array read (torch's sum over an array far larger than the caches), on the
+    threads torch runs with: what a memory-bound forward can stream at best."""
+    import torch
+
+    data = torch.ones(int(gib * 2**30) // 4)
+    data.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        times.append(time.perf_counter() - start)
+    return data.numel() * 4 / statistics.median(times)
+
+
+def weight_bytes(model) -> int:
+    """The bytes a one-token forward of a causal LM streams: every parameter but the input embedding (one row of it
+    is read), the LM head counted once whether or not it is tied."""
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    unique = {id(p): p for p in model.parameters()}
+    unique.pop(id(embedding), None)
+    unique[id(head)] = head
+    return sum(p.numel() * p.element_size() for p in unique.values())
+
+
+def streaming_floor_ms(model) -> tuple[float, int, float]:
+    """(ms, bytes, bytes per second): the weight-streaming floor of one forward, measured here and now."""
+    bandwidth, size = read_bandwidth(), weight_bytes(model)
+    return size / bandwidth * 1000, size, bandwidth

@@ -8,8 +8,6 @@ bandwidth measured here, in the same process, on the same threads.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -17,26 +15,7 @@ import torch
 from data.models import DEFAULT_MODEL, load_model
 from decode.backends import prepare
 from decode.engine.levels import ModelLevel
-from infra.timing import level_forward, median_ms, times_table
-
-
-def read_bandwidth(gib: float = 1.0, repeats: int = 7) -> float:
-    """Bytes per second of a plain large-array read (torch's sum over an array far larger than the caches)."""
-    data = torch.ones(int(gib * 2**30) // 4)
-    data.sum()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        data.sum()
-        times.append(time.perf_counter() - start)
-    return data.numel() * 4 / statistics.median(times)
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """The bytes a one-token forward streams: every decoder weight and the LM head (one embedding row is nothing)."""
-    decoder = sum(p.numel() * p.element_size() for p in model.model.layers.parameters())
-    norm = model.model.norm.weight.numel() * 4
-    return decoder + norm + model.get_output_embeddings().weight.numel() * 4
+from infra.timing import level_forward, median_ms, streaming_floor_ms, times_table
 
 
 def main() -> None:
@@ -61,9 +40,10 @@ def main() -> None:
     print(f"median ms of one forward (LM head included), {args.context}-token context, {torch.get_num_threads()} "
           f"threads, CPU capability {torch.backends.cpu.get_cpu_capability()}")
     print("\n".join(times_table(times, "target packed (HF layers)", "HF")))
-    bandwidth, size = read_bandwidth(), weight_bytes(native)
+    floor, size, bandwidth = streaming_floor_ms(native)
     print(f"weight-streaming floor: {size / 2**20:.0f} MiB of weights / {bandwidth / 1e9:.1f} GB/s read = "
-          f"{size / bandwidth * 1000:.1f} ms per forward")
+          f"{floor:.1f} ms per forward; target native T({args.ks[0]}) = "
+          f"{times['target native'][args.ks[0]] / floor:.2f}x the floor")
 
 
 if __name__ == "__main__":
