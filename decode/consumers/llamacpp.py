@@ -2,10 +2,12 @@
 as its own command-line tools (plain greedy decoding, speculative decoding with a draft GGUF, n-gram modes).
 
 The build lives under the cache dir, one folder per sdist version and CPU kind: GGML_NATIVE compiles for the
-building CPU, so an AVX-512 build must not run on an AVX2-only machine. It is all-or-nothing like the vLLM venv
-(decode/vllm_venv.py): everything is built in a work folder, the tools are copied into a staging folder whose
-marker file is written last, and the staging folder is renamed into place; a folder without the marker (a killed
-build) is rebuilt from scratch. The tools are linked statically, so they run without LD_LIBRARY_PATH.
+building CPU, so an AVX-512 build must not run on an AVX2-only machine; with the AVX2 paths forced
+(ATEN_CPU_CAPABILITY=avx2) an AVX-512 host builds and runs an AVX2-only llama.cpp of its own. It is
+all-or-nothing like the vLLM venv (decode/consumers/vllm_venv.py): everything is built in a work folder, the tools
+are copied into a staging folder whose marker file is written last, and the staging folder is renamed into place;
+a folder without the marker (a killed build) is rebuilt from scratch. The tools are linked statically, so they run
+without LD_LIBRARY_PATH.
 """
 from __future__ import annotations
 
@@ -26,9 +28,12 @@ SDIST = "llama-cpp-python==0.3.36"
 TOOLS = ("llama-speculative-simple", "llama-quantize", "llama-tokenize")
 MARKER = ".polyspec-llamacpp"
 CMAKE_OPTIONS = (
-    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF",
-    "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DGGML_CCACHE=OFF",
+    "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DGGML_CCACHE=OFF",
 )
+# An AVX2-only build (an AVX2 host's instruction set: no AVX-512), for the AVX2 paths forced on an AVX-512 host.
+AVX2_OPTIONS = ("-DGGML_NATIVE=OFF", "-DGGML_SSE42=ON", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+                "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF")
 SIMD_FLAG = re.compile(r"^(avx|sse|ssse|fma|f16c|bmi|amx|vaes|vpclmul|gfni)")
 
 
@@ -36,9 +41,16 @@ class LlamaCppError(PolyspecError, RuntimeError):
     """llama.cpp could not be built or one of its tools failed; the message is one line and names the log."""
 
 
+def avx2_forced() -> bool:
+    """The AVX2 paths forced on an AVX-512 host, by the setting torch's kernels and the project's own honour
+    (ATEN_CPU_CAPABILITY=avx2): llama.cpp is then built for AVX2 too, so a side-by-side run compares like with like."""
+    return os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2"
+
+
 def cpu_kind() -> str:
     """`avx512-<hash>` / `avx2-<hash>` / `generic-<hash>`: the widest vector ISA and a hash of every SIMD flag,
-    since a native build uses whatever extensions the building CPU has (VNNI, BF16...)."""
+    since a native build uses whatever extensions the building CPU has (VNNI, BF16...); `avx2-forced` for the AVX2
+    build on an AVX-512 host (avx2_forced)."""
     flags: set[str] = set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -49,7 +61,14 @@ def cpu_kind() -> str:
         pass
     simd = sorted(f for f in flags if SIMD_FLAG.match(f))
     widest = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "generic"
+    if widest == "avx512" and avx2_forced():
+        return "avx2-forced"
     return f"{widest}-{hashlib.sha256(' '.join(simd).encode()).hexdigest()[:8]}"
+
+
+def isa_options() -> tuple[str, ...]:
+    """GGML_NATIVE (whatever the building CPU has), or the AVX2 set where cpu_kind says it is forced."""
+    return AVX2_OPTIONS if cpu_kind() == "avx2-forced" else ("-DGGML_NATIVE=ON",)
 
 
 def default_folder() -> Path:
@@ -104,7 +123,7 @@ def _remove_stale_work(parent: Path) -> None:
 
 def _compile(source: Path, build: Path, log: Path, jobs: int) -> None:
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    _step(["cmake", "-S", str(source), "-B", str(build), *generator, *CMAKE_OPTIONS], log)
+    _step(["cmake", "-S", str(source), "-B", str(build), *generator, *CMAKE_OPTIONS, *isa_options()], log)
     _step(["cmake", "--build", str(build), "-j", str(jobs), "--target", *TOOLS], log)
 
 

@@ -75,9 +75,24 @@ def test_a_build_without_its_marker_is_not_ready(tmp_path):
     assert not llamacpp.is_ready(tmp_path)
 
 
-def test_cpu_kind_names_the_widest_vector_isa():
+def test_cpu_kind_names_the_widest_vector_isa(monkeypatch):
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     kind = llamacpp.cpu_kind()
     assert kind.split("-")[0] in ("avx512", "avx2", "generic") and len(kind.split("-")[1]) == 8
+    assert llamacpp.isa_options() == ("-DGGML_NATIVE=ON",)
+
+
+def test_forced_avx2_paths_build_an_avx2_only_llamacpp_of_their_own(monkeypatch):
+    """ATEN_CPU_CAPABILITY=avx2 on an AVX-512 host: its own build folder, no AVX-512 in it; elsewhere no change."""
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    has_avx512 = "avx512f" in Path("/proc/cpuinfo").read_text()
+    kind = llamacpp.cpu_kind()
+    if has_avx512:
+        assert kind == "avx2-forced" and llamacpp.default_folder().name.endswith("-avx2-forced")
+        options = llamacpp.isa_options()
+        assert {"-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_AVX512=OFF"} <= set(options)
+    else:
+        assert kind.split("-")[0] in ("avx2", "generic") and llamacpp.isa_options() == ("-DGGML_NATIVE=ON",)
 
 
 def peer_config(enabled, model="bundled:smollm2-135m-instruct", dtype="float32"):
