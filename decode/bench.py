@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from infra.cli import check_writable, run_main
+from infra.device import use_threads
 from decode.chains.build import configured_builder, eos_of, level_model, load_target, reference_decoders
 from decode.engine.errors import DecodeError
 from decode.engine.levels import Generation
@@ -32,21 +33,22 @@ from decode.evaluation.speedup import Interval, IntervalError, checked_confidenc
 Method = Callable[[list[int], int], Generation]
 
 
-def methods(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Method], dict[str, str]]:
-    """The decoders to compare, and a note per method on what it actually is."""
-    from decode import backends
+def methods(cfg: DictConfig, prepared, tokenizer) -> tuple[dict[str, Method], dict[str, str]]:
+    """The decoders to compare, and a note per method on what it actually is (`prepared`: the configured target)."""
+    from decode.backends import Backend
     from decode.backends.cpu.dense import packed_with
     from decode.chains.baselines import hf_assisted, hf_prompt_lookup
     from decode.engine.head import HeadError
     from decode.engine.spec import LevelSpec, parse
 
+    target = prepared.model
     b, eos, sampling = cfg.decode.bench, eos_of(target, tokenizer), sampling_of(cfg)
-    found: dict[str, Method] = reference_decoders(cfg, target, eos, sampling, onednn=True)
+    found: dict[str, Method] = reference_decoders(cfg, prepared, eos, sampling, onednn=True)
     notes = {"ar": "target alone" + (f" (packed: {packed_with(target)})" if packed_with(target) else ""),
              "ar_eager": "target alone, plain eager nn.Linear",
              "ar_onednn": "target alone, packed with oneDNN (decode.gemm=onednn)"}
     notes = {name: note for name, note in notes.items() if name in found}
-    builder = configured_builder(cfg, target, tokenizer)
+    builder = configured_builder(cfg, prepared, tokenizer)
     if b.assistant is not None:
         assistant_cfg = OmegaConf.to_container(b.assistant, resolve=True)
         try:
@@ -58,7 +60,7 @@ def methods(cfg: DictConfig, target, tokenizer) -> tuple[dict[str, Method], dict
             assistant_cfg = OmegaConf.to_container(b.assistant_stand_in, resolve=True)
             assistant = level_model(parse(LevelSpec, assistant_cfg, "decode.bench.assistant_stand_in"), target,
                                     tokenizer, builder.artifacts, cfg.model.dtype)
-        backends.prepare(assistant, builder.gemm)
+        Backend(builder.backend.gemm).prepare(assistant)  # packed as the target is
         found["hf_assisted"] = lambda p, n: hf_assisted(target, assistant, p, n, sampling, eos_token_id=eos)
         notes["hf_assisted"] = f"assistant {assistant_cfg}"
     found["hf_prompt_lookup"] = lambda p, n: hf_prompt_lookup(target, p, n, int(b.prompt_lookup_num_tokens), sampling,
@@ -138,8 +140,7 @@ def run(cfg: DictConfig) -> dict:
         confidence = checked_confidence(b.get("confidence"))
     except IntervalError as err:
         raise DecodeError(f"decode.bench.{err}") from None
-    if cfg.decode.get("threads"):
-        torch.set_num_threads(int(cfg.decode.threads))
+    use_threads(cfg.decode.get("threads"), "decode.threads")
     questions = load_questions(b.prompts, per_category=b.per_category)  # before any model: a bad file fails fast
     peer = llamacpp_peer.peer_from_config(cfg, torch.get_num_threads())  # None (said why) where it is off
     target, tokenizer = load_target(cfg)
@@ -168,7 +169,7 @@ def run(cfg: DictConfig) -> dict:
           f"time x AR = pooled seconds per token of AR over the method's, {confidence:.0%} paired interval over "
           f"prompts, + shown faster, - shown slower)")
     print(table(summary, notes))
-    result = {"config": OmegaConf.to_container(b, resolve=True), "device": str(target.device),
+    result = {"config": OmegaConf.to_container(b, resolve=True), "device": str(target.model.device),
               "threads": torch.get_num_threads(), "notes": notes, "summary": summary}
     if peer:
         ar_texts = [llamacpp_peer.reply_text(tokenizer, tokens) for tokens in ar_tokens]

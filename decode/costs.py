@@ -12,9 +12,8 @@ read bandwidth measured in the same process). Writes `decode.costs.out` (json).
 """
 from __future__ import annotations
 
-import functools
 import sys
-from typing import Any, Callable
+from typing import Any
 
 import hydra
 import torch
@@ -22,13 +21,15 @@ from omegaconf import DictConfig
 from transformers import DynamicCache
 
 from infra.cli import check_writable, run_main
-from infra.device import configured_device
+from infra.device import configured_device, use_threads
 from infra.layout import RunLayout
 from infra.timing import Step, cached_forward, level_forward, median_ms, streaming_floor_ms
+from decode.backends import Backend
 
 
-def head_forward(head, context: list[int], features: torch.Tensor) -> Step:
-    """A step: one head forward of k new tokens (with k features) after a cached context."""
+def head_forward(head, lm_head: Any, context: list[int], features: torch.Tensor) -> Step:
+    """A step: one head forward of k new tokens (with k features) after a cached context, its logits through
+    `lm_head` (the backend's; None: the head's own)."""
     cache = DynamicCache()
     ids = torch.tensor([context], device=features.device)
     with torch.inference_mode():
@@ -40,7 +41,8 @@ def head_forward(head, context: list[int], features: torch.Tensor) -> Step:
         if extra:
             cache.crop(-extra)
         with torch.inference_mode():
-            return head(ids[:, -k:], features[:, -k:], cache)
+            hidden = head(ids[:, -k:], features[:, -k:], cache, compute_logits=False)[0]
+            return head.logits(hidden, lm_head)
 
     return step
 
@@ -57,47 +59,42 @@ def context_ids(held_out: list, tokenizer, length: int) -> list[int]:
     return ids
 
 
-def _w4_steps(w4: Any, w4_runner: Callable[[], Any], context: list[int], steps: dict[str, Step],
-              notes: dict[str, str]) -> None:
-    """The W4 level's rows: as it is, and with lm_head: int8 (a CPU kernel), each level on its own runner."""
+def _w4_steps(w4: Any, context: list[int], steps: dict[str, Step], notes: dict[str, str]) -> None:
+    """The prepared W4 level's rows: as it is, and with lm_head: int8 (a CPU kernel), each on its own runner."""
     from decode import backends
     from decode.backends.cpu.int8 import Int8RowLinear
     from decode.engine.levels import LevelCompute, ModelLevel
 
-    runner = w4_runner()
+    runner = w4.new_runner()
     steps["w4"] = level_forward(ModelLevel("w4", w4, compute=LevelCompute(runner)), context)
-    notes["w4"] = f"{w4.name_or_path}, {type(runner).__name__}"
-    if backends.on_cpu(w4):
-        int8_head, runner = Int8RowLinear(w4.get_output_embeddings()), w4_runner()
-        level = ModelLevel("w4", w4, compute=LevelCompute(runner, backends.lm_head(int8_head, runner) or int8_head))
-        steps["w4 int8 head"] = level_forward(level, context)
+    notes["w4"] = f"{w4.model.name_or_path}, {type(runner).__name__}"
+    if backends.on_cpu(w4.model):
+        int8 = backends.with_lm_head(w4, Int8RowLinear(w4.model.get_output_embeddings()))
+        steps["w4 int8 head"] = level_forward(ModelLevel("w4", int8), context)
         notes["w4 int8 head"] = "the W4 level with lm_head: int8"
 
 
-def _target_steps(cfg: DictConfig, gemm: str | None, context: list[int], steps: dict[str, Step],
-                  notes: dict[str, str]) -> Any:
+def _target_steps(cfg: DictConfig, context: list[int], steps: dict[str, Step], notes: dict[str, str]) -> Any:
     """The target's rows: as configured (decode.fast, decode.gemm, decode.native_fp32), and beside it the other
-    products and forwards it could run on; returns the configured target."""
+    products and forwards it could run on; returns the configured (prepared) target."""
     from data.models import load_model
     from decode import backends
     from decode.backends.cpu.dense import packed_with
-    from decode.chains.build import native_fp32_setting, onednn_target
+    from decode.chains.build import backend_of, onednn_target
     from decode.engine.levels import ModelLevel
 
-    device, dtype = configured_device(cfg), cfg.model.dtype
-    fast_target, _ = load_model(cfg.model.name, dtype, device)
-    backends.prepare(fast_target, gemm, native_fp32_setting(cfg))
-    packed = f"{dtype}, packed (decode.fast, {packed_with(fast_target)})"
+    device, dtype, backend = configured_device(cfg), cfg.model.dtype, backend_of(cfg)
+    fast_target = backend.prepare(load_model(cfg.model.name, dtype, device)[0])
+    packed = f"{dtype}, packed (decode.fast, {packed_with(fast_target.model)})"
     if backends.runs_natively(fast_target):
         steps["target"] = level_forward(ModelLevel("target", fast_target), context)
         notes["target"] = f"{packed}, native runner (decode.native_fp32)"
-        hf_target, _ = load_model(cfg.model.name, dtype, device)
-        backends.prepare(hf_target, gemm)
+        hf_target = Backend(backend.gemm).prepare(load_model(cfg.model.name, dtype, device)[0]).model
         steps["target hf layers"] = cached_forward(hf_target, context)
         notes["target hf layers"] = f"{packed}, the HF layers (decode.native_fp32=off)"
     else:
-        steps["target"], notes["target"] = cached_forward(fast_target, context), packed
-    onednn = onednn_target(cfg, fast_target)  # the other packed product, side by side
+        steps["target"], notes["target"] = cached_forward(fast_target.model, context), packed
+    onednn = onednn_target(cfg, fast_target.model)  # the other packed product, side by side
     if onednn is not None:
         steps["target onednn"] = cached_forward(onednn, context)
         notes["target onednn"] = f"{dtype}, packed (decode.fast, onednn)"
@@ -132,58 +129,63 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str], dict]:
     weight-streaming floor and the round costs of decode.chain."""
     from data.models import load_model
     from data.sharegpt import load_split
-    from decode import backends
-    from decode.chains.build import gemm_choice, native_settings
-    from decode.engine.head import EagleHead, vocabulary_rows
-    from decode.engine.head3 import load_head
-    from decode.engine.levels import LevelCompute, ModelLevel
+    from decode.chains.build import backend_of
 
     device = configured_device(cfg)
     _, held_out = load_split(cfg.data)  # the data before any model or kernel build: refused in seconds
-    c, gemm = cfg.decode.costs, gemm_choice(cfg)
+    c, backend = cfg.decode.costs, backend_of(cfg)
     target, tokenizer = load_model(cfg.model.name, cfg.model.dtype, device)
     context = context_ids(held_out, tokenizer, int(c.context))
     steps = {"target eager": cached_forward(target, context)}
     notes = {"target eager": f"{cfg.model.dtype}, plain nn.Linear"}
-    fast_target = _target_steps(cfg, gemm, context, steps, notes)
-    floor_ms, size, bandwidth = streaming_floor_ms(fast_target)
+    fast_target = _target_steps(cfg, context, steps, notes)
+    floor_ms, size, bandwidth = streaming_floor_ms(fast_target.model)
     beside = {"floor": {"ms": floor_ms, "weight_bytes": size, "read_bytes_per_s": bandwidth},
               "round": round_costs(cfg, fast_target, tokenizer, context)}
-    artifacts = RunLayout.of(cfg)
+    artifacts, w4 = RunLayout.of(cfg), None
     w4_dir = artifacts.output("w4")
     if (w4_dir / "config.json").is_file():
-        w4, _ = load_model(str(w4_dir), cfg.model.dtype, device)
-        backends.prepare(w4, gemm)
-        w4_runner = functools.partial(backends.runner, w4, *native_settings(cfg))  # one per level, as chains run it
-        _w4_steps(w4, w4_runner, context, steps, notes)
+        w4 = backend.drafting(fast_target).prepare(load_model(str(w4_dir), cfg.model.dtype, device)[0])
+        _w4_steps(w4, context, steps, notes)
     else:
         print(f"costs: no W4 model in {w4_dir}; skipping it", file=sys.stderr)
     with torch.inference_mode():
         states = target(torch.tensor([context], device=device), output_hidden_states=True).hidden_states
-    head_dir = artifacts.output("eagle")
-    heads = {}
-    if (head_dir / "config.json").is_file():
-        heads["head"] = load_head(head_dir, fast_target, tokenizer)  # either method
-        n = heads["head"].draft_vocab
-        notes["head"] = f"{head_dir}, packed, draft vocabulary {'full' if n is None else len(n)}"
-    for size in c.head_vocab or []:
-        vocab = None if size is None else torch.arange(int(size))  # cost depends on the size only
-        heads[f"head V={size or 'full'}"] = EagleHead.for_target(fast_target, draft_vocab=vocab)
-        notes[f"head V={size or 'full'}"] = "untrained head, packed, timing only"
-    for name, head in heads.items():
-        backends.prepare(head, gemm)
-        head.wrap_linear = backends.linear_wrapper(head, gemm)
-        layers = getattr(head, "aux_layers", None)  # an EAGLE-3 head drafts from the aux states first
-        features = torch.cat([states[i] for i in layers], -1) if layers else states[-1]
-        steps[name] = head_forward(head.eval(), context, features)
-    vocab = heads["head"].draft_vocab if "head" in heads else None
-    if "w4" in steps and vocab is not None:
-        rows = backends.linear_wrapper(w4, gemm)(vocabulary_rows(w4.get_output_embeddings(), vocab))
-        steps["w4 V=head"] = level_forward(
-            ModelLevel("w4", w4, vocab=vocab, compute=LevelCompute(w4_runner(), rows)), context
-        )
+    vocab = _head_steps(cfg, (fast_target.model, tokenizer), backend, (context, states), (steps, notes))
+    if w4 is not None and vocab is not None:
+        from decode.engine.head import vocabulary_rows
+        from decode.engine.levels import LevelCompute, ModelLevel
+
+        rows = backend.linear(w4.model, vocabulary_rows(w4.lm_head, vocab))
+        steps["w4 V=head"] = level_forward(ModelLevel("w4", w4, vocab=vocab, compute=LevelCompute(lm_head=rows)),
+                                           context)
         notes["w4 V=head"] = f"the W4 level restricted to the head's {len(vocab)}-token vocabulary (vocab: head)"
     return steps, notes, beside
+
+
+def _head_steps(cfg: DictConfig, target: tuple, backend: Any, inputs: tuple, rows: tuple) -> torch.Tensor | None:
+    """The rows of the run's head (either method) and of untrained heads with `decode.costs.head_vocab`'s draft
+    vocabularies, each on `backend` (`target`: model and tokenizer; `inputs`: the context and the target's hidden
+    states on it; `rows`: the steps and notes to add to); returns the run's head's draft vocabulary, if any."""
+    from decode.engine.head import EagleHead
+    from decode.engine.head3 import load_head
+
+    (model, tokenizer), (context, states), (steps, notes) = target, inputs, rows
+    head_dir, heads = RunLayout.of(cfg).output("eagle"), {}
+    if (head_dir / "config.json").is_file():
+        heads["head"] = load_head(head_dir, model, tokenizer)
+        n = heads["head"].draft_vocab
+        notes["head"] = f"{head_dir}, packed, draft vocabulary {'full' if n is None else len(n)}"
+    for size in cfg.decode.costs.head_vocab or []:
+        vocab = None if size is None else torch.arange(int(size))  # cost depends on the size only
+        heads[f"head V={size or 'full'}"] = EagleHead.for_target(model, draft_vocab=vocab)
+        notes[f"head V={size or 'full'}"] = "untrained head, packed, timing only"
+    for name, head in heads.items():
+        lm_head = backend.prepare_head(head)
+        layers = getattr(head, "aux_layers", None)  # an EAGLE-3 head drafts from the aux states first
+        features = torch.cat([states[i] for i in layers], -1) if layers else states[-1]
+        steps[name] = head_forward(head.eval(), lm_head, context, features)
+    return heads["head"].draft_vocab if "head" in heads else None
 
 
 def _print_rounds(rounds: dict) -> None:
@@ -198,8 +200,7 @@ def run(cfg: DictConfig) -> dict:
 
     c = cfg.decode.costs
     check_writable(c.out, "decode.costs.out", kind="file")  # refuse before minutes of timing, not after
-    if cfg.decode.get("threads"):
-        torch.set_num_threads(int(cfg.decode.threads))
+    use_threads(cfg.decode.get("threads"), "decode.threads")
     steps, notes, beside = steps_for(cfg)
     ks = [int(k) for k in c.ks]
     ms = median_ms(steps, ks, int(c.repeats))

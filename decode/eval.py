@@ -27,10 +27,10 @@ import sys
 from typing import Any, Callable
 
 import hydra
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from infra.cli import EXIT_NOT_PUBLISHED, run_main
+from infra.device import use_threads
 from decode.evaluation import speedup as paired
 from decode.evaluation import EvalError
 from decode.evaluation.checks import evaluate, top2_margin
@@ -71,10 +71,10 @@ def run(cfg: DictConfig) -> int:
         raise EvalError(f"eval.publish.chain={ecfg.publish.chain!r} is not one of eval.chains "
                         f"({', '.join(ecfg.chains)}) nor 'best'")
     questions = load_questions(ecfg.prompts, ecfg.per_category)
-    if cfg.decode.get("threads"):
-        torch.set_num_threads(int(cfg.decode.threads))
-    target, tokenizer = load_target(cfg)
-    builder, eos = configured_builder(cfg, target, tokenizer), eos_of(target, tokenizer)
+    use_threads(cfg.decode.get("threads"), "decode.threads")
+    prepared, tokenizer = load_target(cfg)
+    target = prepared.model
+    builder, eos = configured_builder(cfg, prepared, tokenizer), eos_of(target, tokenizer)
     decoders, specs = build_decoders(cfg, builder, eos)
     tracker = Tracker(cfg, "eval")
     for art in ecfg.publish.lineage:  # this run consumed the head and the W4 model those stages logged

@@ -13,11 +13,11 @@ import sys
 from pathlib import Path
 
 import hydra
-import torch
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from infra.cli import flag, run_main
+from infra.device import use_threads
 from decode.chains.build import chain_from_config, configured_builder, eos_of, sampling_of
 from decode.engine.chain import check_new_tokens
 from decode.engine.errors import DecodeError
@@ -109,15 +109,12 @@ def run(cfg: DictConfig) -> None:
     text, new_tokens, sampling = prompt_text(cfg), max_new_tokens(cfg), sampling_of(cfg)  # checked before any loading
     flag(d, "fast", default=False, error=DecodeError)
     compare_ar = flag(d, "compare_ar", default=False, error=DecodeError)
-    threads = d.get("threads")
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise DecodeError(f"decode.threads must be null or an integer >= 1, got {threads!r}")
-    if threads:
-        torch.set_num_threads(threads)
-    target, tokenizer = load_target(cfg)
+    use_threads(d.get("threads"), "decode.threads")
+    prepared, tokenizer = load_target(cfg)
+    target = prepared.model
     prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": text}])
     check_context(prompt, new_tokens, target)
-    chain = chain_from_config(cfg, d.chain, configured_builder(cfg, target, tokenizer))
+    chain = chain_from_config(cfg, d.chain, configured_builder(cfg, prepared, tokenizer))
     eos = eos_of(target, tokenizer)
     shown: list[int] = []
     printed = ""
@@ -134,7 +131,7 @@ def run(cfg: DictConfig) -> None:
     print(f"\n\nchain {d.chain}: " + " <- ".join(level.name for level in chain.levels))
     print(level_table(result))
     if compare_ar:
-        reference = autoregressive(target, prompt, new_tokens, sampling, eos_token_id=eos)
+        reference = autoregressive(prepared, prompt, new_tokens, sampling, eos_token_id=eos)
         same = reference.tokens == result.tokens
         ratio = (result.stats.tokens_per_s / reference.stats.tokens_per_s if reference.stats.tokens_per_s
                  else float("nan"))

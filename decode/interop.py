@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from infra.layout import RunLayout
 from infra.cli import EXIT_CHECK_FAILED, PolyspecError, check_writable, flag, run_main
+from infra.device import use_threads
 from data.models import cache_dir, resolve_model_path
 from decode.consumers.serving import head_method
 
@@ -124,7 +124,7 @@ def polyspec_side(cfg: DictConfig, head: Path, w4: Path | None, prompts: list[li
 
     icfg = cfg.interop
     target, tokenizer = load_target(cfg)
-    eos = eos_of(target, tokenizer)
+    eos = eos_of(target.model, tokenizer)
     levels = [{"kind": "model", "name": "target", "model": "target"},
               {"kind": "eagle", "name": "head", "path": str(head.resolve()), "features": "nearest",
                "draft": {"mode": "chain", "length": int(icfg.num_speculative_tokens)}}]
@@ -420,7 +420,7 @@ def run(cfg: DictConfig) -> int:
     head, w4, layout, target = inputs(cfg)
     venv = Path(icfg.venv).expanduser() if icfg.venv else cache_dir() / "vllm-venv"
     python = ensure_venv(venv)
-    torch.set_num_threads(int(icfg.threads))
+    use_threads(icfg.threads, "interop.threads")
     tokenizer = load_tokenizer(target)
     prompts = prompts_of(icfg, tokenizer)
     poly = polyspec_side(cfg, head, w4, prompts)

@@ -38,6 +38,16 @@ def configured_device(cfg: Any) -> torch.device:
     return resolve_device(cfg.get("device", "auto") if hasattr(cfg, "get") else "auto")
 
 
+def use_threads(threads: Any, key: str) -> int:
+    """`threads` checked (None: torch's default; else an integer >= 1, a ConfigError naming `key`) and given to torch's
+    intra-op pool, the one place a run sets it; returns the count in use."""
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ConfigError(f"{key} must be null or an integer >= 1, got {threads!r}")
+    if threads:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
 def synchronized_clock(device: torch.device | str | None = None) -> float:
     """time.perf_counter() once the device has finished its queued work (a forward's time on CUDA is not its launch).
     None: every CUDA device this process has used (nothing to wait for on the CPU)."""

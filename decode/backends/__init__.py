@@ -1,16 +1,20 @@
-"""Backends: how a level's model runs on its device. The engine sees only a Runner and modules; the builder asks
-this package what to run: the CPU backend packs linears and registers its attention (decode.backends.cpu), every
+"""Backends: how a level's model runs on its device, as a value. `Backend.prepare` returns a `Prepared` (the runner
+factory and LM head a model level uses) and writes nothing onto the model: on the CPU its linears are swapped for
+packed ones (the parameters stay; decode.backends.cpu), and a Llama-family model may run the native runner; every
 other device runs the model as transformers does."""
 from __future__ import annotations
 
+import dataclasses
+import functools
 import sys
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from decode.engine.runner import RUNNER_FACTORY, HFRunner, Runner, configured_runner
+from decode.engine.runner import HFRunner, Prepared, Runner
 
 NATIVE = ("auto", "on", "off")
 
@@ -19,74 +23,105 @@ def on_cpu(module: nn.Module) -> bool:
     return next(module.parameters()).device.type == "cpu"
 
 
-def prepare(module: nn.Module, gemm: str | None, native: str = "off") -> None:
-    """Make a loaded model or head fast on its device, in place (CPU: packed linears on the `gemm` product; None =
-    leave it). `native` (auto, on, off): whether an fp32 Llama-family model then runs the native runner, as part of
-    its configuration (decode.backends.cpu.llama.run_natively: the chain's levels and the AR reference alike)."""
-    if native not in NATIVE:
-        raise ValueError(f"native must be one of {', '.join(NATIVE)}, got {native!r}")
-    if gemm and on_cpu(module):
-        from decode.backends.cpu import pack
+@dataclass(frozen=True)
+class Backend:
+    """How models run, resolved once from a run's settings. `gemm`: the packed product of CPU dense linears (None:
+    unpacked). `native_fp32`: whether an fp32 Llama-family model runs the native CPU runner (auto, on, off);
+    `native_w4` the same for a GPTQ W4 model, on `activations` (int8, fp32). Off the CPU all three are moot."""
 
-        pack(module, gemm)
-        if native != "off" and isinstance(module, PreTrainedModel):
-            from decode.backends.cpu.llama import is_quantized, run_natively
+    gemm: str | None = None
+    native_fp32: str = "off"
+    native_w4: str = "off"
+    activations: str = "int8"
 
-            if not is_quantized(module):
-                run_natively(module, native)
+    def __post_init__(self) -> None:
+        for key in ("native_fp32", "native_w4"):
+            if getattr(self, key) not in NATIVE:
+                raise ValueError(f"{key} must be one of {', '.join(NATIVE)}, got {getattr(self, key)!r}")
+        from decode.backends.cpu.llama import ACTIVATIONS
+
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(f"w4_activations must be one of {', '.join(ACTIVATIONS)}, got {self.activations!r}")
+
+    def drafting(self, target: Prepared) -> "Backend":
+        """The backend of a chain's other levels: fp32 ones run natively where they can when the target does."""
+        native = "auto" if runs_natively(target) else "off"
+        return Backend(self.gemm, native, self.native_w4, self.activations)
+
+    def prepare(self, model: PreTrainedModel) -> Prepared:
+        """`model` made fast on its device (CPU: linears packed in place; the packed copies are an inference-time
+        cache) and how it runs. ValueError where `native_*=on` cannot run it."""
+        if self.gemm and on_cpu(model):
+            from decode.backends.cpu import pack
+
+            pack(model, self.gemm)
+        new_runner = self._runner_factory(model)
+        return Prepared(model, new_runner, _fast_lm_head(model.get_output_embeddings(), new_runner))
+
+    def prepare_head(self, head: nn.Module) -> nn.Module | None:
+        """A draft head packed in place; returns its draft-vocabulary LM head rows on the packed product (None: the
+        head computes its logits as it is)."""
+        if self.gemm and on_cpu(head):
+            from decode.backends.cpu import pack
+
+            pack(head, self.gemm)
+        vocab = getattr(head, "draft_vocab", None)
+        if vocab is None or not hasattr(head, "draft_rows"):
+            return None
+        return self.linear(head, head.draft_rows())
+
+    def linear(self, module: nn.Module, linear: nn.Linear) -> nn.Module:
+        """A linear built later for `module` (a vocabulary's LM-head rows), on the packed product where one runs."""
+        if not self.gemm or not on_cpu(module):
+            return linear
+        from decode.backends.cpu.dense import packed_or_plain
+
+        return packed_or_plain(linear, self.gemm)
+
+    def _runner_factory(self, model: PreTrainedModel) -> Callable[[], Runner]:
+        hf = functools.partial(HFRunner, model)
+        if not self.gemm or not on_cpu(model):
+            return hf
+        from decode.backends.cpu.llama import NativeLlamaRunner, is_quantized, native_fp32_runner, unsupported
+
+        if not is_quantized(model):
+            return native_fp32_runner(model, self.native_fp32) or hf
+        if self.native_w4 == "off":
+            return hf
+        why = unsupported(model)
+        if why is None:
+            return functools.partial(NativeLlamaRunner, model, activations=self.activations)
+        if self.native_w4 == "on":
+            raise ValueError(f"native=on: the native runner cannot run {model.name_or_path}: {why}")
+        print(f"decode: {model.name_or_path} runs the eager HF forward (native runner: {why})", file=sys.stderr)
+        return hf
 
 
-def runs_natively(model: nn.Module) -> bool:
-    """Whether `prepare` configured `model` to run the native runner."""
-    return RUNNER_FACTORY in vars(model)
+def with_lm_head(prepared: Prepared, head: nn.Module) -> Prepared:
+    """`prepared` with another LM head (e.g. an int8 one), as its runner's backend runs it."""
+    return dataclasses.replace(prepared, lm_head=_fast_lm_head(head, prepared.new_runner))
 
 
-def linear_wrapper(module: nn.Module, gemm: str | None) -> Callable[[nn.Linear], nn.Module]:
-    """What a linear built later for `module` (a vocabulary's LM-head rows) should run as."""
-    if not gemm or not on_cpu(module):
-        return lambda linear: linear
-    from decode.backends.cpu.dense import packed_or_plain
-
-    return lambda linear: packed_or_plain(linear, gemm)
+def runs_natively(prepared: Prepared) -> bool:
+    """Whether a prepared model runs the native CPU runner."""
+    return _native(prepared.new_runner)
 
 
-def runner(model: PreTrainedModel, native: str = "off", activations: str = "int8") -> Runner:
-    """The runner of a model level: the one its configuration names (`prepare`: an fp32 model may run natively);
-    for a GPTQ W4 Llama-family model on the CPU, the native runner (decode.backends.cpu.llama, on int8 or fp32
-    `activations`, which it checks) when `native` is "auto" (where it can run; a quantized model it cannot run is
-    said once, with why) or "on" (ValueError where it cannot); otherwise the model's HF decoder with a DynamicCache."""
-    if native not in NATIVE:
-        raise ValueError(f"native must be one of {', '.join(NATIVE)}, got {native!r}")
-    if runs_natively(model):
-        return configured_runner(model)
-    if native == "off" or not on_cpu(model):
-        return HFRunner(model)
-    from decode.backends.cpu.llama import NativeLlamaRunner, is_quantized, unsupported
+def _native(new_runner: Callable[[], Runner]) -> bool:
+    from decode.backends.cpu.llama import NativeLlamaRunner
 
-    if not is_quantized(model):  # an fp32 model runs natively only as configured (`prepare`), like the reference
-        return HFRunner(model)
-
-    why = unsupported(model)
-    if why is None:
-        return NativeLlamaRunner(model, activations=activations)
-    if native == "on":
-        raise ValueError(f"native=on: the native runner cannot run {model.name_or_path}: {why}")
-    print(f"decode: {model.name_or_path} runs the eager HF forward (native runner: {why})", file=sys.stderr)
-    return HFRunner(model)
+    return getattr(new_runner, "func", None) is NativeLlamaRunner
 
 
-def lm_head(head: nn.Module, level_runner: Runner) -> nn.Module | None:
-    """A faster LM head for a level run by `level_runner`, or None (keep `head`): the native int8 kernel for an
-    int8 LM head (`lm_head: int8`) beside the native runner, packed once per head."""
+def _fast_lm_head(head: nn.Module, new_runner: Callable[[], Runner]) -> nn.Module:
+    """The native int8 kernel for an int8 LM head (`lm_head: int8`) beside the native runner, else `head`."""
     from decode.backends.cpu.int8 import Int8RowLinear
 
-    if type(level_runner).__name__ != "NativeLlamaRunner" or not isinstance(head, Int8RowLinear):
-        return None
+    if not isinstance(head, Int8RowLinear) or not _native(new_runner):
+        return head
     from decode.backends.cpu.llama import NativeInt8Head
 
-    if "_native" not in vars(head):
-        vars(head)["_native"] = NativeInt8Head(head)
-    return vars(head)["_native"]
+    return NativeInt8Head(head)
 
 
 def gemm_choice(gemm: str, device: torch.device) -> str | None:

@@ -7,6 +7,7 @@ draft vocabulary (`vocab: head`) gets it at construction, although the head is l
 from __future__ import annotations
 
 import copy
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -20,6 +21,7 @@ from infra.cli import flag
 from infra.device import configured_device
 from data.models import ModelSourceError, load_model, same_vocabulary
 from decode import backends
+from decode.backends import Backend
 from decode.backends.cpu import pack
 from decode.backends.cpu.dense import packed_with
 from decode.backends.cpu.int8 import quantize_lm_head
@@ -30,6 +32,7 @@ from decode.engine.head3 import Eagle3Head, load_head
 from decode.engine.spec import ChainSpec, LevelSpec
 from decode.engine.errors import DecodeError
 from decode.engine.levels import EagleLevel, Level, LevelCompute, ModelLevel, NgramLevel
+from decode.engine.runner import Prepared, as_prepared
 from decode.engine.sampling import GREEDY, Sampling
 
 def gemm_choice(cfg: Any) -> str | None:
@@ -42,6 +45,22 @@ def gemm_choice(cfg: Any) -> str | None:
         raise DecodeError(f"decode.{err}") from None
 
 
+def backend_of(cfg: Any) -> Backend:
+    """decode.fast, gemm, native_fp32, native and w4_activations, checked once: how the run's models run (nothing
+    packed and nothing native without decode.fast, nothing packed off the CPU)."""
+    d, gemm = cfg.decode, gemm_choice(cfg)
+    if not flag(d, "fast", default=False, error=DecodeError):
+        return Backend()
+    native = {key: str(d.get(key, "auto")) for key in ("native_fp32", "native")}
+    for key, value in native.items():
+        if value not in backends.NATIVE:
+            raise DecodeError(f"decode.{key} must be one of {', '.join(backends.NATIVE)}, got {value!r}")
+    activations = str(d.get("w4_activations", "int8"))
+    if activations not in ACTIVATIONS:
+        raise DecodeError(f"decode.w4_activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+    return Backend(gemm, native["native_fp32"], native["native"], activations)
+
+
 def onednn_target(cfg: Any, target: PreTrainedModel) -> PreTrainedModel | None:
     """The target packed with oneDNN, for a side-by-side row, when `target` itself runs on the AVX2 kernels."""
     if packed_with(target) != "avx2":
@@ -51,18 +70,15 @@ def onednn_target(cfg: Any, target: PreTrainedModel) -> PreTrainedModel | None:
     return model
 
 
-def load_target(cfg: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The chain's target as configured: `model.name` in `model.dtype` on `device`, its linears packed when
-    `decode.fast` on the CPU, and then run by the native runner per decode.native_fp32 (the AR reference and every
-    chain then share that same configuration)."""
-    gemm, native = gemm_choice(cfg), native_fp32_setting(cfg)
+def load_target(cfg: Any) -> tuple[Prepared, PreTrainedTokenizerBase]:
+    """The chain's target as configured: `model.name` in `model.dtype` on `device`, prepared by the run's backend
+    (backend_of: packed, and run natively per decode.native_fp32), which the AR reference and every chain share."""
+    backend = backend_of(cfg)
     target, tokenizer = load_model(cfg.model.name, cfg.model.dtype, configured_device(cfg))
-    if cfg.decode.get("fast"):
-        try:
-            backends.prepare(target, gemm, native)
-        except ValueError as err:  # native_fp32=on where the native runner cannot run the target
-            raise DecodeError(f"decode.{err}") from None
-    return target, tokenizer
+    try:
+        return backend.prepare(target), tokenizer
+    except ValueError as err:  # native_fp32=on where the native runner cannot run the target
+        raise DecodeError(f"decode.{err}") from None
 
 
 def eos_of(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> int | list[int] | None:
@@ -72,22 +88,22 @@ def eos_of(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> int |
     return eos if eos is not None else tokenizer.eos_token_id
 
 
-def reference_decoders(cfg: Any, target: PreTrainedModel, eos: Any, sampling: Sampling = GREEDY,
+def reference_decoders(cfg: Any, target: Prepared, eos: Any, sampling: Sampling = GREEDY,
                        onednn: bool = False) -> dict[str, Callable]:
     """The autoregressive reference on the configured target (`ar`), and beside it, where they differ, AR on the
     plain eager target (`ar_eager`, when decode.fast) and on oneDNN (`ar_onednn`, asked for and the target on AVX2)."""
     from decode.chains.baselines import autoregressive
 
-    models = {"ar": target}
+    models: dict[str, Prepared | PreTrainedModel] = {"ar": target}
     if cfg.decode.get("fast"):
-        models["ar_eager"] = load_model(cfg.model.name, cfg.model.dtype, target.device)[0]
-    if onednn and (other := onednn_target(cfg, target)) is not None:
+        models["ar_eager"] = load_model(cfg.model.name, cfg.model.dtype, target.model.device)[0]
+    if onednn and (other := onednn_target(cfg, target.model)) is not None:
         models["ar_onednn"] = other
     return {name: (lambda p, n, s=sampling, m=model: autoregressive(m, p, n, s, eos_token_id=eos))
             for name, model in models.items()}
 
 
-def configured_chain(cfg: Any, chain_cfg: list[dict], target_model: PreTrainedModel,
+def configured_chain(cfg: Any, chain_cfg: list[dict], target_model: Prepared,
                      tokenizer: PreTrainedTokenizerBase) -> Chain:
     """A chain from a level list, with what the config says: the run's artifacts, decode.fast, decode.gemm and
     decode.draft_defaults."""
@@ -100,59 +116,31 @@ def configured_spec(cfg: Any, chain_cfg: Any) -> ChainSpec:
     return ChainSpec.parse(raw, OmegaConf.to_container(cfg.decode.draft_defaults, resolve=True))
 
 
-def configured_builder(cfg: Any, target_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> ChainBuilder:
-    """A builder for the config's run: its artifacts, model.dtype, and decode.fast's packed product."""
-    fast, settings = flag(cfg.decode, "fast", default=False, error=DecodeError), native_settings(cfg)
-    return ChainBuilder(target_model, tokenizer, RunLayout.of(cfg),
-                        LevelSettings(cfg.model.dtype, gemm_choice(cfg) if fast else None, *settings))
-
-
-def native_settings(cfg: Any) -> tuple[str, str]:
-    """(decode.native, decode.w4_activations) checked: how W4 levels run (native "off" without decode.fast)."""
-    native = (
-        str(cfg.decode.get("native", "auto")) if flag(cfg.decode, "fast", default=False, error=DecodeError) else "off"
-    )
-    activations = str(cfg.decode.get("w4_activations", "int8"))
-    if native not in backends.NATIVE:
-        raise DecodeError(f"decode.native must be one of {', '.join(backends.NATIVE)}, got {native!r}")
-    if activations not in ACTIVATIONS:
-        raise DecodeError(f"decode.w4_activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
-    return native, activations
-
-
-def native_fp32_setting(cfg: Any) -> str:
-    """decode.native_fp32 checked: whether fp32 Llama-family models (the target) run the native runner ("off"
-    without decode.fast)."""
-    fast = flag(cfg.decode, "fast", default=False, error=DecodeError)
-    native = str(cfg.decode.get("native_fp32", "auto")) if fast else "off"
-    if native not in backends.NATIVE:
-        raise DecodeError(f"decode.native_fp32 must be one of {', '.join(backends.NATIVE)}, got {native!r}")
-    return native
+def configured_builder(cfg: Any, target: Prepared, tokenizer: PreTrainedTokenizerBase) -> ChainBuilder:
+    """A builder for the config's run: its artifacts, model.dtype and backend."""
+    return ChainBuilder(target, tokenizer, RunLayout.of(cfg), LevelSettings(cfg.model.dtype, backend_of(cfg)))
 
 
 def build_chain(
     levels: list[dict],
-    target_model: PreTrainedModel,
+    target_model: PreTrainedModel | Prepared,
     tokenizer: PreTrainedTokenizerBase | None,
     artifacts: RunLayout | None = None,
     gemm: str | None = None,
     draft_defaults: dict | None = None,
 ) -> Chain:
     """A chain from a level list (conf/decode/chain.yaml's form; engine.spec.LevelSpec documents the keys)."""
-    builder = ChainBuilder(target_model, tokenizer, artifacts, LevelSettings(gemm=gemm))
+    builder = ChainBuilder(as_prepared(target_model), tokenizer, artifacts, LevelSettings(backend=Backend(gemm)))
     return builder.build(ChainSpec.parse(levels, draft_defaults))
 
 
 @dataclass(frozen=True)
 class LevelSettings:
-    """How the model levels a builder loads run: `dtype` their default dtype; `gemm` the packed product (None:
-    unpacked; pack the target with load_target); `native` whether W4 Llama-family levels run the native CPU runner
-    (auto, on, off) and `activations` its activations (int8, fp32)."""
+    """How the levels a builder loads run: `dtype` their default dtype, `backend` how they run (the target is
+    prepared already: load_target)."""
 
     dtype: str = "float32"
-    gemm: str | None = None
-    native: str = "off"
-    activations: str = "int8"
+    backend: Backend = Backend()
 
 
 class ChainBuilder:
@@ -160,17 +148,16 @@ class ChainBuilder:
     shared by every chain built here (a planned variant of a chain costs no load); levels are built complete.
     `artifacts` resolves folders (None: relative to the working directory)."""
 
-    def __init__(self, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None,
+    def __init__(self, target: Prepared, tokenizer: PreTrainedTokenizerBase | None,
                  artifacts: RunLayout | None = None, settings: LevelSettings = LevelSettings()):
-        self.target, self.tokenizer = target, tokenizer
-        self.dtype, self.gemm, self.native = settings.dtype, settings.gemm, settings.native
-        self.activations = settings.activations
+        self.prepared_target, self.target, self.tokenizer = target, target.model, tokenizer
+        self.dtype, self.backend = settings.dtype, settings.backend.drafting(target)
         self.artifacts = artifacts or RunLayout(Path("."))
         self._loaded: dict[tuple, Any] = {}
 
     def build(self, spec: ChainSpec) -> Chain:
         loaded = [self.load(level) for level in spec.levels]
-        heads = [head for level, head in zip(spec.levels, loaded) if level.kind == "eagle"]
+        heads = [source[0] for level, source in zip(spec.levels, loaded) if level.kind == "eagle"]
         # the levels above the last EAGLE level keep features for it
         read = max((i for i, level in enumerate(spec.levels) if level.kind == "eagle"), default=-1)
         kept = heads[-1].aux_layers if heads and isinstance(heads[-1], Eagle3Head) else True  # what they keep
@@ -182,15 +169,17 @@ class ChainBuilder:
                                                 first=i == 0))
             elif level.kind == "eagle":
                 above = [model_level for model_level in levels[::-1] if isinstance(model_level, ModelLevel)]
-                order = _feature_order(level.features, level.name, source, above)
-                features = read_features(order, source.feature_size, self.target.dtype)
-                levels.append(EagleLevel(level.name, source, features, level.draft))
+                head, lm_head = source
+                order = _feature_order(level.features, level.name, head, above)
+                features = read_features(order, head.feature_size, self.target.dtype)
+                levels.append(EagleLevel(level.name, head, features, level.draft, lm_head))
             else:
                 levels.append(NgramLevel(level.name, level.max_ngram, level.min_ngram, level.draft))
         return Chain(levels)
 
     def load(self, level: LevelSpec) -> Any:
-        """What a level runs, loaded once: its model (model levels), its head (eagle levels), nothing (ngram)."""
+        """What a level runs, loaded once: its prepared model (model levels), its head and the LM head the backend
+        runs it with (eagle levels), nothing (ngram)."""
         key = (level.kind, level.model, level.dtype, level.layers, level.lm_head, level.path, level.method)
         if level.kind != "ngram" and key not in self._loaded:
             self._loaded[key] = self._load(level)
@@ -199,51 +188,49 @@ class ChainBuilder:
     def _load(self, level: LevelSpec) -> Any:
         if level.kind == "model":
             model = level_model(level, self.target, self.tokenizer, self.artifacts, self.dtype)
-            if model is not self.target:  # fp32 levels run natively when the target does
-                backends.prepare(model, self.gemm, "auto" if backends.runs_natively(self.target) else "off")
             if level.lm_head is not None:
                 _int8_lm_head(level, model, self.target)
-            return model
+            if model is self.target:
+                return self.prepared_target
+            try:
+                return self.backend.prepare(model)
+            except ValueError as err:  # native=on where the native runner cannot run a W4 level
+                raise DecodeError(f"decode.{err}") from None
         head = _eagle_head(level, self.tokenizer, self.artifacts, self.target)
-        backends.prepare(head, self.gemm)
-        head.wrap_linear = backends.linear_wrapper(head, self.gemm)
-        return head
+        return head, self.backend.prepare_head(head)
 
-    def _model_level(self, level: LevelSpec, model: PreTrainedModel, heads: list[DraftHead],
+    def _model_level(self, level: LevelSpec, model: Prepared, heads: list[DraftHead],
                      keep_hidden: bool | tuple[int, ...], first: bool) -> ModelLevel:
+        """One level of one chain: a new runner (its KV cache is the level's) of the prepared model."""
         vocab = None if level.vocab is None else _level_vocab(level, heads, first)
-        rows = None if vocab is None else backends.linear_wrapper(model, self.gemm)(
-            vocabulary_rows(model.get_output_embeddings(), vocab))
-        runner = self._runner(model)
-        compute = LevelCompute(runner, rows or backends.lm_head(model.get_output_embeddings(), runner))
+        rows = None if vocab is None else self.backend.linear(model.model, vocabulary_rows(model.lm_head, vocab))
+        compute = LevelCompute(lm_head=rows)
         return ModelLevel(level.name, model, level.mu, level.draft, vocab, compute).keeping(keep_hidden)
-
-    def _runner(self, model: PreTrainedModel) -> Any:
-        """One runner per loaded model and chain (its KV cache is the level's): the target's as configured
-        (load_target: HF's, or natively), a W4 level's per decode.native."""
-        try:
-            return backends.runner(model, "off" if model is self.target else self.native, self.activations)
-        except ValueError as err:
-            raise DecodeError(f"decode.{err}") from None
 
 
 def _int8_lm_head(level: LevelSpec, model: PreTrainedModel, target: PreTrainedModel) -> None:
-    """`lm_head: int8`: a drafting level's LM head on int8 weights (decode.backends.cpu.int8.quantize_lm_head)."""
+    """`lm_head: int8`: a drafting level's LM head on int8 weights (decode.backends.cpu.int8.quantize_lm_head), a CPU
+    kernel; off the CPU the level keeps its own LM head, said once (a drafter's head never changes the output)."""
     name = level.name
     if model is target:
         raise DecodeError(f"level {name!r}: lm_head: int8 would change the target's own logits (and the output); "
                           "only a drafting level may have it")
+    if model.device.type != "cpu":
+        print(f"decode: level {name!r}: lm_head: int8 is a CPU kernel; on {model.device.type} the level keeps its "
+              f"{model.dtype} LM head", file=sys.stderr)
+        return
     if not quantize_lm_head(model):
         raise DecodeError(
             f"level {name!r}: lm_head: int8 needs a bias-free CPU LM head and torch's int8 weight-only kernel"
         )
 
 
-def _checked_keep(level: LevelSpec, model: PreTrainedModel, keep: bool | tuple[int, ...]) -> bool | tuple[int, ...]:
+def _checked_keep(level: LevelSpec, model: Prepared, keep: bool | tuple[int, ...]) -> bool | tuple[int, ...]:
     """What a model level keeps for the EAGLE level below: EAGLE-3's aux layers need a model that has them."""
-    if isinstance(keep, tuple) and max(keep) >= model.config.num_hidden_layers:
+    layers = model.model.config.num_hidden_layers
+    if isinstance(keep, tuple) and max(keep) >= layers:
         raise DecodeError(f"level {level.name!r}: the EAGLE-3 head reads the states entering layers {list(keep)}, "
-                          f"but this level's model has {model.config.num_hidden_layers} layers")
+                          f"but this level's model has {layers} layers")
     return keep
 
 

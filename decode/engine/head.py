@@ -30,7 +30,7 @@ import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -117,8 +117,6 @@ class DraftHead(nn.Module):
         else:
             self.draft_vocab = None
         self._derived: dict[str, nn.Module] = {}  # modules built on first use (not saved)
-        # a backend's faster linear, set from outside
-        self.wrap_linear: Callable[[nn.Linear], nn.Module] = lambda linear: linear
 
     @property
     def embed_tokens(self) -> nn.Module:
@@ -303,20 +301,23 @@ class EagleHead(DraftHead):
         hidden = out.to(self.lm_head.weight.dtype)
         return hidden, self.logits(hidden) if compute_logits else None, past_key_values
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
         """Logits of (predicted) features over the draft vocabulary (all V tokens if none): the target's LM
-        head rows, with its logit soft-capping if any. Index i of the last dim is token `token_ids(i)`."""
-        if self.draft_vocab is None:
-            logits = self.lm_head(hidden)
-        else:
-            logits = self._draft_lm_head()(hidden)
-        return softcapped(logits, self.config)
+        head rows, with its logit soft-capping if any. Index i of the last dim is token `token_ids(i)`.
+        `lm_head`: those rows as a backend runs them (Backend.prepare_head)."""
+        if lm_head is None:
+            lm_head = self.lm_head if self.draft_vocab is None else self._draft_lm_head()
+        return softcapped(lm_head(hidden), self.config)
+
+    def draft_rows(self) -> nn.Linear:
+        """The target LM head's rows of the draft vocabulary, as a plain linear."""
+        return vocabulary_rows(self.lm_head, self.draft_vocab)
 
     def _draft_lm_head(self) -> nn.Module:
-        """The LM head's draft-vocabulary rows (built on first use, rebuilt if the head changed dtype)."""
+        """`draft_rows`, built on first use (rebuilt if the head changed dtype)."""
         rows = self._derived.get("lm_head")
         if rows is None or rows.weight.dtype != self.lm_head.weight.dtype:
-            self._derived["lm_head"] = rows = self.wrap_linear(vocabulary_rows(self.lm_head, self.draft_vocab))
+            self._derived["lm_head"] = rows = self.draft_rows()
         return rows
 
     def serving_config(self, polyspec: dict) -> dict:

@@ -103,10 +103,10 @@ class Eagle3Head(DraftHead):
         out = h + layer.mlp(layer.post_attention_layernorm(h))
         return out, self.logits(out) if compute_logits else None, past_key_values
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
         """Logits over the draft vocabulary of pre-norm outputs: lm_head(norm(hidden)); index i is `token_ids(i)`.
-        (A backend packs lm_head with the head's other linears: decode.backends.prepare.)"""
-        return self.lm_head(self.norm(hidden))
+        (A backend packs lm_head with the head's other linears: decode.backends.Backend.prepare_head.)"""
+        return (lm_head or self.lm_head)(self.norm(hidden))
 
     def draft_maps(self) -> dict[str, torch.Tensor]:
         """`d2t` (int64 [draft vocab]: target id - draft id) and `t2d` (bool [V]), for a reduced vocabulary only."""

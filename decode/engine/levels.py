@@ -18,7 +18,7 @@ from infra.device import synchronized_clock
 from decode.engine import tree as trees
 from decode.engine.errors import DecodeError
 from decode.engine.head import softcapped, spread, vocabulary_rows
-from decode.engine.runner import Runner, configured_runner
+from decode.engine.runner import Prepared, Runner, as_prepared
 from decode.engine.spec import Draft
 from decode.engine.sampling import Sampling, probabilities, sample, verify_greedy, verify_sampled
 
@@ -150,8 +150,8 @@ class Level:
 
 @dataclass(frozen=True)
 class LevelCompute:
-    """How a model level computes, where a backend has something faster than the model's own: its runner (decoder
-    and KV cache) and its LM head. None: the model's configured runner, its output embedding."""
+    """How a model level computes, where it differs from its prepared model's: its runner (decoder and KV cache)
+    and its LM head (e.g. a vocabulary's rows). None: a new runner of the prepared model, its LM head."""
 
     runner: Runner | None = None
     lm_head: nn.Module | None = None
@@ -169,17 +169,18 @@ class ModelLevel(Level):
 
     kind = "model"
 
-    def __init__(self, name: str, model: PreTrainedModel, mu: int = 1, draft: Draft | dict | None = None,
+    def __init__(self, name: str, model: PreTrainedModel | Prepared, mu: int = 1, draft: Draft | dict | None = None,
                  vocab: torch.Tensor | None = None, compute: LevelCompute = LevelCompute()):
-        """`compute.runner` defaults to the model's configured one (decode.engine.runner.configured_runner: its HF
-        decoder unless a backend configured another); `compute.lm_head` to its output embedding, or with `vocab`
-        the rows of it for those ids (a backend passes faster versions of either)."""
+        """`model` as a backend prepared it (a plain model runs as transformers does); `compute.runner` defaults
+        to a new runner of it, `compute.lm_head` to its LM head, or with `vocab` the rows of it for those ids (a
+        backend passes faster versions of either)."""
         super().__init__(name, mu, draft)
-        self.model, self.vocab, self.keep_hidden = model, vocab, False
-        self.runner = compute.runner or configured_runner(model)
-        head = model.get_output_embeddings()
+        prepared = as_prepared(model)
+        self.model, self.vocab, self.keep_hidden = prepared.model, vocab, False
+        self.runner = compute.runner or prepared.new_runner()
+        head = prepared.lm_head
         self.lm_head = compute.lm_head or (head if vocab is None else vocabulary_rows(head, vocab))
-        self.config, self.device = model.config, self.runner.device
+        self.config, self.device = self.model.config, self.runner.device
         self.reset()
 
     def keeping(self, keep_hidden: bool | tuple[int, ...]) -> "ModelLevel":
@@ -332,9 +333,11 @@ class EagleLevel(Level):
 
     kind = "eagle"
 
-    def __init__(self, name: str, head: torch.nn.Module, features: Features, draft: Draft | dict | None = None):
+    def __init__(self, name: str, head: torch.nn.Module, features: Features, draft: Draft | dict | None = None,
+                 lm_head: nn.Module | None = None):
+        """`lm_head`: the head's LM head as a backend runs it (Backend.prepare_head; None: the head's own)."""
         super().__init__(name, 1, draft)
-        self.head, self.features = head, features
+        self.head, self.features, self.lm_head = head, features, lm_head
         self.device = next(head.parameters()).device
         self.reset()
 
@@ -345,10 +348,11 @@ class EagleLevel(Level):
 
     def _head(self, ids: list[int], feats: torch.Tensor, positions: list[int], mask: torch.Tensor | None = None):
         start = synchronized_clock(self.device)
-        hidden, logits, self.cache = self.head(
+        hidden, _, self.cache = self.head(
             torch.tensor([ids], device=self.device), feats, past_key_values=self.cache,
-            position_ids=torch.tensor([positions], device=self.device), attention_mask=mask,
+            position_ids=torch.tensor([positions], device=self.device), attention_mask=mask, compute_logits=False,
         )
+        logits = self.head.logits(hidden, self.lm_head)
         elapsed = synchronized_clock(self.device) - start
         self.stats.forward_calls += 1
         self.stats.forwards.append((len(ids), elapsed))

@@ -2,14 +2,18 @@
 cache. The engine decides what to feed and what to keep; a backend decides how the forward runs (HFRunner: any
 transformers model through its public API; a backend may bring a faster one for the architectures it knows).
 
-A backend may also make a faster forward part of a model's configuration (as packing its linears is): it sets
-RUNNER_FACTORY on the model, and `configured_runner` then gives that runner to every part of decoding that runs the
-model (a chain's levels and the autoregressive reference alike), so that they all compute the same logits."""
+What a backend makes of a model is a value, `Prepared`, held beside the model: nothing is written onto the model, so
+the same loaded weights can be run by two backends, and every part of decoding that runs a prepared model (a chain's
+levels and the autoregressive reference alike) gets its runners from the same `new_runner` and computes the same
+logits."""
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import torch
+from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 
@@ -39,14 +43,21 @@ class Runner(Protocol):
     def forward(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None) -> torch.Tensor: ...
 
 
-RUNNER_FACTORY = "polyspec_runner"  # a model attribute: a function of the model giving its Runner
+@dataclass(frozen=True)
+class Prepared:
+    """A model as a backend runs it: `new_runner()` gives a runner with its own KV cache (one per chain level or
+    reference decoder), `lm_head` turns the runner's hidden states into logits."""
+
+    model: PreTrainedModel
+    new_runner: Callable[[], Runner]
+    lm_head: nn.Module
 
 
-def configured_runner(model: PreTrainedModel) -> Runner:
-    """A new runner of `model` as configured: its RUNNER_FACTORY's (a module-level function of the model, so that a
-    deep copy keeps it and runs its own weights), else HFRunner."""
-    factory: Callable[[PreTrainedModel], Runner] | None = vars(model).get(RUNNER_FACTORY)
-    return factory(model) if factory is not None else HFRunner(model)
+def as_prepared(model: PreTrainedModel | Prepared) -> Prepared:
+    """A prepared model as it is; a plain model as transformers runs it (HFRunner, its own output embedding)."""
+    if isinstance(model, Prepared):
+        return model
+    return Prepared(model, functools.partial(HFRunner, model), model.get_output_embeddings())
 
 
 class HFRunner:

@@ -105,7 +105,7 @@ def build_decoders(cfg: DictConfig, builder, eos: Any) -> tuple[dict[str, Decode
     """The AR reference and every configured chain, as decoders; and the chains' specs."""
     from decode.chains.build import configured_spec, reference_decoders
 
-    decoders: dict[str, Decoder] = reference_decoders(cfg, builder.target, eos)
+    decoders: dict[str, Decoder] = reference_decoders(cfg, builder.prepared_target, eos)
     specs = {}
     for name, levels in cfg.eval.chains.items():
         if name == "ar":

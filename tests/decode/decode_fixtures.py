@@ -1,10 +1,13 @@
 """Tiny random models and the greedy-equality check shared by the decode tests (not a test module)."""
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from decode.chains.baselines import autoregressive
+from decode.engine.runner import Prepared, as_prepared
 
 
 def tiny_model(seed: int = 0, vocab: int = 300, layers: int = 4, hidden: int = 64,
@@ -20,8 +23,9 @@ def tiny_model(seed: int = 0, vocab: int = 300, layers: int = 4, hidden: int = 6
     return LlamaForCausalLM(config).eval()
 
 
-def noisy_copy(model: LlamaForCausalLM, noise: float, seed: int = 1) -> LlamaForCausalLM:
-    """The model with Gaussian noise on every weight: a drafter that agrees often but not always."""
+def noisy_copy(model: LlamaForCausalLM | Prepared, noise: float, seed: int = 1) -> LlamaForCausalLM:
+    """The model with Gaussian noise on every weight, plain: a drafter that agrees often but not always."""
+    model = as_prepared(model).model
     clone = LlamaForCausalLM(model.config).eval()
     clone.load_state_dict(model.state_dict())
     gen = torch.Generator().manual_seed(seed)
@@ -42,18 +46,17 @@ def packed(model: LlamaForCausalLM, gemm: str = "auto") -> LlamaForCausalLM:
     return clone
 
 
-def native(model: LlamaForCausalLM) -> LlamaForCausalLM:
-    """A packed (avx2) copy of the model configured to run the native runner: every runner of it, a chain level's
+def native(model: LlamaForCausalLM) -> Prepared:
+    """A copy of the model prepared to run the native runner (packed on avx2): every runner of it, a chain level's
     and the autoregressive reference's alike, runs decode/backends/cpu/decoder.cpp (skips where it does not build)."""
     import pytest
 
-    from decode.backends.cpu.llama import native_kernels, run_natively
+    from decode.backends import Backend
+    from decode.backends.cpu.llama import native_kernels
 
     if native_kernels()[0] is None:
         pytest.skip(f"the native kernels do not build here: {native_kernels()[1]}")
-    clone = packed(model, "avx2")
-    run_natively(clone, "on")
-    return clone
+    return Backend("avx2", native_fp32="on").prepare(copy.deepcopy(model))
 
 
 def prompts(vocab: int, n: int = 3, seed: int = 0) -> list[list[int]]:

@@ -10,9 +10,9 @@ import pytest
 import torch
 from decode_fixtures import packed, tiny_model
 
-from decode import backends
-from decode.backends.cpu.llama import NativeLlamaRunner, native_kernels, run_natively, unsupported
-from decode.engine.runner import HFRunner, configured_runner
+from decode.backends import Backend
+from decode.backends.cpu.llama import NativeLlamaRunner, native_kernels, unsupported
+from decode.engine.runner import HFRunner
 from decode.engine.tree import Tree
 
 pytestmark = [pytest.mark.skipif(native_kernels()[0] is None, reason="the native kernels do not build here"),
@@ -103,37 +103,56 @@ def test_an_fp32_packed_weight_is_the_packed_fp32_product_bit_for_bit():
         kernels.PackedWeight(words=panels, n=61, scales=torch.ones(8, 1, 8))
 
 
-def test_prepare_configures_every_runner_of_the_model_and_its_copies():
-    from decode.backends.cpu import unpack
+def test_prepare_gives_native_runners_and_leaves_the_model_as_it_was():
+    from decode.backends import Backend, runs_natively
     from decode.chains.build import truncated_copy
     from decode.engine.levels import ModelLevel
 
     target = tiny_model(seed=9)
-    backends.prepare(target, "avx2", "on")
-    assert backends.runs_natively(target) and isinstance(configured_runner(target), NativeLlamaRunner)
-    assert isinstance(ModelLevel("t", target).runner, NativeLlamaRunner)
-    assert isinstance(backends.runner(target, "off"), NativeLlamaRunner)  # the configuration, whatever decode.native
-    exit2 = truncated_copy(target, 2)
+    prepared = Backend("avx2", native_fp32="on").prepare(target)
+    assert runs_natively(prepared) and isinstance(prepared.new_runner(), NativeLlamaRunner)
+    assert isinstance(ModelLevel("t", prepared).runner, NativeLlamaRunner)
+    assert isinstance(ModelLevel("t", target).runner, HFRunner)  # the plain model runs as transformers does
+    assert prepared.new_runner() is not prepared.new_runner()  # each level and reference has its own KV cache
+    exit2 = Backend("avx2", native_fp32="on").prepare(truncated_copy(target, 2))
     with torch.no_grad():
-        assert configured_runner(exit2).forward(text(5), None, None).shape == (1, 5, 64)  # its own 2 layers
-    assert exit2.model.layers[0].mlp.down_proj is target.model.layers[0].mlp.down_proj
-    unpack(target)
-    assert not backends.runs_natively(target) and isinstance(configured_runner(target), HFRunner)
-    plain = tiny_model(seed=9)
-    backends.prepare(plain, "avx2")  # native "off" by default
-    assert isinstance(configured_runner(plain), HFRunner)
+        assert exit2.new_runner().forward(text(5), None, None).shape == (1, 5, 64)  # its own 2 layers
+    assert exit2.model.model.layers[0].mlp.down_proj is target.model.layers[0].mlp.down_proj
+    plain = Backend("avx2").prepare(tiny_model(seed=9))  # native "off" by default
+    assert not runs_natively(plain) and isinstance(plain.new_runner(), HFRunner)
+
+
+def test_no_backend_attribute_is_set_on_a_model_or_head():
+    """The backend is a value: preparing a model or head (packed, native runner, int8 LM head, draft rows) swaps
+    linears for packed ones at most; it adds no attribute to any module that existed before."""
+    from decode.backends import Backend, with_lm_head
+    from decode.backends.cpu.int8 import Int8RowLinear
+    from decode.engine.head import EagleHead
+
+    target = tiny_model(seed=9)
+    head = EagleHead.for_target(target, draft_vocab=torch.arange(0, 300, 3)).eval()
+    before = {m: set(vars(m)) for module in (target, head) for m in module.modules()}  # keeps every module alive
+    prepared = Backend("avx2", native_fp32="on", native_w4="on").prepare(target)
+    with_lm_head(prepared, Int8RowLinear(target.lm_head))
+    rows = Backend("avx2").prepare_head(head)
+    assert rows is not None and rows.out_features == 100
+    after = {m: set(vars(m)) for module in (target, head) for m in module.modules() if m in before}
+    assert after == {key: before[key] for key in after}
+    assert len(after) > 10  # the modules' own layers were compared, not only new ones
 
 
 def test_models_it_cannot_run_are_refused_with_a_reason(capsys):
+    from decode.backends.cpu.llama import native_fp32_runner
+
     bf16 = tiny_model(seed=10).to(torch.bfloat16)
     assert "float32" in unsupported(bf16)
     assert "packed for onednn" in unsupported(packed(tiny_model(seed=10), "onednn"))
     gelu = tiny_model(seed=10)
     gelu.config.hidden_act = "gelu"
-    assert not run_natively(gelu, "auto")
+    assert native_fp32_runner(gelu, "auto") is None
     assert "runs the HF forward (native runner: activation 'gelu'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="native_fp32=on: the native runner cannot run"):
-        run_natively(gelu, "on")
+        native_fp32_runner(gelu, "on")
     with pytest.raises(ValueError, match="cannot run this model"):
         NativeLlamaRunner(bf16)
 
@@ -141,13 +160,13 @@ def test_models_it_cannot_run_are_refused_with_a_reason(capsys):
 def test_decode_native_fp32_is_checked_and_off_without_fast():
     from omegaconf import OmegaConf
 
-    from decode.chains.build import native_fp32_setting
+    from decode.chains.build import backend_of
     from decode.engine.errors import DecodeError
 
     with pytest.raises(DecodeError, match="decode.native_fp32 must be one of auto, on, off"):
-        native_fp32_setting(OmegaConf.create({"decode": {"fast": True, "native_fp32": "yes"}}))
-    assert native_fp32_setting(OmegaConf.create({"decode": {"fast": False, "native_fp32": "on"}})) == "off"
-    assert native_fp32_setting(OmegaConf.create({"decode": {"fast": True}})) == "auto"
+        backend_of(OmegaConf.create({"decode": {"fast": True, "native_fp32": "yes"}}))
+    assert backend_of(OmegaConf.create({"decode": {"fast": False, "native_fp32": "on"}})).native_fp32 == "off"
+    assert backend_of(OmegaConf.create({"decode": {"fast": True}})).native_fp32 == "auto"
 
 
 def test_the_autoregressive_reference_runs_the_configured_forward():
@@ -155,14 +174,13 @@ def test_the_autoregressive_reference_runs_the_configured_forward():
     verify, i.e. the native forward's own greedy tokens."""
     from decode.chains.baselines import autoregressive
 
-    target = tiny_model(seed=11)
-    backends.prepare(target, "avx2", "on")
+    target = Backend("avx2", native_fp32="on").prepare(tiny_model(seed=11))
     prompt = text(10, seed=5)[0].tolist()
-    runner, tokens = configured_runner(target), []
+    runner, tokens = target.new_runner(), []
     with torch.no_grad():
         hidden = runner.forward(torch.tensor([prompt]), None, None)
         for _ in range(12):
             tokens.append(int(target.lm_head(hidden[:, -1]).argmax()))
             hidden = runner.forward(torch.tensor([[tokens[-1]]]), None, None)
     assert autoregressive(target, prompt, 12).tokens == tokens
-    assert copy.deepcopy(target) is not None  # the configuration survives a deep copy (no native object on the model)
+    assert copy.deepcopy(target.model) is not None  # no native object on the model: it copies like any other

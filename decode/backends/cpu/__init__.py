@@ -41,13 +41,9 @@ def pack(model: nn.Module, gemm: str = "auto") -> int:
 
 
 def unpack(model: nn.Module) -> int:
-    """Undo `pack`: plain nn.Linear forwards, HF's sdpa attention and HF's runner again (e.g. before training or
+    """Undo `pack`: plain nn.Linear forwards, HF's sdpa attention again (e.g. before training or
     moving to another device)."""
     count = 0
-    if isinstance(model, PreTrainedModel):
-        from decode.backends.cpu.llama import run_natively
-
-        run_natively(model, "off")  # the native runner reads the packed weights
     if isinstance(model, PreTrainedModel) and model.config._attn_implementation in (attention.GROUPED_SDPA,
                                                                                      attention.KERNEL_ATTENTION):
         model.set_attn_implementation("sdpa")

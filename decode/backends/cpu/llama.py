@@ -8,9 +8,8 @@ Eager PyTorch spends much of a small model's forward outside its weights: thousa
 bits of k one-token forwards (row-exact verification, trees included).
 
 fp32: the native forward is not HF's bit for bit (its norms, rotary and SiLU round differently), so it is a
-*configuration* of the target, as packing is: `run_natively` marks a model, and every runner of it from then on
-(decode.engine.runner.configured_runner: a chain's target level and the AR reference alike) runs natively; lossless
-means equal to AR on the same forward.
+*configuration* of the target, as packing is: the backend's `Prepared` target gives native runners to a chain's
+target level and the AR reference alike (`native_fp32_runner`); lossless means equal to AR on the same forward.
 
 W4: the native forward computes the same W4 model as GPTQModel's CPU kernel ((q - 8) * scale, bf16 scales) with fp32
 activations instead of bf16 ones, so its logits agree with GPTQModel's within bf16 rounding, not bit for bit.
@@ -26,7 +25,7 @@ import functools
 import sys
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers import PretrainedConfig
@@ -34,7 +33,6 @@ from transformers import PretrainedConfig
 from decode.backends.cpu.dense import PackedLinear, pack_weight
 from decode.backends.cpu.fusion import StackedProduct
 from decode.backends.cpu.kernels import HERE, build_extension
-from decode.engine.runner import RUNNER_FACTORY
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
 STATIC_ROPE = ("default", "linear", "llama3")  # rotary tables that depend on the position only
@@ -339,28 +337,19 @@ class NativeLlamaRunner:
         return hidden[None]
 
 
-def native_runner(model: torch.nn.Module) -> NativeLlamaRunner:
-    """The runner of a model that `run_natively` marked (a module-level function: a deep copy keeps the mark and
-    runs its own weights)."""
-    return NativeLlamaRunner(model)
-
-
-def run_natively(model: torch.nn.Module, native: str) -> bool:
-    """Mark an fp32 model so that every runner of it runs natively (decode.engine.runner.configured_runner), per
-    `native`: "auto" where it can (else it says why on stderr, once, and the model keeps HF's forward), "on" (a
-    ValueError where it cannot), "off" (unmarked). Returns whether it is marked."""
-    vars(model).pop(RUNNER_FACTORY, None)
+def native_fp32_runner(model: torch.nn.Module, native: str) -> Callable[[], NativeLlamaRunner] | None:
+    """New native runners of an fp32 model, per `native`: "auto" where it can run (else None, and why on stderr),
+    "on" (a ValueError where it cannot), "off" (None)."""
     _NATIVE.pop(model, None)  # weights may have changed since a decoder was built
     if native == "off":
-        return False
+        return None
     problem = "a quantized model (its runner is chosen per level)" if is_quantized(model) else unsupported(model)
     if problem is None:
-        vars(model)[RUNNER_FACTORY] = native_runner
-        return True
+        return functools.partial(NativeLlamaRunner, model)
     if native == "on":
         raise ValueError(f"native_fp32=on: the native runner cannot run {model.name_or_path}: {problem}")
     print(f"decode: {model.name_or_path} runs the HF forward (native runner: {problem})", file=sys.stderr)
-    return False
+    return None
 
 
 class NativeInt8Head(torch.nn.Module):
