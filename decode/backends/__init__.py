@@ -59,6 +59,10 @@ def runner(model: PreTrainedModel, native: str = "off", activations: str = "int8
         raise ValueError(f"native must be one of {', '.join(NATIVE)}, got {native!r}")
     if runs_natively(model):
         return configured_runner(model)
+    if model.device.type == "cuda":  # the static KV cache and CUDA graphs (decode.backends.cuda)
+        from decode.backends.cuda import cuda_runner
+
+        return cuda_runner(model)
     if native == "off" or not on_cpu(model):
         return HFRunner(model)
     from decode.backends.cpu.llama import NativeLlamaRunner, is_quantized, unsupported

@@ -1,0 +1,24 @@
+"""The CUDA backend: decoding a small model on a GPU is bound by kernel launches (HF's eager forward issues hundreds per
+token), not by the weights it streams, so a model level runs on a preallocated KV cache whose forwards of the widths a
+chain feeds are captured once as CUDA graphs and replayed (runner.StaticRunner)."""
+from __future__ import annotations
+
+import sys
+
+from transformers import PreTrainedModel
+
+from decode.backends.cuda.runner import MAX_LENGTH, WIDTHS, StaticRunner, unsupported
+from decode.engine.runner import HFRunner, Runner
+
+__all__ = ["MAX_LENGTH", "WIDTHS", "StaticRunner", "cuda_runner", "unsupported"]
+
+
+def cuda_runner(model: PreTrainedModel, widths: tuple[int, ...] | None = None, max_length: int | None = None) -> Runner:
+    """The static graph runner of `model` (StaticRunner: graphs for `widths`, a cache of `max_length` positions), or
+    HFRunner where it cannot run it (said once, with why)."""
+    why = unsupported(model)
+    if why is None:
+        return StaticRunner(model, widths, max_length)
+    name = model.name_or_path or type(model).__name__
+    print(f"decode: {name} runs the eager HF forward (static runner: {why})", file=sys.stderr)
+    return HFRunner(model)
