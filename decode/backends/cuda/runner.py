@@ -3,10 +3,11 @@
 The cache is one preallocated buffer; its length is a pointer, so a rollback (`crop`) only moves the pointer and the
 keys past it stay in place, stale. Every forward therefore gets an explicit additive mask over the attention span (the
 first `span` positions, a power of two: the keys a forward reads grow with the context, not with max_length): causal
-(or the engine's tree mask) over the valid positions, the dtype's minimum over everything else. With shapes fixed per
-(width, span), the decoder's forward of a graph width is captured once as a CUDA graph (at its first use, after a
-warm-up on a side stream) and replayed from static input buffers; other widths, and every forward off CUDA, run the
-same computation eagerly."""
+(or the engine's tree mask) over the valid positions, the dtype's minimum over everything else. A forward of up to
+max(widths) tokens is padded to the next graph width (the padding's keys land past the valid positions, masked like
+any stale ones, and its outputs are dropped), so that with shapes fixed per (width, span) the decoder's forward is
+captured once as a CUDA graph (at its first use, after a warm-up on a side stream) and replayed from static input
+buffers; wider forwards, and every forward off CUDA, run the same computation eagerly."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,17 +45,27 @@ def span_for(needed: int, max_length: int) -> int:
     return min(max_length, max(MIN_SPAN, 1 << (needed - 1).bit_length()))
 
 
-def static_mask(mask: torch.Tensor | None, cached: int, width: int, span: int, dtype: torch.dtype) -> torch.Tensor:
-    """The additive mask [1, 1, width, span] of a forward after `cached` positions: `mask` (the engine's, [1, 1, width,
-    cached + width]; None = causal) over the valid positions, the minimum past them, where stale keys may lie."""
-    valid = cached + width
-    full = torch.full((1, 1, width, span), torch.finfo(dtype).min, dtype=dtype,
-                      device="cpu" if mask is None else mask.device)
-    if mask is None:
-        full[0, 0, :, :valid].masked_fill_(torch.ones(width, valid, dtype=torch.bool).tril(cached), 0)
-    else:
-        full[..., :valid] = mask
+def static_mask(mask: torch.Tensor | None, cached: int, width: int, span: int, dtype: torch.dtype,
+                rows: int | None = None) -> torch.Tensor:
+    """The additive mask [1, 1, rows (default width), span] of a forward of `width` tokens after `cached` positions:
+    `mask` (the engine's, [1, 1, width, cached + width]; None = causal) over the valid positions, the minimum past
+    them, where stale keys may lie; padding rows past `width` are causal (their outputs are dropped)."""
+    rows = rows or width
+    device = "cpu" if mask is None else mask.device
+    full = torch.full((1, 1, rows, span), torch.finfo(dtype).min, dtype=dtype, device=device)
+    causal = torch.ones(rows, cached + rows, dtype=torch.bool, device=device).tril(cached)
+    full[0, 0, :, : cached + rows].masked_fill_(causal, 0)
+    if mask is not None:
+        full[..., :width, : cached + width] = mask
     return full
+
+
+def extend(x: torch.Tensor, rows: int, step: int) -> torch.Tensor:
+    """x [1, w] padded to [1, rows]: its last value plus `step` per padding position (ids: 0, positions: 1)."""
+    extra = rows - x.shape[1]
+    if extra == 0:
+        return x
+    return torch.cat([x, x[:, -1:] + step * torch.arange(1, extra + 1, device=x.device)], dim=1)
 
 
 class StaticKV(DynamicCache):
@@ -94,11 +105,13 @@ class Graph:
 
 class StaticRunner:
     """The Runner protocol (decode.engine.runner) on a StaticKV: crop moves the pointer, keep gathers the kept
-    positions to the front, forwards of `widths` replay CUDA graphs on CUDA (eager elsewhere)."""
+    positions to the front, forwards padded to `widths` replay CUDA graphs on CUDA (eager elsewhere)."""
 
-    def __init__(self, model: PreTrainedModel, widths: tuple[int, ...] | None = None, max_length: int | None = None):
-        """`widths` (None: those of WIDTHS the cache holds) run as graphs on CUDA; the cache holds `max_length`
-        positions (None: the model's context, at most MAX_LENGTH)."""
+    def __init__(self, model: PreTrainedModel, widths: tuple[int, ...] | None = None, max_length: int | None = None,
+                 graphs: bool = True):
+        """Forwards are padded to `widths` (None: those of WIDTHS the cache holds; () = no padding), which replay
+        CUDA graphs on CUDA unless `graphs` is False; the cache holds `max_length` positions (None: the model's
+        context, at most MAX_LENGTH)."""
         self.model, self.config, self.decoder = model, model.config, model.get_decoder()
         self.device, self.dtype = model.device, model.dtype
         context = getattr(self.config, "max_position_embeddings", None) or MAX_LENGTH
@@ -106,12 +119,13 @@ class StaticRunner:
         widths = tuple(w for w in WIDTHS if w <= self.max_length) if widths is None else widths
         if any(not 1 <= w <= self.max_length for w in widths):
             raise ValueError(f"graph widths {list(widths)} must be between 1 and max_length {self.max_length}")
-        self.widths = tuple(widths) if self.device.type == "cuda" else ()
+        self.widths = tuple(sorted(widths))
+        self.graph_widths = self.widths if graphs and self.device.type == "cuda" else ()
         self.cache = StaticKV(self.config, self.max_length)
         self.layers: tuple[int, ...] = ()
         self.captured: torch.Tensor | None = None
         self.graphs: dict[tuple[int, int], Graph] = {}
-        self.pool = torch.cuda.graph_pool_handle() if self.widths else None
+        self.pool = torch.cuda.graph_pool_handle() if self.graph_widths else None
 
     def reset(self) -> None:
         self.cache.length = 0
@@ -139,15 +153,17 @@ class StaticRunner:
         if cached + width > self.max_length:
             raise DecodeError(f"the static runner holds {self.max_length} positions: {cached} cached + {width} new do "
                               "not fit (a larger max_length, or a shorter prompt or max_new_tokens)")
-        span = span_for(cached + width, self.max_length)
-        slots = torch.arange(cached, cached + width, device=self.device)
-        inputs = (ids, slots[None] if positions is None else positions,
-                  static_mask(mask, cached, width, span, self.dtype).to(self.device), slots)
-        hidden, aux = self._replay(inputs) if width in self.widths else self._run(*inputs)
+        rows = next((w for w in self.widths if w >= width and cached + w <= self.max_length), width)
+        span = span_for(cached + rows, self.max_length)
+        slots = torch.arange(cached, cached + rows, device=self.device)
+        positions = slots[None, :width] if positions is None else positions
+        inputs = (extend(ids, rows, 0), extend(positions, rows, 1),
+                  static_mask(mask, cached, width, span, self.dtype, rows).to(self.device), slots)
+        hidden, aux = self._replay(inputs) if rows in self.graph_widths else self._run(*inputs)
         self.cache.length = cached + width
         if self.layers:
-            self.captured = aux
-        return hidden
+            self.captured = aux[:, :width]
+        return hidden[:, :width]
 
     def _run(self, ids, positions, mask, slots) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder's forward (eagerly, or recorded into a graph): last hidden states and the captured ones."""
