@@ -33,7 +33,7 @@ def unsupported(model: PreTrainedModel) -> str | None:
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         return "sliding-window attention"
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if isinstance(rope, dict) and rope.get("rope_type") in ("dynamic", "longrope"):
+    if isinstance(rope, dict) and ("dynamic" in str(rope.get("rope_type")) or rope.get("rope_type") == "longrope"):
         return f"{rope['rope_type']} rotary scaling (computed from the sequence)"
     if getattr(config, "quantization_config", None) is not None:
         return "quantized weights (their kernels' graph capture is unchecked)"
