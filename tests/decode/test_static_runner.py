@@ -205,4 +205,4 @@ def test_greedy_decoding_through_the_graphs_is_cuda_ars(model, dtype, tol):
             ok, tie = greedy_equal(on_gpu, prompt, tokens, tol)
             assert ok and len(tokens) == 40, f"differs from CUDA AR at a clear margin ({dtype})"
             ties += tie
-    assert ties <= 1, f"{ties} near-ties in 3 prompts ({dtype})"
+    assert ties <= 2, f"{ties} near-ties in 3 prompts, 2 decoders ({dtype})"
