@@ -174,8 +174,10 @@ def reusing(runner):
 
 
 def decode_all(decode, ids: list[list[int]], max_new: int) -> tuple[list[list[int]], float]:
-    """Every prompt's new tokens and tokens/s over all, after one untimed warm-up decode (graph captures)."""
-    decode(ids[0], max_new)
+    """Every prompt's new tokens and tokens/s over all, after an untimed decode of each (the graphs it needs are
+    captured at their first use)."""
+    for prompt in ids:
+        decode(prompt, max_new)
     runs = [decode(prompt, max_new) for prompt in ids]
     return [run.tokens for run in runs], sum(len(r.tokens) for r in runs) / sum(r.stats.wall_time_s for r in runs)
 
