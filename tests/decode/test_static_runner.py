@@ -123,6 +123,21 @@ def test_chains_through_it_are_token_identical_to_ar(model, drafter):
     assert accepted > 0, "the target never accepted a draft: the test exercises no rollback"
 
 
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_built_eagle_chains_on_it_are_token_identical_to_ar(model, monkeypatch, method):
+    """The builder's chains with every model level on the static runner (as on CUDA): an EAGLE head (EAGLE-3: the
+    aux states the runner captures) drafting trees below a middle level that keeps features."""
+    from decode.chains.build import build_chain
+
+    monkeypatch.setattr(backends, "runner", lambda level_model, *args: StaticRunner(level_model))
+    levels = [{"kind": "model"}, {"kind": "model", "model": "target", "layers": 3, "mu": 2},
+              {"kind": "eagle", "path": "untrained", "method": method, "features": "nearest", "draft": TREE}]
+    chain = build_chain(levels, model, tokenizer=None)
+    assert all(isinstance(level.runner, StaticRunner) for level in chain.levels[:2])
+    for prompt in prompts(VOCAB):
+        assert chain.generate(prompt, 30).tokens == autoregressive(model, prompt, 30).tokens
+
+
 def test_a_sampled_chain_through_it_samples_like_the_target():
     from test_sampling_distribution import VOCAB as V, chain_counts, chi_square_pvalue, exact_joint
 
