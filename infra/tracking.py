@@ -7,9 +7,10 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
-from omegaconf import DictConfig, OmegaConf
+if TYPE_CHECKING:  # omegaconf loads with a run's config, not with the decode engine (which imports this)
+    from omegaconf import DictConfig
 
 
 def _jsonable(value: Any) -> Any:
@@ -65,6 +66,7 @@ class Tracker:
 
     def __init__(self, cfg: DictConfig, stage: str, job_type: str | None = None):
         import wandb
+        from omegaconf import OmegaConf
 
         self.stage = stage
         self.metrics: dict[str, Any] = {}

@@ -1,7 +1,7 @@
 """Backends: how a level's model runs on its device, as a value. `Backend.prepare` returns a `Prepared` (the runner
 factory and LM head a model level uses) and writes nothing onto the model: on the CPU its linears are swapped for
-packed ones (the parameters stay; decode.backends.cpu), and a Llama-family model may run the native runner; every
-other device runs the model as transformers does."""
+packed ones (the parameters stay; decode.backends.cpu), and a Llama-family model may run the native runner; on CUDA
+every model runs a static KV cache with CUDA graphs (decode.backends.cuda); other devices run transformers' forward."""
 from __future__ import annotations
 
 import dataclasses
@@ -80,6 +80,10 @@ class Backend:
 
     def _runner_factory(self, model: PreTrainedModel) -> Callable[[], Runner]:
         hf = functools.partial(HFRunner, model)
+        if next(model.parameters()).device.type == "cuda":  # a static KV cache and CUDA graphs
+            from decode.backends.cuda import cuda_runners
+
+            return cuda_runners(model)
         if not self.gemm or not on_cpu(model):
             return hf
         from decode.backends.cpu.llama import NativeLlamaRunner, is_quantized, native_fp32_runner, unsupported

@@ -15,7 +15,7 @@ from decode.engine.levels import Generation, GenerationStats, LevelStats
 
 from decode.engine.chain import check_new_tokens
 from decode.engine.head import softcapped
-from decode.engine.runner import Prepared, as_prepared
+from decode.engine.runner import Prepared, Runner, as_prepared
 from decode.engine.sampling import GREEDY, Sampling, probabilities, sample
 
 
@@ -33,17 +33,20 @@ def _truncate(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
 
 def autoregressive(
     target: PreTrainedModel | Prepared, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling = GREEDY,
-    eos_token_id: int | list[int] | None = None,
+    eos_token_id: int | list[int] | None = None, runner: Runner | None = None,
 ) -> Generation:
     """One token per forward with a KV cache, sampling with the same logits processing as the chain; the target runs
-    as a chain's target level does (a new runner of the prepared target, its LM head): the reference is the chain's
-    own forward."""
+    as a chain's target level does (a runner of the prepared target, its LM head): the reference is the chain's own
+    forward. `runner`: one of the target's to reuse, reset first (a CUDA runner keeps its captured graphs); None: a
+    new one."""
     check_new_tokens(max_new_tokens)
     prepared = as_prepared(target)
     model, device = prepared.model, prepared.model.device
     gen = sampling.generator(device)
     eos, stats = _eos_set(eos_token_id), LevelStats("target", "model")
-    runner, head, new, ttft = prepared.new_runner(), prepared.lm_head, [], 0.0
+    head, new, ttft = prepared.lm_head, [], 0.0
+    runner = runner or prepared.new_runner()
+    runner.reset()
     ids = list(prompt_ids)
     start = time.perf_counter()
     with torch.inference_mode():

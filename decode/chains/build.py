@@ -99,7 +99,8 @@ def reference_decoders(cfg: Any, target: Prepared, eos: Any, sampling: Sampling 
         models["ar_eager"] = load_model(cfg.model.name, cfg.model.dtype, target.model.device)[0]
     if onednn and (other := onednn_target(cfg, target.model)) is not None:
         models["ar_onednn"] = other
-    return {name: (lambda p, n, s=sampling, m=model: autoregressive(m, p, n, s, eos_token_id=eos))
+    runners = {name: as_prepared(model).new_runner() for name, model in models.items()}  # one each, reused
+    return {name: (lambda p, n, s=sampling, m=model, r=runners[name]: autoregressive(m, p, n, s, eos, r))
             for name, model in models.items()}
 
 

@@ -97,6 +97,7 @@ def test_bench_skips_the_assistant_and_chain_slots_set_to_null(monkeypatch):
 
     import data.models
     from decode.bench import methods
+    from decode.engine.runner import as_prepared
     from decode_fixtures import tiny_model
 
     target = tiny_model()
@@ -106,6 +107,6 @@ def test_bench_skips_the_assistant_and_chain_slots_set_to_null(monkeypatch):
         "decode": {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0, "fast": False,
                    "bench": {"assistant": None, "two_level": None, "three_level": None, "extra": [],
                              "prompt_lookup_num_tokens": 3}}})
-    found, notes = methods(cfg, target, SimpleNamespace(eos_token_id=None))
+    found, notes = methods(cfg, as_prepared(target), SimpleNamespace(eos_token_id=None))
     assert list(found) == list(notes) == ["ar", "hf_prompt_lookup"]  # decode.fast off: no separate eager row
     assert len(found["ar"]([1, 2, 3], 4).tokens) == 4

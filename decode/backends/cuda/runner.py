@@ -1,0 +1,199 @@
+"""A Runner on a static KV cache whose forwards replay CUDA graphs, for any transformers causal LM with full attention.
+
+The cache is one preallocated buffer; its length is a pointer, so a rollback (`crop`) only moves the pointer and the
+keys past it stay in place, stale. Every forward therefore gets an explicit additive mask over the attention span (the
+first `span` positions, a power of two: the keys a forward reads grow with the context, not with max_length): causal
+(or the engine's tree mask) over the valid positions, the dtype's minimum over everything else. A forward of up to
+max(widths) tokens is padded to the next graph width (the padding's keys land past the valid positions, masked like
+any stale ones, and its outputs are dropped), so that with shapes fixed per (width, span) the decoder's forward is
+captured once as a CUDA graph (at its first use, after a warm-up on a side stream) and replayed from static input
+buffers; wider forwards, and every forward off CUDA, run the same computation eagerly."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from decode.engine.errors import DecodeError
+
+WIDTHS = (1, 2, 4, 8, 16)  # token widths captured as graphs: a token, chain drafts and verifications, small trees
+MAX_LENGTH = 4096  # positions the cache holds by default (at most the model's context)
+MIN_SPAN = 64  # the smallest attention span
+WARMUP = 2  # eager forwards on a side stream before a capture
+
+
+def unsupported(model: PreTrainedModel) -> str | None:
+    """Why the static runner cannot run `model`, or None: it masks every layer alike (full attention only), its graphs
+    need forwards without host syncs (no dynamic rotary scaling) and it leaves quantized kernels to HF's forward."""
+    config = model.config
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"}:
+        return f"layer types {sorted(kinds)}: only full attention"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if isinstance(rope, dict) and ("dynamic" in str(rope.get("rope_type")) or rope.get("rope_type") == "longrope"):
+        return f"{rope['rope_type']} rotary scaling (computed from the sequence)"
+    if getattr(config, "quantization_config", None) is not None:
+        return "quantized weights (their kernels' graph capture is unchecked)"
+    return None
+
+
+def span_for(needed: int, max_length: int) -> int:
+    """The attention span of a forward that needs `needed` positions: the next power of two (at least MIN_SPAN)."""
+    return min(max_length, max(MIN_SPAN, 1 << (needed - 1).bit_length()))
+
+
+def static_mask(mask: torch.Tensor | None, cached: int, width: int, span: int, dtype: torch.dtype,
+                rows: int | None = None) -> torch.Tensor:
+    """The additive mask [1, 1, rows (default width), span] of a forward of `width` tokens after `cached` positions:
+    `mask` (the engine's, [1, 1, width, cached + width]; None = causal) over the valid positions, the minimum past
+    them, where stale keys may lie; padding rows past `width` are causal (their outputs are dropped)."""
+    rows = rows or width
+    device = "cpu" if mask is None else mask.device
+    full = torch.full((1, 1, rows, span), torch.finfo(dtype).min, dtype=dtype, device=device)
+    causal = torch.ones(rows, cached + rows, dtype=torch.bool, device=device).tril(cached)
+    full[0, 0, :, : cached + rows].masked_fill_(causal, 0)
+    if mask is not None:
+        full[..., :width, : cached + width] = mask
+    return full
+
+
+def extend(x: torch.Tensor, rows: int, step: int) -> torch.Tensor:
+    """x [1, w] padded to [1, rows]: its last value plus `step` per padding position (ids: 0, positions: 1)."""
+    extra = rows - x.shape[1]
+    if extra == 0:
+        return x
+    return torch.cat([x, x[:, -1:] + step * torch.arange(1, extra + 1, device=x.device)], dim=1)
+
+
+class StaticKV(DynamicCache):
+    """Every layer's keys and values in one buffer [layers, 2, 1, kv_heads, max_length, head_dim], allocated at the
+    first write (from the keys' shape). A forward writes its keys at `slots` (a device tensor, so that a graph replays
+    with new ones) and its attention reads the first `span` positions; `length` is the pointer. A DynamicCache for the
+    rest of transformers' cache API (its layers stay empty: the runner always passes positions and a 4D mask)."""
+
+    def __init__(self, config, max_length: int):
+        super().__init__(config=config)
+        self.max_length, self.layer_count, self.length = max_length, config.num_hidden_layers, 0
+        self.kv: torch.Tensor | None = None
+        self.slots: torch.Tensor | None = None
+        self.span = max_length
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self.kv is None:
+            _, heads, _, dim = key_states.shape
+            self.kv = key_states.new_zeros(self.layer_count, 2, 1, heads, self.max_length, dim)
+        keys, values = self.kv[layer_idx, 0], self.kv[layer_idx, 1]
+        keys.index_copy_(2, self.slots, key_states)
+        values.index_copy_(2, self.slots, value_states)
+        return keys[:, :, : self.span], values[:, :, : self.span]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+
+@dataclass
+class Graph:
+    """A captured forward: its static inputs (ids, positions, mask, slots) and outputs (hidden, captured or None)."""
+
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple[torch.Tensor, ...]
+    outputs: tuple[torch.Tensor, torch.Tensor | None]
+
+
+class StaticRunner:
+    """The Runner protocol (decode.engine.runner) on a StaticKV: crop moves the pointer, keep gathers the kept
+    positions to the front, forwards padded to `widths` replay CUDA graphs on CUDA (eager elsewhere)."""
+
+    def __init__(self, model: PreTrainedModel, widths: tuple[int, ...] | None = None, max_length: int | None = None,
+                 graphs: bool = True):
+        """Forwards are padded to `widths` (None: those of WIDTHS the cache holds; () = no padding), which replay
+        CUDA graphs on CUDA unless `graphs` is False; the cache holds `max_length` positions (None: the model's
+        context, at most MAX_LENGTH)."""
+        self.model, self.config, self.decoder = model, model.config, model.get_decoder()
+        self.device, self.dtype = model.device, model.dtype
+        context = getattr(self.config, "max_position_embeddings", None) or MAX_LENGTH
+        self.max_length = max_length or min(MAX_LENGTH, context)
+        widths = tuple(w for w in WIDTHS if w <= self.max_length) if widths is None else widths
+        if any(not 1 <= w <= self.max_length for w in widths):
+            raise ValueError(f"graph widths {list(widths)} must be between 1 and max_length {self.max_length}")
+        self.widths = tuple(sorted(widths))
+        self.graph_widths = self.widths if graphs and self.device.type == "cuda" else ()
+        self.cache = StaticKV(self.config, self.max_length)
+        self.layers: tuple[int, ...] = ()
+        self.captured: torch.Tensor | None = None
+        self.graphs: dict[tuple[int, int], Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.graph_widths else None
+
+    def reset(self) -> None:
+        self.cache.length = 0
+
+    def cached(self) -> int:
+        return self.cache.length
+
+    def capture(self, layers: tuple[int, ...]) -> None:
+        self.layers = tuple(layers)
+        self.graphs.clear()  # graphs captured before return no features
+
+    def crop(self, length: int) -> None:
+        self.cache.length = min(self.cache.length, length)
+
+    @torch.inference_mode()
+    def keep(self, index: torch.Tensor) -> None:
+        kv = self.cache.kv
+        if kv is not None:
+            kv[..., : len(index), :] = kv.index_select(4, index.to(kv.device))
+        self.cache.length = len(index)
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None) -> torch.Tensor:
+        width, cached = ids.shape[1], self.cache.length
+        if cached + width > self.max_length:
+            raise DecodeError(f"the static runner holds {self.max_length} positions: {cached} cached + {width} new do "
+                              "not fit (a larger max_length, or a shorter prompt or max_new_tokens)")
+        rows = next((w for w in self.widths if w >= width and cached + w <= self.max_length), width)
+        span = span_for(cached + rows, self.max_length)
+        slots = torch.arange(cached, cached + rows, device=self.device)
+        positions = slots[None, :width] if positions is None else positions
+        inputs = (extend(ids, rows, 0), extend(positions, rows, 1),
+                  static_mask(mask, cached, width, span, self.dtype, rows).to(self.device), slots)
+        hidden, aux = self._replay(inputs) if rows in self.graph_widths else self._run(*inputs)
+        self.cache.length = cached + width
+        if self.layers:
+            self.captured = aux[:, :width]
+        return hidden[:, :width]
+
+    def _run(self, ids, positions, mask, slots) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decoder's forward (eagerly, or recorded into a graph): last hidden states and the captured ones."""
+        self.cache.slots, self.cache.span = slots, mask.shape[-1]
+        out = self.decoder(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
+                           use_cache=True, output_hidden_states=bool(self.layers))
+        aux = torch.cat([out.hidden_states[i] for i in self.layers], dim=-1) if self.layers else None
+        return out.last_hidden_state, aux
+
+    def _replay(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        key = (inputs[0].shape[1], inputs[2].shape[-1])
+        graph = self.graphs.get(key) or self._capture(key, inputs)
+        for static, value in zip(graph.inputs, inputs):
+            static.copy_(value)
+        graph.graph.replay()
+        hidden, aux = graph.outputs
+        return hidden.clone(), None if aux is None else aux.clone()
+
+    def _capture(self, key: tuple[int, int], inputs: tuple[torch.Tensor, ...]) -> Graph:
+        """Capture the forward of one (width, span) on this forward's inputs: the warm-up runs it for real, which
+        only writes this forward's keys at its own slots (the replay then writes the same ones again)."""
+        static = tuple(x.clone() for x in inputs)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(WARMUP):
+                self._run(*static)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = self._run(*static)
+        self.graphs[key] = Graph(graph, static, outputs)
+        return self.graphs[key]
