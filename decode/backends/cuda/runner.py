@@ -125,7 +125,7 @@ class StaticRunner:
         self.layers: tuple[int, ...] = ()
         self.captured: torch.Tensor | None = None
         self.graphs: dict[tuple[int, int], Graph] = {}
-        self.pool = torch.cuda.graph_pool_handle() if self.graph_widths else None
+        self._drop_graphs()
 
     def reset(self) -> None:
         self.cache.length = 0
@@ -135,7 +135,13 @@ class StaticRunner:
 
     def capture(self, layers: tuple[int, ...]) -> None:
         self.layers = tuple(layers)
-        self.graphs.clear()  # graphs captured before return no features
+        self._drop_graphs()  # graphs captured before return no features
+
+    def _drop_graphs(self) -> None:
+        """Forget every graph, and their memory pool with them: a pool whose graphs are all freed cannot take a new
+        capture (PyTorch asserts), so the next capture starts a new one."""
+        self.graphs.clear()
+        self.pool = torch.cuda.graph_pool_handle() if self.graph_widths else None
 
     def crop(self, length: int) -> None:
         self.cache.length = min(self.cache.length, length)
