@@ -110,7 +110,8 @@ def chain_manifest(
             "draft_depth": summary["draft_depth"],
         },
         "checks": {c["name"]: name not in c["by_chain"] for c in report["checks"]}
-                  | {"faster_than_ar": paired.Interval.from_dict(result["time_speedup_interval"]).above_one},
+                  | {"faster_than_ar": paired.Interval.from_dict(decision.get("corrected_intervals", {}).get(
+                      name, result["time_speedup_interval"])).above_one},  # as the gate judged it (Holm)
         "forced": decision["forced"], "rejected": decision["rejected"], "failed_checks": decision["failures"],
         "versions": library_versions(), "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "serve": serve_of(cfg, levels),
