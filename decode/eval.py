@@ -24,7 +24,7 @@ published.
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -33,7 +33,7 @@ from infra.cli import EXIT_NOT_PUBLISHED, run_main
 from infra.device import use_threads
 from decode.evaluation import speedup as paired
 from decode.evaluation import EvalError
-from decode.evaluation.checks import evaluate, top2_margin
+from decode.evaluation.checks import ReferenceFn, evaluate
 from decode.evaluation.publish import chain_manifest, clean_stale, gate, publish_bundle, set_aside
 from decode.evaluation.runner import Decoded, build_decoders, decode_questions, decode_sampled, plan_chains
 
@@ -87,10 +87,15 @@ def run(cfg: DictConfig) -> int:
     chains = ({name: spec.as_config() for name, spec in specs.items()}
               | {p["chain"]: p["levels"] for p in plans.values()})
     decoded = Decoded(records, chains, len(questions), plans, sampled)
-    return conclude(cfg, decoded, lambda ids: top2_margin(target, ids), weights_hash(target), tracker)
+    from decode.chains.baselines import greedy_margins
+
+    def reference_fn(prompt: list[int], forced: list[int], n: int):
+        return greedy_margins(prepared, prompt, forced, n, eos)
+
+    return conclude(cfg, decoded, reference_fn, weights_hash(target), tracker)
 
 
-def conclude(cfg: DictConfig, decoded: Decoded, margin_fn: Callable[[list[int]], tuple[float, list[int]]],
+def conclude(cfg: DictConfig, decoded: Decoded, reference_fn: ReferenceFn,
              target_hash: str, tracker: Any) -> int:
     """From decoded records to the gate: evaluate, write the report, publish or refuse; the exit code."""
     from decode.evaluation.report import write_report
@@ -103,7 +108,7 @@ def conclude(cfg: DictConfig, decoded: Decoded, margin_fn: Callable[[list[int]],
     checks_cfg = OmegaConf.create({**OmegaConf.to_container(ecfg.checks), "near_tie_relative": near_tie,
                                    "confidence": confidence})
     removed = clean_stale([ecfg.out_dir, ecfg.publish.dir])
-    report = evaluate(decoded, margin_fn, checks_cfg)
+    report = evaluate(decoded, reference_fn, checks_cfg)
     speedups = {n: paired.Interval.from_dict(r["time_speedup_interval"]) for n, r in report["chains"].items()}
     decision = gate(report["checks"], speedups, str(ecfg.publish.chain), bool(ecfg.publish.force))
     report |= {"run_name": cfg.run_name, "gate": decision, "config": OmegaConf.to_container(ecfg, resolve=True),

@@ -67,6 +67,32 @@ def autoregressive(
     return Generation(new, GenerationStats(wall, ttft, len(new), 0.0, [stats]))
 
 
+def greedy_margins(
+    target: PreTrainedModel | Prepared, prompt_ids: list[int], forced: list[int], max_new_tokens: int,
+    eos_token_id: int | list[int] | None = None,
+) -> tuple[list[int], list[tuple[float, list[int]]]]:
+    """Greedy decoding as `autoregressive` runs it (a prefill, then one-token forwards on a runner of the prepared
+    target),
+    taking the `forced` tokens in place of its first choices; with each position's relative top-2 margin and top-2
+    tokens, read from the logits of the forward that chose the token there: the near-tie check's evidence comes
+    from the arithmetic that decided, not from another forward that may round differently."""
+    prepared = as_prepared(target)
+    eos, runner, head, model = _eos_set(eos_token_id), prepared.new_runner(), prepared.lm_head, prepared.model
+    tokens: list[int] = []
+    margins: list[tuple[float, list[int]]] = []
+    ids = list(prompt_ids)
+    with torch.inference_mode():
+        while len(tokens) < max_new_tokens and not (tokens and tokens[-1] in eos):
+            hidden = runner.forward(torch.tensor([ids], device=model.device), None, None)
+            logits = softcapped(head(hidden[:, -1:]), model.config)[0, -1].float()
+            top = torch.topk(logits, 2)
+            a, b = top.values.tolist()
+            margins.append(((a - b) / max(abs(a), 1e-12), top.indices.tolist()))
+            tokens.append(forced[len(tokens)] if len(tokens) < len(forced) else int(logits.argmax()))
+            ids = [tokens[-1]]
+    return tokens, margins
+
+
 class _FirstTokenClock(BaseStreamer):
     """Records when generate emits its first new token (its first put is the prompt)."""
 

@@ -59,7 +59,8 @@ def _gate_section(report: dict[str, Any]) -> list[str]:
               f"prediction within {agreement['tolerance']:.0%} of the measured decoding time "
               "(unless its interval overlaps the tolerance), and shown faster than AR: "
               f"the lower bound of its speedup's {report['config']['confidence']:.0%} "
-              "interval (paired over turns) above 1. "
+              "interval (paired over turns) above 1, "
+              f"multiple-comparison correction: {gate.get('correction', 'none')}. "
               "The admissible chain with the highest lower bound is published.", ""]
     lines += _table(["check", "result", "why"], [
         [c["name"], "pass" if c["passed"] else "FAIL", "; ".join(c["reasons"]) or "-"] for c in report["checks"]

@@ -40,7 +40,8 @@ def decode_questions(
     decoders: dict[str, Decoder], questions: list, tokenizer, max_new_tokens: int, warmup_tokens: int,
     reference: str = "ar",
 ) -> dict[str, list[Record]]:
-    """Decode every turn of every question with every decoder, interleaved so CPU noise hits all alike."""
+    """Decode every turn of every question with every decoder, interleaved so CPU noise hits all alike, in an
+    order rotated from turn to turn (as decode.bench does): no method always runs first, on a cooler cache."""
     from data.sharegpt import chat_prompt_ids
 
     if reference not in decoders:
@@ -49,14 +50,16 @@ def decode_questions(
     for decode in decoders.values():
         decode(first, warmup_tokens)
     records: dict[str, list[Record]] = {name: [] for name in decoders}
+    names, step = list(decoders), 0
     progress = tqdm(questions, desc="eval", unit="question", file=sys.stderr)
     for question in progress:
         messages: list[dict[str, str]] = []
         for turn, text in enumerate(question.turns):
             messages.append({"role": "user", "content": text})
             prompt_ids = chat_prompt_ids(tokenizer, messages)
-            for name, decode in decoders.items():
-                records[name].append(_record(question, turn, prompt_ids, decode(prompt_ids, max_new_tokens)))
+            for name in names[step % len(names):] + names[: step % len(names)]:  # no method always runs first
+                records[name].append(_record(question, turn, prompt_ids, decoders[name](prompt_ids, max_new_tokens)))
+            step += 1
             answer = tokenizer.decode(records[reference][-1].tokens, skip_special_tokens=True)
             messages.append({"role": "assistant", "content": answer})
         progress.set_postfix({n: f"{r[-1].tokens_per_s:.1f}tok/s" for n, r in records.items()})

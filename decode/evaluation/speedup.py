@@ -11,7 +11,7 @@ bootstrap is too narrow.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from statistics import NormalDist
 from typing import Sequence
 
@@ -102,3 +102,39 @@ def time_speedup(reference: Sequence[Timed], method: Sequence[Timed], confidence
 def ratio(numerators: Sequence[float], denominators: Sequence[float], confidence: float = 0.95) -> Interval:
     """Sum of numerators over sum of denominators, paired by turn (e.g. predicted over measured time)."""
     return time_speedup([(x, 1) for x in numerators], [(y, 1) for y in denominators], confidence)
+
+
+def at_confidence(x: Interval, confidence: float) -> Interval:
+    """The same paired interval (same estimate and standard error) drawn at another confidence level."""
+    if x.low is None:
+        return replace(x, confidence=confidence)
+    df = x.turns - 1
+    widen = t_quantile(1 - (1 - confidence) / 2, df) / t_quantile(1 - (1 - x.confidence) / 2, df)
+    spread = math.log(x.estimate / x.low) * widen
+    return replace(x, low=x.estimate * math.exp(-spread), high=x.estimate * math.exp(spread), confidence=confidence)
+
+
+def holm(intervals: dict[str, Interval]) -> dict[str, Interval]:
+    """Holm's step-down correction of "shown faster" (one-sided: the lower bound above 1) over every interval
+    given: with m chains each tested at (1 - confidence) / 2, the chance of showing any chain faster that is not
+    would grow towards m times that; Holm keeps it at that level. Chains ordered by their evidence (the t
+    statistic of the log speedup), the k-th (from 0) is redrawn at the level testing it at alpha / (m - k); after
+    the first not shown faster, the rest are drawn at that failing step's level, where none of them is."""
+    m = len(intervals)
+
+    def evidence(x: Interval) -> float:
+        if x.low is None:
+            return -math.inf
+        if x.estimate <= x.low:  # no spread
+            return math.inf if x.estimate > 1 else -math.inf
+        return math.log(x.estimate) / math.log(x.estimate / x.low)  # t over the interval's quantile (equal turns)
+
+    out: dict[str, Interval] = {}
+    stop: float | None = None
+    for k, name in enumerate(sorted(intervals, key=lambda n: evidence(intervals[n]), reverse=True)):
+        x = intervals[name]
+        level = stop if stop is not None else 1 - (1 - x.confidence) / (m - k)
+        out[name] = at_confidence(x, level)
+        if stop is None and not out[name].above_one:
+            stop = level
+    return {name: out[name] for name in intervals}

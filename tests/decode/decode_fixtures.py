@@ -6,7 +6,7 @@ import copy
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from decode.chains.baselines import autoregressive
+from decode.chains.baselines import autoregressive, greedy_margins
 from decode.engine.runner import Prepared, as_prepared
 
 
@@ -69,16 +69,12 @@ def prompts(vocab: int, n: int = 3, seed: int = 0) -> list[list[int]]:
 
 
 def greedy_equal(target, prompt: list[int], got: list[int], tol: float = 1e-4) -> tuple[bool, int]:
-    """Compare a chain's greedy tokens with the target's plain greedy decoding (KV-cached AR).
+    """Compare a chain's greedy tokens with the target's plain greedy decoding (KV-cached AR), as the eval does
+    (decode.evaluation.checks.compare_greedy): a divergence passes only at a near-tie of the target's top-2 logits
+    in the forward that chose AR's token (relative margin within tol), and the comparison goes on past it against
+    AR re-decoded with the chain's token. Returns (ok, ties seen)."""
+    from decode.evaluation.checks import compare_greedy
 
-    A divergence passes only at a near-tie: the target's own top-2 logit margin at that position, in a
-    fresh full forward, within tol (relative to the top logit). Returns (ok, ties seen)."""
     ref = autoregressive(target, prompt, len(got)).tokens
-    for i, (a, b) in enumerate(zip(ref, got)):
-        if a != b:
-            with torch.no_grad():
-                logits = target(torch.tensor([prompt + ref[:i]], device=target.device)).logits[0, -1].float()
-            top2 = logits.topk(2).values
-            margin = float(top2[0] - top2[1])
-            return margin <= tol * max(1.0, abs(float(top2[0]))), 1
-    return len(ref) == len(got), 0
+    reason, ties = compare_greedy(prompt, got, ref, lambda p, forced, n: greedy_margins(target, p, forced, n), tol)
+    return reason is None, len(ties)

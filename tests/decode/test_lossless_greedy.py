@@ -47,6 +47,27 @@ SHAPES = {
 }
 
 
+@pytest.mark.parametrize("off", [-1, 1])
+def test_a_rollback_off_by_one_in_the_native_runner_is_caught_not_excused(monkeypatch, off):
+    """Planted: the native runner's rollback crops to length - 1 (loses an accepted token's keys) or length + 1
+    (keeps a rejected one's). The chain's output then parts from AR's, and greedy_equal fails it: not excused as a
+    near-tie, and not hidden behind one, since the comparison goes on past an excused tie."""
+    from decode.backends.cpu.llama import NativeLlamaRunner
+
+    target = tiny_model(seed=0, vocab=VOCAB)
+    t, m, d = (native(x) for x in (target, noisy_copy(target, 0.03, seed=1), noisy_copy(target, 0.1, seed=2)))
+    crop = NativeLlamaRunner.crop
+
+    def planted(self, length: int) -> None:
+        crop(self, length + off if length < self.length else length)
+
+    chain = Chain(SHAPES["3 levels, mu 4"](t, m, d))
+    monkeypatch.setattr(NativeLlamaRunner, "crop", planted)
+    outputs = [(prompt, chain.generate(prompt, 40).tokens) for prompt in prompts(VOCAB)]
+    monkeypatch.undo()
+    assert not all(greedy_equal(t, prompt, tokens)[0] for prompt, tokens in outputs)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_chain_greedy_equals_target_greedy(models, shape):
     target = models[0]

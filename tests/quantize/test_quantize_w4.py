@@ -227,9 +227,11 @@ def test_bundled_model_quantizes_and_the_w4_level_is_close(tmp_path):
 
 
 def test_packed_int4_forward_matches_gptqmodels_own(quantized):
-    """decode.backends.cpu.pack gives the int4 linears a lean forward: same kernel, same logits, and unpack undoes it.
-    Whether q/k/v and gate/up also run fused depends on the machine (the fusion is kept only where its
-    logits are bit-identical), so only the logits are asserted, never which optimisation stayed."""
+    """decode.backends.cpu.pack gives the int4 linears a lean forward: the same logits within bf16 rounding, and
+    unpack undoes it exactly. Packing also swaps the dense linears and attention for the project's kernels, whose
+    fp32 sums run in another order than torch's on some CPUs (Sapphire Rapids): that can flip the bf16 rounding of
+    an int4 linear's input or output, so the packed side is held to a bound from that arithmetic, not to bit
+    identity; unpacked, both sides run torch's own kernels and must agree bit for bit."""
     from transformers import DynamicCache
 
     from data.models import load_model
@@ -249,5 +251,14 @@ def test_packed_int4_forward_matches_gptqmodels_own(quantized):
         unpack(model)
         assert not any("forward" in vars(m) or m.sibling is not None for m in int4)
         again = model(ids).logits
-    assert torch.equal(lean, own) and torch.equal(again, own)
-    assert torch.allclose(step[0], own[0, 20:], atol=5e-2)  # the kernel computes in bf16
+    assert torch.equal(again, own)
+    tolerance = bf16_rounding_bound(own, model.config.num_hidden_layers)
+    assert (lean - own).abs().max() <= tolerance
+    assert (step[0] - own[0, 20:]).abs().max() <= tolerance
+
+
+def bf16_rounding_bound(logits: torch.Tensor, layers: int) -> float:
+    """How far two correct int4 forwards may part: each layer's four int4 linears in series (q/k/v, o, gate/up,
+    down) round input and output to bf16 (2**-8 relative), one ulp of the logits' scale per rounding; a wrong group
+    size, act-order index or bias moves the logits by their own scale, far beyond it."""
+    return 2 * 4 * layers * 2.0 ** -8 * logits.abs().max().item()

@@ -440,7 +440,9 @@ def test_eagle3_training_lowers_the_loss_and_writes_a_loadable_head(tiny_setup, 
     assert metrics["train/steps"] == 16 and len(losses) == 16
     first, last = [sum(x[k] for x in losses[:4]) for k in (0, 1)], [sum(x[k] for x in losses[-4:]) for k in (0, 1)]
     assert last[0] < first[0] - 0.02 and last[1] > first[1] + 0.4, losses
-    assert metrics["eval/top1_depth1"] >= 0 and "eval/top1_depth3" in metrics
+    # held out, training must not lower the head's agreement with the target below the untrained head's (on this
+    # tiny random target both are 0.0 today: the training top-1 above carries the "it learns" claim)
+    assert metrics["eval/top1_depth1"] >= metrics["untrained/top1_depth1"] and "eval/top1_depth3" in metrics
     (store_dir,) = [p for p in (tmp_path / "eagle3_features").iterdir() if p.is_dir()]
     shard = load_file(str(next(store_dir.glob("shard-*.safetensors"))))
     assert shard["aux"].shape[1] == 3 * 32 and shard["features"].shape[1] == 32
