@@ -6,11 +6,11 @@ activation order is a Q4_0 tensor exactly (Q4_0: blocks of 32 inputs, one fp16 s
 w = scale[g] * (q - 8) with each group's scale repeated over its blocks), so the codes and scales are copied, not
 requantized, and llama.cpp's dequantized weights equal the checkpoint's bit for bit. Where that cannot hold
 (asymmetric zeros, activation order or a group not made of whole 32-wide blocks, scales not in fp16, another
-packing) the export refuses in one line. The token embedding and output layer (tied in SmolLM2: one tensor, read
-whole for every drafted token) are quantized to Q8_0, as in llama.cpp's own Q4_0/Q4_1 files (Q6_K needs rows of
-256, and this model's are 576): kept F32 they were most of what the draft reads per token (113 of 180 MB), which
-made drafting with it slower than llama.cpp's plain decoding; the draft's outputs only set what is accepted, never
-the target's text. Everything is written to a temp path and renamed.
+packing) the export refuses in one line. The token embedding and output layer (tied in SmolLM2: one tensor, the
+output matmul reads it whole for every drafted token) are Q8_0, as in llama.cpp's own Q4_0/Q4_1 files (Q6_K needs
+rows of 256; this model's are 576): kept F32 they were 113 of the draft's 175 MB (30 in Q8_0), and drafting with
+it was slower than llama.cpp's plain decoding. The draft's outputs only set what is accepted, never the target's
+text. Everything is written to a temp path and renamed.
 """
 from __future__ import annotations
 
