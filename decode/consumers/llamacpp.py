@@ -3,10 +3,10 @@ as its own command-line tools (plain greedy decoding, speculative decoding with 
 
 The build lives under the cache dir, one folder per sdist version, CPU kind and ISA options: on x86 the instruction
 sets are named from /proc/cpuinfo's flags (GGML_NATIVE=OFF), since `-march=native` turns on ggml's AMX matmul on
-an AMX host regardless of the GGML_AMX_* options, and that path dies with SIGILL there (its worker threads run
-tile instructions without the per-process XTILEDATA permission Linux requires); so AMX is left out everywhere. An
-AVX-512 build must not run on an AVX2-only machine; with the AVX2 paths forced (ATEN_CPU_CAPABILITY=avx2) an
-AVX-512 host builds and runs an AVX2-only llama.cpp of its own. It is
+an AMX host regardless of the GGML_AMX_* options, and that path dies with SIGILL (`tilezero` on an OpenMP worker,
+Sapphire Rapids, 2026-11-26; ggml does ask Linux for the tile-data permission, so the cause is not found); AMX is
+left out everywhere until it works. An AVX-512 build must not run on an AVX2-only machine; with the AVX2 paths
+forced (ATEN_CPU_CAPABILITY=avx2) an AVX-512 host builds and runs an AVX2-only llama.cpp of its own. It is
 all-or-nothing like the vLLM venv (decode/consumers/vllm_venv.py): everything is built in a work folder, the tools
 are copied into a staging folder whose marker file is written last, and the staging folder is renamed into place;
 a folder without the marker (a killed build) is rebuilt from scratch. The tools are linked statically, so they run
