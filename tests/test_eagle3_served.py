@@ -1,7 +1,8 @@
 """An EAGLE-3 head trained by train.eagle (train=eagle3) on the real default, then loaded unchanged by the real
 consumers through decode.interop: vLLM (method eagle3) and llama.cpp (its own converter, draft-eagle3). A few
 dozen steps train a head that accepts enough for the acceptance comparison to mean something: a wrong layout
-or an off-by-one aux layer accepts ~nothing in an engine while polyspec's own decoding accepts."""
+or an off-by-one aux layer accepts ~nothing in an engine while polyspec's own decoding accepts, and check (b) then
+fails (an engine's L must reach 1 + half of polyspec's L - 1, which is above 1.025 here)."""
 from __future__ import annotations
 
 import json

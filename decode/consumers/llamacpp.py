@@ -1,9 +1,12 @@
 """llama.cpp as a peer engine: built once from the llama.cpp that the `llama-cpp-python` sdist vendors, then run
 as its own command-line tools (plain greedy decoding, speculative decoding with a draft GGUF, n-gram modes).
 
-The build lives under the cache dir, one folder per sdist version and CPU kind: GGML_NATIVE compiles for the
-building CPU, so an AVX-512 build must not run on an AVX2-only machine; with the AVX2 paths forced
-(ATEN_CPU_CAPABILITY=avx2) an AVX-512 host builds and runs an AVX2-only llama.cpp of its own. It is
+The build lives under the cache dir, one folder per sdist version, CPU kind and ISA options: on x86 the instruction
+sets are named from /proc/cpuinfo's flags (GGML_NATIVE=OFF), since `-march=native` turns on ggml's AMX matmul on
+an AMX host regardless of the GGML_AMX_* options, and that path dies with SIGILL (`tilezero` on an OpenMP worker,
+Sapphire Rapids, 2026-11-26; ggml does ask Linux for the tile-data permission, so the cause is not found); AMX is
+left out everywhere until it works. An AVX-512 build must not run on an AVX2-only machine; with the AVX2 paths
+forced (ATEN_CPU_CAPABILITY=avx2) an AVX-512 host builds and runs an AVX2-only llama.cpp of its own. It is
 all-or-nothing like the vLLM venv (decode/consumers/vllm_venv.py): everything is built in a work folder, the tools
 are copied into a staging folder whose marker file is written last, and the staging folder is renamed into place;
 a folder without the marker (a killed build) is rebuilt from scratch. The tools are linked statically, so they run
@@ -31,9 +34,17 @@ CMAKE_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DGGML_CCACHE=OFF",
 )
-# An AVX2-only build (an AVX2 host's instruction set: no AVX-512), for the AVX2 paths forced on an AVX-512 host.
-AVX2_OPTIONS = ("-DGGML_NATIVE=OFF", "-DGGML_SSE42=ON", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
-                "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF")
+# ggml's x86 ISA options and the /proc/cpuinfo flags each needs; the first six are an AVX2 host's set (what the
+# forced AVX2 paths build on an AVX-512 host)
+AVX512_BASE = ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw")  # what GGML_AVX512 compiles for
+ISA_FLAGS = {
+    "GGML_SSE42": ("sse4_2",), "GGML_AVX": ("avx",), "GGML_AVX2": ("avx2",), "GGML_FMA": ("fma",),
+    "GGML_F16C": ("f16c",), "GGML_BMI2": ("bmi2",), "GGML_AVX_VNNI": ("avx_vnni",), "GGML_AVX512": AVX512_BASE,
+    "GGML_AVX512_VBMI": (*AVX512_BASE, "avx512vbmi"), "GGML_AVX512_VNNI": (*AVX512_BASE, "avx512_vnni"),
+    "GGML_AVX512_BF16": (*AVX512_BASE, "avx512_bf16"),
+}
+AVX2_LEVEL = tuple(ISA_FLAGS)[:6]
+AMX_OFF = ("-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF")
 SIMD_FLAG = re.compile(r"^(avx|sse|ssse|fma|f16c|bmi|amx|vaes|vpclmul|gfni)")
 
 
@@ -47,18 +58,21 @@ def avx2_forced() -> bool:
     return os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2"
 
 
-def cpu_kind() -> str:
-    """`avx512-<hash>` / `avx2-<hash>` / `generic-<hash>`: the widest vector ISA and a hash of every SIMD flag,
-    since a native build uses whatever extensions the building CPU has (VNNI, BF16...); `avx2-forced` for the AVX2
-    build on an AVX-512 host (avx2_forced)."""
-    flags: set[str] = set()
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it lists none: not Linux on x86)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
+                return set(line.split(":", 1)[1].split())
     except OSError:
         pass
+    return set()
+
+
+def cpu_kind() -> str:
+    """`avx512-<hash>` / `avx2-<hash>` / `generic-<hash>`: the widest vector ISA and a hash of every SIMD flag;
+    `avx2-forced` for the AVX2 build on an AVX-512 host (avx2_forced)."""
+    flags = cpu_flags()
     simd = sorted(f for f in flags if SIMD_FLAG.match(f))
     widest = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "generic"
     if widest == "avx512" and avx2_forced():
@@ -66,16 +80,25 @@ def cpu_kind() -> str:
     return f"{widest}-{hashlib.sha256(' '.join(simd).encode()).hexdigest()[:8]}"
 
 
-def isa_options() -> tuple[str, ...]:
-    """GGML_NATIVE (whatever the building CPU has), or the AVX2 set where cpu_kind says it is forced."""
-    return AVX2_OPTIONS if cpu_kind() == "avx2-forced" else ("-DGGML_NATIVE=ON",)
+def isa_options(flags: set[str] | None = None) -> tuple[str, ...]:
+    """The CMake ISA options for a CPU with these flags (default: this one's): on x86 each of ggml's instruction
+    sets the flags have (the AVX2 level only where cpu_kind says it is forced), AMX off; GGML_NATIVE elsewhere."""
+    flags = cpu_flags() if flags is None else flags
+    if "sse2" not in flags:  # not x86: no AMX, and the native build is the one ggml tunes for that CPU
+        return ("-DGGML_NATIVE=ON",)
+    names = AVX2_LEVEL if "avx512f" in flags and avx2_forced() else tuple(ISA_FLAGS)
+    chosen = [f"-D{name}={'ON' if name in names and set(ISA_FLAGS[name]) <= flags else 'OFF'}" for name in ISA_FLAGS]
+    return ("-DGGML_NATIVE=OFF", *chosen, *AMX_OFF)
 
 
 def default_folder() -> Path:
+    """`<cache>/llamacpp/<version>-<cpu kind>-<hash of the build options>`: a build made with other options (the
+    native AMX build that crashed) is never reused."""
     from data.models import cache_dir
 
     version = SDIST.split("==")[1]
-    return cache_dir() / "llamacpp" / f"{version}-{cpu_kind()}"
+    options = hashlib.sha256(" ".join((*CMAKE_OPTIONS, *isa_options())).encode()).hexdigest()[:8]
+    return cache_dir() / "llamacpp" / f"{version}-{cpu_kind()}-{options}"
 
 
 def is_ready(folder: Path) -> bool:

@@ -6,7 +6,11 @@ activation order is a Q4_0 tensor exactly (Q4_0: blocks of 32 inputs, one fp16 s
 w = scale[g] * (q - 8) with each group's scale repeated over its blocks), so the codes and scales are copied, not
 requantized, and llama.cpp's dequantized weights equal the checkpoint's bit for bit. Where that cannot hold
 (asymmetric zeros, activation order or a group not made of whole 32-wide blocks, scales not in fp16, another
-packing) the export refuses in one line. Everything is written to a temp path and renamed.
+packing) the export refuses in one line. The token embedding and output layer (tied in SmolLM2: one tensor, the
+output matmul reads it whole for every drafted token) are Q8_0, as in llama.cpp's own Q4_0/Q4_1 files (Q6_K needs
+rows of 256; this model's are 576): kept F32 they were 113 of the draft's 175 MB (30 in Q8_0), and drafting with
+it was slower than llama.cpp's plain decoding. The draft's outputs only set what is accepted, never the target's
+text. Everything is written to a temp path and renamed.
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ from infra.cli import PolyspecError
 Q4_0_BLOCK = 32
 Q4_0_BYTES = 18  # fp16 scale + 16 bytes of two 4-bit codes each
 ROPE_PERMUTED = {"attn_q": "llama.attention.head_count", "attn_k": "llama.attention.head_count_kv"}
+Q8_0_TENSORS = ("token_embd.weight", "output.weight")  # quantized as llama-quantize does for a Q4_0 file
+EXPORT = "linears Q4_0 exact, embeddings/output Q8_0"  # in w4_gguf's cache key: a new layout is a new file
 
 
 class GgufExportError(PolyspecError, ValueError):
@@ -185,24 +191,35 @@ def _gguf_weights(target: gguf.GGUFReader, linears: list[GptqLinear]) -> dict[st
 
 
 def export_w4(gptq_folder: str | Path, target: str | Path, out: str | Path) -> Path:
-    """Write the W4 level as a Q4_0 GGUF: the target GGUF's metadata, tokenizer and other tensors, its linear
-    weights replaced by the GPTQ checkpoint's exactly (refused in one line where that cannot be exact)."""
+    """Write the W4 level as a Q4_0 GGUF: the target GGUF's metadata, tokenizer and norms, its linear weights
+    replaced by the GPTQ checkpoint's exactly (refused in one line where that cannot be exact), its embedding and
+    output tensors in Q8_0 (q8_0_or_kept)."""
     reader = gguf.GGUFReader(target)
     weights = _gguf_weights(reader, gptq_linears(Path(gptq_folder)))
     tensors = {t.name: (weights[t.name], gguf.GGMLQuantizationType.Q4_0) if t.name in weights
-               else (t.data, t.tensor_type) for t in reader.tensors}
+               else q8_0_or_kept(t) for t in reader.tensors}
     return _write_gguf(reader, tensors, gguf.LlamaFileType.MOSTLY_Q4_0, Path(out))
+
+
+def q8_0_or_kept(tensor: gguf.ReaderTensor) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
+    """An F32 embedding or output tensor (Q8_0_TENSORS) whose rows are whole 32-wide blocks as Q8_0 (gguf's own
+    quantizer, as the reference Q8_0 of llama.cpp); any other tensor as it is."""
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
+    if (tensor.name in Q8_0_TENSORS and tensor.tensor_type == gguf.GGMLQuantizationType.F32
+            and tensor.data.ndim == 2 and tensor.data.shape[-1] % gguf.GGML_QUANT_SIZES[q8_0][0] == 0):
+        return gguf.quants.quantize(np.asarray(tensor.data), q8_0), q8_0
+    return tensor.data, tensor.tensor_type
 
 
 def w4_gguf(gptq_folder: Path | None, target: Path) -> Path:
     """The W4 level's Q4_0 GGUF for a GPTQ checkpoint and target GGUF, exported once and cached by their content
-    (the checkpoint's config and weights, the target file's name)."""
+    (the checkpoint's config and weights, the target file's name) and the export's layout (EXPORT)."""
     from data.models import cache_dir
 
     if gptq_folder is None or not (Path(gptq_folder) / "config.json").exists():
         raise GgufExportError(f"no W4 checkpoint at {gptq_folder}: run python -m quantize.w4")
     folder = Path(gptq_folder)
-    digest = hashlib.sha256(target.name.encode())
+    digest = hashlib.sha256(f"{target.name} {EXPORT}".encode())
     for file in [folder / "config.json", *sorted(folder.glob("*.safetensors"))]:
         with file.open("rb") as fh:
             for block in iter(lambda: fh.read(1 << 20), b""):

@@ -79,20 +79,47 @@ def test_cpu_kind_names_the_widest_vector_isa(monkeypatch):
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     kind = llamacpp.cpu_kind()
     assert kind.split("-")[0] in ("avx512", "avx2", "generic") and len(kind.split("-")[1]) == 8
-    assert llamacpp.isa_options() == ("-DGGML_NATIVE=ON",)
+    assert llamacpp.isa_options({"fpu", "neon"}) == ("-DGGML_NATIVE=ON",)  # not x86: the native build
+
+
+SAPPHIRE_RAPIDS = {"sse2", "sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx_vnni", *llamacpp.AVX512_BASE,
+                   "avx512vbmi", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16"}
+
+
+def test_an_amx_host_builds_its_isa_by_name_without_amx_in_a_folder_of_its_own(monkeypatch):
+    """-march=native would turn ggml's AMX matmul on (SIGILL on Sapphire Rapids): the sets are named, AMX off, and
+    the folder's name changes with the options, so the crashing native build is not reused."""
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.setenv("POLYSPEC_CACHE", "/c")
+    monkeypatch.setattr(llamacpp, "cpu_flags", lambda: SAPPHIRE_RAPIDS)
+    options = llamacpp.isa_options()
+    assert options[0] == "-DGGML_NATIVE=OFF" and "-DGGML_NATIVE=ON" not in options
+    assert {"-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON", "-DGGML_AVX_VNNI=ON"} <= set(options)
+    assert {"-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"} <= set(options)
+    assert not [o for o in options if "AMX" in o and o.endswith("=ON")]
+    kind = llamacpp.cpu_kind()
+    old = Path("/c/llamacpp") / f"{llamacpp.SDIST.split('==')[1]}-{kind}"  # the key of the native build
+    new = llamacpp.default_folder()
+    assert kind.startswith("avx512-") and new != old and new.name.startswith(old.name + "-")
+    monkeypatch.setattr(llamacpp, "isa_options", lambda: ("-DGGML_NATIVE=ON",))
+    assert llamacpp.default_folder() != new  # other options, another folder
 
 
 def test_forced_avx2_paths_build_an_avx2_only_llamacpp_of_their_own(monkeypatch):
-    """ATEN_CPU_CAPABILITY=avx2 on an AVX-512 host: its own build folder, no AVX-512 in it; elsewhere no change."""
+    """ATEN_CPU_CAPABILITY=avx2 on an AVX-512 host: its own build folder, no AVX-512 in it; on an AVX2 host the
+    same options as without it."""
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
-    has_avx512 = "avx512f" in Path("/proc/cpuinfo").read_text()
-    kind = llamacpp.cpu_kind()
-    if has_avx512:
-        assert kind == "avx2-forced" and llamacpp.default_folder().name.endswith("-avx2-forced")
-        options = llamacpp.isa_options()
-        assert {"-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_AVX512=OFF"} <= set(options)
-    else:
-        assert kind.split("-")[0] in ("avx2", "generic") and llamacpp.isa_options() == ("-DGGML_NATIVE=ON",)
+    monkeypatch.setattr(llamacpp, "cpu_flags", lambda: SAPPHIRE_RAPIDS)
+    assert llamacpp.cpu_kind() == "avx2-forced" and "-avx2-forced-" in llamacpp.default_folder().name
+    options = llamacpp.isa_options()
+    assert {"-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF",
+            "-DGGML_AMX_INT8=OFF"} <= set(options)
+    zen3 = {"sse2", "sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"}
+    monkeypatch.setattr(llamacpp, "cpu_flags", lambda: zen3)
+    assert llamacpp.cpu_kind().startswith("avx2-") and llamacpp.cpu_kind() != "avx2-forced"
+    forced = llamacpp.isa_options()
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    assert forced == llamacpp.isa_options() and {"-DGGML_AVX2=ON", "-DGGML_AVX512=OFF"} <= set(forced)
 
 
 def peer_config(enabled, model="bundled:smollm2-135m-instruct", dtype="float32"):
@@ -284,3 +311,15 @@ def test_llamacpp_builds_and_decodes_losslessly_with_the_w4_gguf_as_draft(tmp_pa
     assert out.prompt_tokens == plain.prompt_tokens
     drafted = decode(tools, target, prompt, n, 1, Speculation("draft-simple", draft=draft, draft_max=4))
     assert drafted.drafted > 0 and drafted.accepted > 0
+
+
+@pytest.mark.slow
+def test_the_projects_build_decodes_a_quantized_gguf():
+    """The bundled Q4_1 file (Q8_0 embeddings) decoded by the project's build: the quantized matmuls that died with
+    SIGILL in ggml's AMX path on Sapphire Rapids under the native build."""
+    from data.models import bundled_gguf
+    from decode.consumers.llamacpp import decode, ensure_built
+
+    prompt = "<|im_start|>user\nWrite a short poem about the sea.<|im_end|>\n<|im_start|>assistant\n"
+    out = decode(ensure_built(), bundled_gguf("smollm2-135m-instruct"), prompt, 16, 2)
+    assert out.new_tokens == 16 and out.text.strip() and out.drafted == 0

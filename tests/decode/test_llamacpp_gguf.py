@@ -1,6 +1,6 @@
 """The W4 level as a Q4_0 GGUF (decode/consumers/llamacpp_gguf.py): exact where GPTQ is symmetric without act order,
-refused in one line elsewhere; the written file keeps the target's metadata and other tensors. Synthetic GPTQ layers and
-a tiny target GGUF: no model, no llama.cpp build."""
+refused in one line elsewhere; the written file keeps the target's metadata and norms, its embedding in Q8_0.
+Synthetic GPTQ layers and a tiny target GGUF: no model, no llama.cpp build."""
 from __future__ import annotations
 
 import json
@@ -103,7 +103,7 @@ def gptq_folder(folder, linears: dict[str, GptqLinear], **quant) -> None:
     save_file(parts, folder / "model.safetensors")
 
 
-def test_export_replaces_the_linears_exactly_and_keeps_the_rest(tmp_path):
+def test_export_replaces_the_linears_exactly_keeps_the_norms_and_quantizes_the_embedding(tmp_path):
     target = tmp_path / "target.gguf"
     kept = tiny_target(target)
     linears = {"model.layers.0.self_attn.q_proj": gptq_linear(64, 64, 64, seed=1),
@@ -115,9 +115,12 @@ def test_export_replaces_the_linears_exactly_and_keeps_the_rest(tmp_path):
     tensors = {t.name: t for t in read.tensors}
     assert read.fields["tokenizer.ggml.tokens"].contents() == [f"t{i}" for i in range(16)]
     assert read.fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_Q4_0
-    for name in ("token_embd.weight", "blk.0.attn_norm.weight"):
-        assert tensors[name].tensor_type == gguf.GGMLQuantizationType.F32
-        assert np.array_equal(tensors[name].data, kept[name])
+    norm, embedding = tensors["blk.0.attn_norm.weight"], tensors["token_embd.weight"]
+    assert norm.tensor_type == gguf.GGMLQuantizationType.F32 and np.array_equal(norm.data, kept[norm.name])
+    assert embedding.tensor_type == gguf.GGMLQuantizationType.Q8_0  # as llama-quantize makes it: read per token
+    weight = gguf.quants.dequantize(embedding.data, embedding.tensor_type)
+    bound = np.abs(kept[embedding.name]).max(-1, keepdims=True) / 127  # a Q8_0 step, at most, per 32-wide block
+    assert weight.shape == kept[embedding.name].shape and np.all(np.abs(weight - kept[embedding.name]) <= bound)
     rows = {"attn_q": rope_row_order(64, 4), "attn_k": rope_row_order(32, 2), "ffn_down": np.arange(64)}
     for (prefix, linear), (kind, order) in zip(linears.items(), rows.items()):
         written = tensors[f"blk.0.{kind}.weight"]
