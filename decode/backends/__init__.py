@@ -84,12 +84,12 @@ class Backend:
             from decode.backends.cuda import cuda_runners
 
             return cuda_runners(model)
-        if not self.gemm or not on_cpu(model):
+        if not on_cpu(model):
             return hf
         from decode.backends.cpu.llama import NativeLlamaRunner, is_quantized, native_fp32_runner, unsupported
 
-        if not is_quantized(model):
-            return native_fp32_runner(model, self.native_fp32) or hf
+        if not is_quantized(model):  # the native fp32 forward reads the packed panels
+            return (self.gemm and native_fp32_runner(model, self.native_fp32)) or hf
         if self.native_w4 == "off":
             return hf
         why = unsupported(model)

@@ -118,8 +118,9 @@ def configured_spec(cfg: Any, chain_cfg: Any) -> ChainSpec:
 
 
 def configured_builder(cfg: Any, target: Prepared, tokenizer: PreTrainedTokenizerBase) -> ChainBuilder:
-    """A builder for the config's run: its artifacts, model.dtype and backend."""
-    return ChainBuilder(target, tokenizer, RunLayout.of(cfg), LevelSettings(cfg.model.dtype, backend_of(cfg)))
+    """A builder for the config's run: its artifacts, model.dtype and backend (checked first)."""
+    backend = backend_of(cfg)
+    return ChainBuilder(target, tokenizer, RunLayout.of(cfg), LevelSettings(cfg.model.dtype, backend))
 
 
 def build_chain(
@@ -131,7 +132,7 @@ def build_chain(
     draft_defaults: dict | None = None,
 ) -> Chain:
     """A chain from a level list (conf/decode/chain.yaml's form; engine.spec.LevelSpec documents the keys)."""
-    builder = ChainBuilder(as_prepared(target_model), tokenizer, artifacts, LevelSettings(backend=Backend(gemm)))
+    builder = ChainBuilder(target_model, tokenizer, artifacts, LevelSettings(backend=Backend(gemm)))
     return builder.build(ChainSpec.parse(levels, draft_defaults))
 
 
@@ -149,8 +150,9 @@ class ChainBuilder:
     shared by every chain built here (a planned variant of a chain costs no load); levels are built complete.
     `artifacts` resolves folders (None: relative to the working directory)."""
 
-    def __init__(self, target: Prepared, tokenizer: PreTrainedTokenizerBase | None,
+    def __init__(self, target: PreTrainedModel | Prepared, tokenizer: PreTrainedTokenizerBase | None,
                  artifacts: RunLayout | None = None, settings: LevelSettings = LevelSettings()):
+        target = as_prepared(target)
         self.prepared_target, self.target, self.tokenizer = target, target.model, tokenizer
         self.dtype, self.backend = settings.dtype, settings.backend.drafting(target)
         self.artifacts = artifacts or RunLayout(Path("."))

@@ -12,6 +12,7 @@ from decode_fixtures import greedy_equal, native, noisy_copy, packed, prompts, t
 from decode.chains.build import build_chain
 from decode.engine.chain import Chain
 from decode.engine.levels import EagleLevel, ModelLevel, NgramLevel
+from decode.engine.runner import as_prepared
 
 VOCAB = 300
 TREE = {"mode": "tree", "depth": 4, "top_k": 3, "total_tokens": 10}
@@ -125,7 +126,7 @@ def test_eagle_with_draft_vocabulary_greedy_equals_target_greedy(models, mode, m
     levels = [{"kind": "model"}, {"kind": "eagle", "path": "untrained", "method": method, "draft": mode}]
     chain = build_chain(levels, target, tokenizer=None)
     head_cls = Eagle3Head if method == "eagle3" else EagleHead
-    chain.levels[-1].head = head_cls.for_target(target, draft_vocab=torch.arange(0, VOCAB, 7)).eval()
+    chain.levels[-1].head = head_cls.for_target(as_prepared(target).model, draft_vocab=torch.arange(0, VOCAB, 7)).eval()
     assert tokens_outside(chain, target, every=7) > 0, ("every token was inside the draft vocabulary; "
                                                         "the test exercises nothing")
 
@@ -165,10 +166,10 @@ def test_middle_level_with_int8_lm_head_greedy_equals_target_greedy(models):
     chain = build_chain(config, target, tokenizer=None)
     middle = chain.levels[1].model
     head = middle.get_output_embeddings()
-    assert isinstance(head, Int8RowLinear) and not isinstance(target.get_output_embeddings(), Int8RowLinear)
+    assert isinstance(head, Int8RowLinear) and not isinstance(chain.levels[0].lm_head, Int8RowLinear)
     saved = middle.state_dict()  # the fp32 weight stays attached; the int8 copy is not saved
     assert "lm_head.weight" in saved and not any(k.endswith(("qweight", "scales")) for k in saved)
-    h = torch.randn(5, target.config.hidden_size)
+    h = torch.randn(5, middle.config.hidden_size)
     with torch.inference_mode():
         exact = h @ head.weight.T
         assert (head(h) - exact).abs().max() < 0.02 * exact.abs().max()  # int8 rows, bf16 activations
@@ -193,7 +194,7 @@ def test_bf16_middle_level_in_a_packed_chain_greedy_equals_target_greedy(models)
     from decode.backends.cpu import pack, unpack
 
     target = models[0]
-    middle = copy.deepcopy(target)
+    middle = copy.deepcopy(as_prepared(target).model)
     unpack(middle)
     middle.to(torch.bfloat16)
     dense = sum(type(m) is torch.nn.Linear for m in middle.modules())
@@ -296,7 +297,7 @@ def test_restricted_vocabulary_comes_from_the_chains_head_and_never_on_the_targe
         build_chain(config, target, tokenizer=None)
     with pytest.raises(DecodeError, match="the target cannot have a restricted vocabulary"):
         build_chain([{"kind": "model", "vocab": "head"}, *config[1:]], target, tokenizer=None)
-    head = EagleHead.for_target(target, draft_vocab=torch.arange(0, VOCAB, 5)).eval()
+    head = EagleHead.for_target(as_prepared(target).model, draft_vocab=torch.arange(0, VOCAB, 5)).eval()
     monkeypatch.setattr(build, "_eagle_head", lambda *args: head)  # the head is loaded after the level it restricts
     chain = build_chain(config, target, tokenizer=None)
     assert chain.levels[-1].head is head and torch.equal(chain.levels[1].vocab, head.draft_vocab)

@@ -270,12 +270,12 @@ def test_a_native_w4_drafter_keeps_decoding_lossless(w4, tiny_source, draft, one
     """target <- W4 (native runner): the greedy tokens are the target's own."""
     from decode_fixtures import greedy_equal
 
-    from decode.backends import runner
+    from decode.backends import Backend
     from decode.engine.chain import Chain
-    from decode.engine.levels import LevelCompute, ModelLevel
+    from decode.engine.levels import ModelLevel
 
     target = LlamaForCausalLM.from_pretrained(tiny_source).eval()
-    chain = Chain([ModelLevel("t", target), ModelLevel("w4", w4, draft=draft, compute=LevelCompute(runner(w4, "on")))])
+    chain = Chain([ModelLevel("t", target), ModelLevel("w4", Backend(native_w4="on").prepare(w4), draft=draft)])
     assert isinstance(chain.levels[1].runner, NativeLlamaRunner)
     for seed in range(2):
         prompt = text(12, seed=10 + seed)[0].tolist()
@@ -300,15 +300,15 @@ def test_an_eagle3_head_below_a_native_w4_level_keeps_decoding_lossless(w4, tiny
     captured, and the greedy tokens are the target's own."""
     from decode_fixtures import greedy_equal
 
-    from decode.backends import runner
+    from decode.backends import Backend
     from decode.engine.chain import Chain, read_features
     from decode.engine.head3 import Eagle3Head
-    from decode.engine.levels import EagleLevel, LevelCompute, ModelLevel
+    from decode.engine.levels import EagleLevel, ModelLevel
 
     target = LlamaForCausalLM.from_pretrained(tiny_source).eval()
     head = Eagle3Head(target, init_std=0.2).eval()
     top = ModelLevel("t", target).keeping(head.aux_layers)
-    middle = ModelLevel("w4", w4, mu=2, compute=LevelCompute(runner(w4, "on"))).keeping(head.aux_layers)
+    middle = ModelLevel("w4", Backend(native_w4="on").prepare(w4), mu=2).keeping(head.aux_layers)
     drafter = EagleLevel("head", head, read_features([middle, top], head.feature_size, target.dtype), {"length": 3})
     chain = Chain([top, middle, drafter])
     assert isinstance(middle.runner, NativeLlamaRunner)

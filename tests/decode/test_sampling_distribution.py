@@ -15,6 +15,7 @@ from decode_fixtures import native, noisy_copy, packed, tiny_model
 import decode.engine.sampling
 from decode.engine.chain import Chain
 from decode.engine.levels import ModelLevel, NgramLevel
+from decode.engine.runner import as_prepared
 from decode.engine.sampling import Sampling, probabilities
 
 VOCAB, SAMPLES, PROMPT = 8, 1500, [1, 2, 3, 1, 2]
@@ -23,7 +24,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def exact_joint(target) -> torch.Tensor:
-    """P(new tokens 2 and 3) [V, V] under the target's own sampling."""
+    """P(new tokens 2 and 3) [V, V] under the target's own sampling (its HF forward: a prepared target's model)."""
+    target = as_prepared(target).model
     with torch.no_grad():
         p1 = probabilities(target(torch.tensor([PROMPT])).logits[0, -1], SAMPLING)
         p2 = probabilities(target(torch.tensor([PROMPT + [a] for a in range(VOCAB)])).logits[:, -1], SAMPLING)
@@ -76,7 +78,8 @@ def draft_vocab_chain(models, draft: dict, method: str = "eagle") -> Chain:
     chain = build_chain(levels, models[0], tokenizer=None)
     torch.manual_seed(0)
     head_cls = Eagle3Head if method == "eagle3" else EagleHead
-    chain.levels[-1].head = head_cls(models[0], init_std=0.5, draft_vocab=torch.tensor([0, 2, 3, 6])).eval()
+    head = head_cls(as_prepared(models[0]).model, init_std=0.5, draft_vocab=torch.tensor([0, 2, 3, 6]))
+    chain.levels[-1].head = head.eval()
     return chain
 
 
