@@ -4,15 +4,14 @@ The first thing a new machine runs: it warms the model cache and shows the data 
 """
 from __future__ import annotations
 
-
 import hydra
 import torch
 from omegaconf import DictConfig
 
-from infra.cli import run_main
 from data.models import load_model
 from data.prompts import load_questions
 from data.sharegpt import chat_prompt_ids, load_split, load_tokenized
+from infra.cli import run_main
 
 
 def prepare(cfg: DictConfig) -> dict[str, int]:
@@ -37,7 +36,7 @@ def prepare(cfg: DictConfig) -> dict[str, int]:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run_main(prepare, cfg)
+    run_main(lambda: prepare(cfg))
 
 
 if __name__ == "__main__":

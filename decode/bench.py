@@ -21,14 +21,21 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from infra.cli import check_writable, run_main
-from infra.device import use_threads
-from decode.chains.build import configured_builder, eos_of, level_model, load_target, reference_decoders
+from decode.chains.build import (
+    chain_from_config,
+    configured_builder,
+    eos_of,
+    level_model,
+    load_target,
+    reference_decoders,
+    sampling_of,
+)
 from decode.engine.errors import DecodeError
 from decode.engine.levels import Generation
-from decode.chains.build import chain_from_config, sampling_of
 from decode.evaluation.measure import level_line, prediction_line, summarize
 from decode.evaluation.speedup import Interval, IntervalError, checked_confidence, time_speedup
+from infra.cli import check_writable, run_main
+from infra.device import use_threads
 
 Method = Callable[[list[int], int], Generation]
 
@@ -182,7 +189,7 @@ def run(cfg: DictConfig) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run_main(run, cfg)
+    run_main(lambda: run(cfg))
 
 
 def cli() -> None:

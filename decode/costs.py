@@ -20,11 +20,11 @@ import torch
 from omegaconf import DictConfig
 from transformers import DynamicCache
 
-from infra.cli import check_writable, run_main
-from infra.device import configured_device, use_threads
-from infra.layout import RunLayout
-from infra.timing import Step, cached_forward, level_forward, median_ms, streaming_floor_ms
 from decode.backends import Backend
+from infra.cli import check_writable, run_main
+from infra.device import use_threads
+from infra.settings import device_of, layout_of
+from infra.timing import Step, cached_forward, level_forward, median_ms, streaming_floor_ms
 
 
 def head_forward(head, lm_head: Any, context: list[int], features: torch.Tensor) -> Step:
@@ -83,7 +83,7 @@ def _target_steps(cfg: DictConfig, context: list[int], steps: dict[str, Step], n
     from decode.chains.build import backend_of, onednn_target
     from decode.engine.levels import ModelLevel
 
-    device, dtype, backend = configured_device(cfg), cfg.model.dtype, backend_of(cfg)
+    device, dtype, backend = device_of(cfg), cfg.model.dtype, backend_of(cfg)
     fast_target = backend.prepare(load_model(cfg.model.name, dtype, device)[0])
     packed = f"{dtype}, packed (decode.fast, {packed_with(fast_target.model)})"
     if backends.runs_natively(fast_target):
@@ -131,7 +131,7 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str], dict]:
     from data.sharegpt import load_split
     from decode.chains.build import backend_of
 
-    device = configured_device(cfg)
+    device = device_of(cfg)
     _, held_out = load_split(cfg.data)  # the data before any model or kernel build: refused in seconds
     c, backend = cfg.decode.costs, backend_of(cfg)
     target, tokenizer = load_model(cfg.model.name, cfg.model.dtype, device)
@@ -142,7 +142,7 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str], dict]:
     floor_ms, size, bandwidth = streaming_floor_ms(fast_target.model)
     beside = {"floor": {"ms": floor_ms, "weight_bytes": size, "read_bytes_per_s": bandwidth},
               "round": round_costs(cfg, fast_target, tokenizer, context)}
-    artifacts, w4 = RunLayout.of(cfg), None
+    artifacts, w4 = layout_of(cfg), None
     w4_dir = artifacts.output("w4")
     if (w4_dir / "config.json").is_file():
         w4 = backend.drafting(fast_target).prepare(load_model(str(w4_dir), cfg.model.dtype, device)[0])
@@ -171,7 +171,7 @@ def _head_steps(cfg: DictConfig, target: tuple, backend: Any, inputs: tuple, row
     from decode.engine.head3 import load_head
 
     (model, tokenizer), (context, states), (steps, notes) = target, inputs, rows
-    head_dir, heads = RunLayout.of(cfg).output("eagle"), {}
+    head_dir, heads = layout_of(cfg).output("eagle"), {}
     if (head_dir / "config.json").is_file():
         heads["head"] = load_head(head_dir, model, tokenizer)
         n = heads["head"].draft_vocab
@@ -210,7 +210,7 @@ def run(cfg: DictConfig) -> dict:
     print(f"{'level':<18}" + "".join(f"{f'k={k}':>15}" for k in ks) + "  note")
     for name, per in ms.items():
         print(f"{name:<18}" + "".join(f"{per[k]:8.1f} ({per[k] / base:4.2f})" for k in ks) + f"  {notes[name]}")
-    result = {"device": str(configured_device(cfg)), "context": int(c.context), "threads": torch.get_num_threads(),
+    result = {"device": str(device_of(cfg)), "context": int(c.context), "threads": torch.get_num_threads(),
               "repeats": int(c.repeats), "notes": notes, "ms": ms,
               "ratio_to_target_1": {n: {k: v / base for k, v in per.items()} for n, per in ms.items()}}
     floor = beside["floor"]
@@ -228,7 +228,7 @@ def run(cfg: DictConfig) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run_main(run, cfg)
+    run_main(lambda: run(cfg))
 
 
 if __name__ == "__main__":

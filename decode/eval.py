@@ -29,13 +29,14 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from infra.cli import EXIT_NOT_PUBLISHED, run_main
-from infra.device import use_threads
-from decode.evaluation import speedup as paired
 from decode.evaluation import EvalError
+from decode.evaluation import speedup as paired
 from decode.evaluation.checks import ReferenceFn, evaluate
 from decode.evaluation.publish import chain_manifest, clean_stale, gate, publish_bundle, set_aside
 from decode.evaluation.runner import Decoded, build_decoders, decode_questions, decode_sampled, plan_chains
+from infra.cli import EXIT_NOT_PUBLISHED, run_main
+from infra.device import use_threads
+from infra.settings import tracking_of
 
 
 def checked_confidence(value: Any) -> float:
@@ -50,8 +51,8 @@ def run(cfg: DictConfig) -> int:
     from data.models import weights_hash
     from data.prompts import load_questions
     from decode.chains.build import configured_builder, eos_of, load_target
-    from infra.tracking import Tracker
     from infra.cli import check_writable, flag
+    from infra.tracking import Tracker
 
     ecfg = cfg.eval
     for key, least in (("max_new_tokens", 1), ("warmup_tokens", 0)):
@@ -76,7 +77,7 @@ def run(cfg: DictConfig) -> int:
     target = prepared.model
     builder, eos = configured_builder(cfg, prepared, tokenizer), eos_of(target, tokenizer)
     decoders, specs = build_decoders(cfg, builder, eos)
-    tracker = Tracker(cfg, "eval")
+    tracker = Tracker(tracking_of(cfg), "eval")
     for art in ecfg.publish.lineage:  # this run consumed the head and the W4 model those stages logged
         tracker.use_artifact(art.name, art.type)
     plans = plan_chains(cfg, builder, specs, decoders, questions, eos) if ecfg.plan.enabled else {}
@@ -160,7 +161,7 @@ def summary_metrics(report: dict[str, Any], chains: dict[str, list[str]], decisi
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run_main(run, cfg)
+    run_main(lambda: run(cfg))
 
 
 if __name__ == "__main__":

@@ -16,12 +16,12 @@ import hydra
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from infra.cli import flag, run_main
-from infra.device import use_threads
 from decode.chains.build import chain_from_config, configured_builder, eos_of, sampling_of
 from decode.engine.chain import check_new_tokens
 from decode.engine.errors import DecodeError
 from decode.engine.levels import Generation
+from infra.cli import flag, run_main
+from infra.device import use_threads
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -143,7 +143,7 @@ def run(cfg: DictConfig) -> None:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run_main(run, cfg)
+    run_main(lambda: run(cfg))
 
 
 def shorthand(arg: str) -> str:

@@ -34,11 +34,11 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from infra.layout import RunLayout
-from infra.cli import EXIT_CHECK_FAILED, PolyspecError, check_writable, flag, run_main
-from infra.device import use_threads
 from data.models import cache_dir, resolve_model_path
 from decode.consumers.serving import head_method
+from infra.cli import EXIT_CHECK_FAILED, PolyspecError, check_writable, flag, run_main
+from infra.device import use_threads
+from infra.settings import layout_of
 
 VLLM_GROUP_SIZES = (-1, 32, 64, 128)  # what vLLM's CPU GPTQ kernel takes (and only if it divides every input width)
 ACCEPTANCE_FLOOR = 0.5  # (b): an engine's L must reach 1 + this x (polyspec's L - 1), and exceed 1
@@ -79,7 +79,7 @@ def w4_folder(cfg: DictConfig, levels: list[dict[str, Any]]) -> Path:
     """interop.w4, else the published chain's quantized level, else the run's quantize.output."""
     icfg = cfg.interop
     found = [level["folder"] for level in levels if level["config"].get("kind", "model") == "model" and level["folder"]]
-    folder = Path(icfg.w4) if icfg.w4 else (found[0] if found else RunLayout.of(cfg).output("w4"))
+    folder = Path(icfg.w4) if icfg.w4 else (found[0] if found else layout_of(cfg).output("w4"))
     if not (folder / "config.json").exists():
         raise InteropError(f"no W4 model at {folder}: run python -m quantize.w4 or pass interop.w4=<folder>")
     return folder
@@ -448,7 +448,7 @@ def run(cfg: DictConfig) -> int:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run_main(run, cfg)
+    run_main(lambda: run(cfg))
 
 
 if __name__ == "__main__":

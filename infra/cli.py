@@ -24,12 +24,12 @@ EXIT_CHECK_FAILED = 4  # decode.interop: vLLM refused or disagreed with what pol
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 
-def run_main(stage: Callable[[Any], Any], cfg: Any) -> NoReturn:
-    """Run a stage (`run(cfg)`) and exit with the table's code: the code the stage returns if it returns an
+def run_main(stage: Callable[[], Any]) -> NoReturn:
+    """Run a stage (its settings read from the config, then its work: `lambda: run(Settings.of(cfg))`) and exit with the table's code: the code the stage returns if it returns an
     int (decode.eval: EXIT_NOT_PUBLISHED), else 0; `error: <message>` and 2 for a PolyspecError; its message
     and 130 when interrupted. Anything else is a bug and propagates with its traceback (exit 1)."""
     try:
-        result = stage(cfg)
+        result = stage()
     except PolyspecError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)

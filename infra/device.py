@@ -33,11 +33,6 @@ def resolve_device(spec: str | None) -> torch.device:
     return torch.device("cuda", index)
 
 
-def configured_device(cfg: Any) -> torch.device:
-    """The run's device from its config (`device`, top level; absent = auto)."""
-    return resolve_device(cfg.get("device", "auto") if hasattr(cfg, "get") else "auto")
-
-
 def use_threads(threads: Any, key: str) -> int:
     """`threads` checked (None: torch's default; else an integer >= 1, a ConfigError naming `key`) and given to torch's
     intra-op pool, the one place a run sets it; returns the count in use."""

@@ -1,4 +1,4 @@
-"""Every path of a run, named once: the one object each command builds (`RunLayout.of(cfg)`) to find what it
+"""Every path of a run, named once: the one object each command builds (`infra.settings.layout_of(cfg)`) to find what it
 writes and what the other stages wrote.
 
 Each stage writes where its config says: quantize.w4 to `quantize.output`, train.eagle to `train.output`
@@ -10,11 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from omegaconf import OmegaConf
-
-from infra.cli import ConfigError
+from infra.errors import ConfigError
 
 STAGE_OUTPUTS = {"w4": "quantize.output", "eagle": "train.output"}  # an output's name -> the config key of its folder
 
@@ -25,12 +22,6 @@ class RunLayout:
 
     run_dir: Path
     outputs: dict[str, Path] = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, cfg: Any) -> RunLayout:
-        """The layout of the run a stage's config describes (a stage's config may leave out other stages)."""
-        found = {name: OmegaConf.select(cfg, key) for name, key in STAGE_OUTPUTS.items()}
-        return cls(Path(cfg.run_dir), {name: Path(str(folder)) for name, folder in found.items() if folder is not None})
 
     @property
     def feature_store(self) -> Path:

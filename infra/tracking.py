@@ -9,8 +9,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-if TYPE_CHECKING:  # omegaconf loads with a run's config, not with the decode engine (which imports this)
-    from omegaconf import DictConfig
+if TYPE_CHECKING:
+    from infra.settings import Tracking
 
 
 def _jsonable(value: Any) -> Any:
@@ -57,36 +57,33 @@ def atomic_dir(final: str | Path) -> Iterator[Path]:
 
 
 class Tracker:
-    """Start with `Tracker(cfg, stage)`, log as you go, `finish(metrics_path)` at the end.
+    """Start with `Tracker(tracking, stage)`, log as you go, `finish(metrics_path)` at the end.
 
-    The W&B mode comes from `cfg.wandb.mode` ("offline" by default); the environment variable
+    The W&B mode comes from the config's `wandb.mode` ("offline" by default); the environment variable
     WANDB_MODE wins over the config so tests and CI can force "disabled". Online mode without a
     key would hang on a closed network, so it falls back to offline with a warning.
     """
 
-    def __init__(self, cfg: DictConfig, stage: str, job_type: str | None = None):
+    def __init__(self, tracking: Tracking, stage: str, job_type: str | None = None):
         import wandb
-        from omegaconf import OmegaConf
 
         self.stage = stage
         self.metrics: dict[str, Any] = {}
         self.inputs: list[dict[str, str]] = []
-        wcfg = cfg.get("wandb", {}) or {}
-        mode = os.environ.get("WANDB_MODE") or wcfg.get("mode", "offline")
+        mode = os.environ.get("WANDB_MODE") or tracking.mode
         if mode == "online" and not (os.environ.get("WANDB_API_KEY") or Path.home().joinpath(".netrc").exists()):
             print("wandb: online mode asked for but no API key found; logging offline instead")
             mode = "offline"
-        wandb_dir = Path(wcfg.get("dir") or "wandb")
-        wandb_dir.mkdir(parents=True, exist_ok=True)
+        tracking.dir.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(
-            project=wcfg.get("project", "polyspec"),
-            entity=wcfg.get("entity"),
-            group=wcfg.get("group"),
+            project=tracking.project,
+            entity=tracking.entity,
+            group=tracking.group,
             name=f"{stage}",
             job_type=job_type or stage,
-            dir=str(wandb_dir),
+            dir=str(tracking.dir),
             mode=mode,
-            config=OmegaConf.to_container(cfg, resolve=True),
+            config=tracking.config,
             settings=wandb.Settings(init_timeout=30, silent=True, console="off"),
             reinit="finish_previous",
         )

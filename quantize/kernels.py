@@ -9,16 +9,15 @@ Writes `${run_dir}/w4_kernels.json`.
 """
 from __future__ import annotations
 
-
 import hydra
 import torch
 from omegaconf import DictConfig
 from transformers import AutoModelForCausalLM, GPTQConfig, PreTrainedModel
 
-from infra.layout import RunLayout
-from infra.cli import run_main
 from data.models import load_model, load_tokenizer, resolve_model_path
 from data.sharegpt import load_split, tokenize_conversation
+from infra.cli import run_main
+from infra.settings import layout_of
 from infra.tracking import write_json_atomic
 from quantize.errors import QuantizeError
 from quantize.evaluation import forward_ms
@@ -46,7 +45,7 @@ def kernel_kind(model: PreTrainedModel) -> str:
 
 
 def run(cfg: DictConfig) -> dict[str, dict[str, float | str]]:
-    layout = RunLayout.of(cfg)
+    layout = layout_of(cfg)
     w4_path = layout.output("w4")
     if not (w4_path / "config.json").exists():
         raise QuantizeError(f"{w4_path}: no W4 checkpoint; run python -m quantize.w4 first")
@@ -96,7 +95,7 @@ def run(cfg: DictConfig) -> dict[str, dict[str, float | str]]:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run_main(run, cfg)
+    run_main(lambda: run(cfg))
 
 
 if __name__ == "__main__":

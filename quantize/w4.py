@@ -18,14 +18,13 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 from transformers import PreTrainedModel
 
-from infra.layout import RunLayout
-from infra.cli import check_writable, flag, run_main
-from infra.device import configured_device
-from infra.tracking import replace_dir
 from data.models import load_model, load_tokenizer, resolve_model_path, weights_hash
 from data.sharegpt import load_split
-from quantize.errors import QuantizeError
+from infra.cli import check_writable, flag, run_main
+from infra.settings import device_of, layout_of, tracking_of
+from infra.tracking import replace_dir
 from quantize.checkpoint import existing_is_valid, regroup_checkpoint, static_groups, write_metadata
+from quantize.errors import QuantizeError
 from quantize.evaluation import evaluate, folder_mb, report
 from quantize.gptq import calibration_samples, cpu_recipe, gptq_quantize
 
@@ -62,7 +61,7 @@ def validated_output(qcfg: DictConfig, cfg: DictConfig) -> tuple[Path, bool]:
     skip_if_valid = flag(qcfg, "skip_if_valid", error=QuantizeError)
     for key in ("sym", "desc_act", "act_group_aware", "true_sequential"):
         flag(qcfg, key, error=QuantizeError)
-    out = RunLayout.of(cfg).output("w4")
+    out = layout_of(cfg).output("w4")
     check_output(out, overwrite or skip_if_valid)
     check_writable(out, "quantize.output", error=QuantizeError)  # fail now, not after minutes of GPTQ
     return out, skip_if_valid
@@ -81,7 +80,7 @@ def quantize_into(tmp: Path, src: str, calibration: list[list[int]], meta: dict[
     qcfg = cfg.quantize
     cpu_recipe(qcfg)
     start = time.perf_counter()
-    gptq_quantize(src, tmp, qcfg, calibration, str(configured_device(cfg)))
+    gptq_quantize(src, tmp, qcfg, calibration, str(device_of(cfg)))
     quantize_s = time.perf_counter() - start
     groups = regroup_checkpoint(tmp, qcfg.group_size, qcfg.bits)
     groups["static_g_idx"] = static_groups(tmp, groups["stored_group_size"])
@@ -96,10 +95,10 @@ def quantize_into(tmp: Path, src: str, calibration: list[list[int]], meta: dict[
 
 def measured(tmp: Path, src: str, target: PreTrainedModel, held_out: list, cfg: DictConfig) -> dict[str, Any]:
     """The W4 model in `tmp` evaluated against the target, with the numbers of how it was made."""
-    w4, _ = load_model(str(tmp), dtype=cfg.model.dtype, device=configured_device(cfg))
+    w4, _ = load_model(str(tmp), dtype=cfg.model.dtype, device=device_of(cfg))
     metrics = evaluate(target, w4, load_tokenizer(src), held_out, cfg.quantize.eval)
     groups = json.loads((tmp / "config.json").read_text())["quantization_config"]["meta"]["polyspec"]["groups"]
-    return metrics | {"device": str(configured_device(cfg)), "size_mb_target": folder_mb(src),
+    return metrics | {"device": str(device_of(cfg)), "size_mb_target": folder_mb(src),
                       "size_mb_w4": folder_mb(tmp), "group_handling": groups["description"],
                       "stored_group_size": groups["stored_group_size"], "quantized_group_size": cfg.quantize.group_size}
 
@@ -109,7 +108,7 @@ def run(cfg: DictConfig) -> Path:
 
     qcfg = cfg.quantize
     out, skip_if_valid = validated_output(qcfg, cfg)
-    device = configured_device(cfg)
+    device = device_of(cfg)
     train, held_out = load_split(cfg.data)  # the data before any model: a bad source is refused in seconds
     src = source_model_path(cfg.model.name)
     tokenizer = load_tokenizer(src)
@@ -127,7 +126,7 @@ def run(cfg: DictConfig) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    tracker = Tracker(cfg, "quantize")
+    tracker = Tracker(tracking_of(cfg), "quantize")
     try:
         quantize_s = quantize_into(tmp, src, calibration, meta, cfg)
         metrics = measured(tmp, src, target, held_out, cfg) | {
@@ -146,7 +145,7 @@ def run(cfg: DictConfig) -> Path:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run_main(run, cfg)
+    run_main(lambda: run(cfg))
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from infra.device import configured_device, resolve_device, synchronized_clock
+from infra.device import resolve_device, synchronized_clock
 from infra.errors import ConfigError
+from infra.settings import device_of
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,7 +33,7 @@ def two_gpus(monkeypatch):
 
 def test_without_cuda_auto_and_cpu_are_the_cpu(no_cuda):
     assert resolve_device("auto") == resolve_device(None) == resolve_device(" cpu ") == torch.device("cpu")
-    assert configured_device(OmegaConf.create({"seed": 0})) == torch.device("cpu")  # no key: auto
+    assert device_of(OmegaConf.create({"seed": 0})) == torch.device("cpu")  # no key: auto
 
 
 @pytest.mark.parametrize("spec", ["cuda", "cuda:0"])

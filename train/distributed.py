@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from infra.device import configured_device
+from infra.settings import device_of
 from train.errors import TrainError
 
 
@@ -24,7 +24,7 @@ class Share:
 def training_device(cfg: Any) -> torch.device:
     """This process's device. Under torchrun each rank trains on its LOCAL_RANK's GPU (DeepSpeed places the head
     there), so `cuda:N` naming another GPU is refused; a single process may name any GPU."""
-    device = configured_device(cfg)
+    device = device_of(cfg)
     if device.type == "cuda" and "RANK" in os.environ and device.index != int(os.environ.get("LOCAL_RANK", 0)):
         raise TrainError(f"device={cfg.device}: under torchrun use device=cuda or device=auto "
                          f"(rank {os.environ['RANK']} trains on its LOCAL_RANK's GPU, "

@@ -44,21 +44,22 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from infra.cli import flag, run_main
-from infra.layout import RunLayout
 from data.models import load_model, same_vocabulary, weights_hash
 from data.sharegpt import load_split
-from infra.tracking import Tracker
 from decode.engine.head import FORMAT_VERSION, DraftHead, EagleHead, TrainingRecord, vocabulary_rows
 from decode.engine.head3 import Eagle3Head, check_aux_layers, default_aux_layers
+from infra.cli import flag, run_main
+from infra.layout import RunLayout
+from infra.settings import layout_of, tracking_of
+from infra.tracking import Tracker
 from train import store
-from train.store import FeatureSource
 from train.checkpoints import Progress, StopFlag, checkpoint_fingerprint, resume_progress, save_checkpoint
 from train.distributed import Share, backend_for, collective_device, training_device
 from train.errors import TrainError, TrainingInterrupted
 from train.evaluation import EvalSequence, evaluate, evaluate_on_rank0, prepare_eval, unroll
 from train.examples import draft_vocabulary, load_examples, pad, step_micro_batches
 from train.plot import learning_curve_png
+from train.store import FeatureSource
 
 METHODS = ("eagle", "eagle3")  # vLLM's names: EAGLE-1/2 and EAGLE-3 heads
 FEATURE_SOURCES = ("target", "w4")
@@ -282,7 +283,7 @@ class EagleRecipe:
     (held-out evaluations, checkpoints, Ctrl-C), `save` writes the head with its final evaluation (rank 0)."""
 
     def __init__(self, cfg: DictConfig):
-        self.cfg, self.t, self.layout = cfg, cfg.train, RunLayout.of(cfg)
+        self.cfg, self.t, self.layout = cfg, cfg.train, layout_of(cfg)
         method = self.t.get("method", "eagle")  # each method keeps its own store and checkpoints in the run dir
         self.store_root, self.checkpoints = ((self.layout.feature_store, self.layout.checkpoints) if method == "eagle"
                                              else (self.layout.run_dir / f"{method}_features",
@@ -318,7 +319,7 @@ class EagleRecipe:
         self.progress = resume_progress(self.engine, self.cfg, self.checkpoints, self.world, self.total_steps,
                                         self.rank)
         if self.rank == 0:
-            self.tracker = Tracker(self.cfg, "train.eagle")
+            self.tracker = Tracker(tracking_of(self.cfg), "train.eagle")
             print(f"train.eagle: {len(self.examples)} conversations, {self.total_steps} steps of {self._per_step()} "
                   f"(micro {self.t.micro_batch} x accum {self.t.grad_accum} x {self.world} ranks), "
                   f"features from {self.t.feature_source}")
@@ -510,7 +511,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run_main(train, cfg)
+    run_main(lambda: train(cfg))
 
 
 if __name__ == "__main__":

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from infra.layout import RunLayout
 from data.sharegpt import chat_prompt_ids, load_split, tokenize_conversation, warn_truncated
 from data.vocab import assistant_token_counts, coverage, top_tokens
+from infra.settings import layout_of
 from train import replies
 from train.distributed import Share
 from train.errors import TrainError
@@ -71,7 +71,7 @@ def verifier_examples(cfg: DictConfig, conversations: list[Any], tokenizer: Any,
     pairs = [(conv.id, ids) for conv in conversations
              if (ids := first_turn_prompt(tokenizer, conv)) is not None and len(ids) < max_len - 2]
     answers = replies.regenerate(source, tokenizer, [ids for _, ids in pairs], cfg.train.regenerate,
-                                 RunLayout.of(cfg).feature_store, share)
+                                 layout_of(cfg).feature_store, share)
     examples = []
     for (conv_id, prompt), reply in zip(pairs, answers):
         reply = reply[: max_len - len(prompt)]

@@ -16,9 +16,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from infra.layout import RunLayout
-from infra.cli import flag
-from infra.device import configured_device
 from data.models import ModelSourceError, load_model, same_vocabulary
 from decode import backends
 from decode.backends import Backend
@@ -27,18 +24,22 @@ from decode.backends.cpu.dense import packed_with
 from decode.backends.cpu.int8 import quantize_lm_head
 from decode.backends.cpu.llama import ACTIVATIONS
 from decode.engine.chain import Chain, read_features
+from decode.engine.errors import DecodeError
 from decode.engine.head import DraftHead, EagleHead, vocabulary_rows
 from decode.engine.head3 import Eagle3Head, load_head
-from decode.engine.spec import ChainSpec, LevelSpec
-from decode.engine.errors import DecodeError
 from decode.engine.levels import EagleLevel, Level, LevelCompute, ModelLevel, NgramLevel
 from decode.engine.runner import Prepared, as_prepared
 from decode.engine.sampling import GREEDY, Sampling
+from decode.engine.spec import ChainSpec, LevelSpec
+from infra.cli import flag
+from infra.layout import RunLayout
+from infra.settings import device_of, layout_of
+
 
 def gemm_choice(cfg: Any) -> str | None:
     """decode.gemm, checked: which packed product dense fp32 linears use (decode.backends.cpu.dense.gemm_for);
     None off the CPU (`device`: nothing is packed there)."""
-    gemm, device = cfg.decode.get("gemm", "auto"), configured_device(cfg)
+    gemm, device = cfg.decode.get("gemm", "auto"), device_of(cfg)
     try:
         return backends.gemm_choice(gemm, device)
     except (ValueError, RuntimeError) as err:  # an unknown name, or avx2 where it cannot run
@@ -74,7 +75,7 @@ def load_target(cfg: Any) -> tuple[Prepared, PreTrainedTokenizerBase]:
     """The chain's target as configured: `model.name` in `model.dtype` on `device`, prepared by the run's backend
     (backend_of: packed, and run natively per decode.native_fp32), which the AR reference and every chain share."""
     backend = backend_of(cfg)
-    target, tokenizer = load_model(cfg.model.name, cfg.model.dtype, configured_device(cfg))
+    target, tokenizer = load_model(cfg.model.name, cfg.model.dtype, device_of(cfg))
     try:
         return backend.prepare(target), tokenizer
     except ValueError as err:  # native_fp32=on where the native runner cannot run the target
@@ -120,7 +121,7 @@ def configured_spec(cfg: Any, chain_cfg: Any) -> ChainSpec:
 def configured_builder(cfg: Any, target: Prepared, tokenizer: PreTrainedTokenizerBase) -> ChainBuilder:
     """A builder for the config's run: its artifacts, model.dtype and backend (checked first)."""
     backend = backend_of(cfg)
-    return ChainBuilder(target, tokenizer, RunLayout.of(cfg), LevelSettings(cfg.model.dtype, backend))
+    return ChainBuilder(target, tokenizer, layout_of(cfg), LevelSettings(cfg.model.dtype, backend))
 
 
 def build_chain(

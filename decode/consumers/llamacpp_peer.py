@@ -161,10 +161,10 @@ def eagle3_head_check(cfg: Any, head: Path, target: Path, prompts: list[str], py
 
 def _w4_folder(cfg: Any) -> Path | None:
     from infra.errors import ConfigError
-    from infra.layout import RunLayout
+    from infra.settings import layout_of
 
     try:
-        return RunLayout.of(cfg).output("w4")
+        return layout_of(cfg).output("w4")
     except ConfigError:
         return None
 

@@ -13,9 +13,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from infra.layout import RunLayout
-from infra.tracking import atomic_dir
 from decode.evaluation import speedup as paired
+from infra.layout import RunLayout
+from infra.settings import layout_of
+from infra.tracking import atomic_dir
 
 LLAMACPP_W4 = "w4.Q4_0.gguf"  # the W4 level as llama.cpp loads it, in the bundle's levels/
 
@@ -83,7 +84,7 @@ def chain_manifest(
 ) -> tuple[dict[str, Any], dict[str, Path]]:
     """chain.json for the published chain (its levels as decoded, planned values included), and the level
     folders to copy into the bundle."""
-    levels, folders, artifacts = [], {}, RunLayout.of(cfg)
+    levels, folders, artifacts = [], {}, layout_of(cfg)
     for i, level_cfg in enumerate(level_cfgs):
         entry, label = {"config": level_cfg}, level_cfg.get("name") or f"L{i + 1}"
         folder = level_folder(level_cfg, artifacts)

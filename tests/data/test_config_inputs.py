@@ -37,12 +37,12 @@ def test_flag_default_only_for_an_absent_key():
 
 def exit_code(stage) -> int:
     with pytest.raises(SystemExit) as exit_:
-        run_main(stage, None)
+        run_main(stage)
     return exit_.value.code
 
 
 def test_run_main_turns_project_errors_into_one_line_and_exit_2(capsys):
-    def stage(cfg):
+    def stage():
         raise ConfigError("quantize.overwrite must be true or false, got 'false' (str)")
 
     assert exit_code(stage) == EXIT_USER_ERROR == 2
@@ -50,20 +50,20 @@ def test_run_main_turns_project_errors_into_one_line_and_exit_2(capsys):
 
 
 def test_run_main_exit_codes(capsys):
-    def interrupted(cfg):
+    def interrupted():
         raise Interrupted("interrupted at step 3/8; continue with train.resume=true")
 
-    def ctrl_c(cfg):
+    def ctrl_c():
         raise KeyboardInterrupt
 
-    def bug(cfg):
+    def bug():
         raise KeyError("no such key")
 
-    assert exit_code(lambda cfg: {"metrics": 1}) == 0 and exit_code(lambda cfg: EXIT_NOT_PUBLISHED) == 3
+    assert exit_code(lambda: {"metrics": 1}) == 0 and exit_code(lambda: EXIT_NOT_PUBLISHED) == 3
     assert exit_code(interrupted) == exit_code(ctrl_c) == EXIT_INTERRUPTED == 130
     assert capsys.readouterr().err == "interrupted at step 3/8; continue with train.resume=true\ninterrupted\n"
     with pytest.raises(KeyError):  # a crash keeps its traceback (exit 1)
-        run_main(bug, None)
+        run_main(bug)
 
 
 def test_check_writable_creates_nothing(tmp_path):

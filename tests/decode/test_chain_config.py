@@ -13,11 +13,12 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
-from infra.layout import RunLayout
 from decode.chains.build import build_chain, configured_chain
+from decode.engine.chain import read_features
 from decode.engine.errors import DecodeError
 from decode.engine.levels import EagleLevel, ModelLevel, NgramLevel
-from decode.engine.chain import read_features
+from infra.layout import RunLayout
+from infra.settings import layout_of
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 VOCAB = 300
@@ -129,8 +130,8 @@ def test_configured_outputs_are_where_chains_and_the_eval_look(target, tmp_path)
     """quantize.output and train.output moved out of the run dir: `model: w4` and `path: eagle` follow them,
     in the builder and in the eval's bundle (infra/layout.py)."""
     from data.models import weights_hash
-    from decode.evaluation.publish import level_folder
     from decode.engine.head import EagleHead
+    from decode.evaluation.publish import level_folder
 
     model, tokenizer = target
     w4, head = tmp_path / "elsewhere" / "quantized", tmp_path / "heads" / "first"
@@ -146,7 +147,7 @@ def test_configured_outputs_are_where_chains_and_the_eval_look(target, tmp_path)
     assert isinstance(chain.levels[2], EagleLevel) and chain.levels[1].keep_hidden
     # the draft from config
     assert chain.levels[2].draft_spec.as_config() == {"mode": "chain", **cfg.decode.draft_defaults.chain}
-    assert [level_folder(level, RunLayout.of(cfg)) for level in levels] == [None, w4, head]
+    assert [level_folder(level, layout_of(cfg)) for level in levels] == [None, w4, head]
 
 
 def test_generate_cli_reports_bad_input_in_one_line():

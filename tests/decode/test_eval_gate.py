@@ -7,17 +7,18 @@ import json
 
 import pytest
 import torch
+from decode_fixtures import noisy_copy, tiny_model
+from eval_fixtures import EOS, QUESTIONS, AcceptEverything, ByteTokenizer, SlowModel, eval_cfg
 
-from infra.cli import EXIT_NOT_PUBLISHED
-from infra.tracking import Tracker
 from decode.chains.baselines import autoregressive, greedy_margins
 from decode.engine.chain import Chain
 from decode.engine.levels import ModelLevel
 from decode.engine.spec import ChainSpec
-from decode.evaluation.runner import Decoded, chain_decoder, decode_questions, decode_sampled, plan_chains
 from decode.eval import conclude
-from eval_fixtures import EOS, QUESTIONS, AcceptEverything, ByteTokenizer, SlowModel, eval_cfg
-from decode_fixtures import noisy_copy, tiny_model
+from decode.evaluation.runner import Decoded, chain_decoder, decode_questions, decode_sampled, plan_chains
+from infra.cli import EXIT_NOT_PUBLISHED
+from infra.settings import tracking_of
+from infra.tracking import Tracker
 
 DRAFT = {"mode": "chain", "length": 4}
 LEVELS = {  # what the config says about each level (only names and sources matter to the gate)
@@ -75,7 +76,7 @@ def run_eval(models, tmp_path, chains: dict[str, Chain], plan: bool = False, **c
     levels |= {p["chain"]: p["levels"] for p in plans.values()}
     decoded = Decoded(records, levels, len(QUESTIONS), plans, sampled)
     reference = lambda p, forced, n: greedy_margins(target, p, forced, n, EOS)  # noqa: E731
-    code = conclude(cfg, decoded, reference, "hash", Tracker(cfg, "eval"))
+    code = conclude(cfg, decoded, reference, "hash", Tracker(tracking_of(cfg), "eval"))
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     return code, report, {c["name"]: c for c in report["checks"]}
 

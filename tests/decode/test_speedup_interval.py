@@ -8,20 +8,20 @@ import random
 from pathlib import Path
 
 import pytest
+from eval_fixtures import eval_cfg
 from omegaconf import OmegaConf
 
-from infra.cli import EXIT_NOT_PUBLISHED
 from data.prompts import load_questions
-from infra.tracking import Tracker
 from decode.engine.levels import GenerationStats, LevelStats
-from decode.evaluation import EvalError
-from decode.evaluation.runner import Decoded, Record
 from decode.eval import checked_confidence, conclude
-from decode.evaluation.publish import gate
+from decode.evaluation import EvalError
 from decode.evaluation.aggregate import time_speedup as pooled_time_speedup
-from decode.evaluation.speedup import (Interval, IntervalError, at_confidence, holm, ratio, t_quantile,
-                                      time_speedup)
-from eval_fixtures import eval_cfg
+from decode.evaluation.publish import gate
+from decode.evaluation.runner import Decoded, Record
+from decode.evaluation.speedup import Interval, IntervalError, at_confidence, holm, ratio, t_quantile, time_speedup
+from infra.cli import EXIT_NOT_PUBLISHED
+from infra.settings import tracking_of
+from infra.tracking import Tracker
 
 ROOT = Path(__file__).resolve().parents[2]
 PASSING = [{"name": n, "passed": True, "reasons": [], "by_chain": {}} for n in ("lossless", "insertion", "agreement")]
@@ -187,7 +187,7 @@ def conclude_synthetic(tmp_path, speed: float, capsys) -> tuple[int, dict, str]:
     ar, chain = paired_turns(speed, 0.05, default_turns(), seed=0)
     recs = {"ar": records(ar, False), "dualistic": records(chain, True)}
     code = conclude(cfg, Decoded(recs, {"dualistic": levels}, len(ar)), lambda ids: pytest.fail("no divergence"),
-                    "hash", Tracker(cfg, "eval"))
+                    "hash", Tracker(tracking_of(cfg), "eval"))
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     return code, report, capsys.readouterr().out
 

@@ -1,0 +1,45 @@
+"""The door: what every stage reads from its Hydra config, read once into frozen values. Only the apps (a stage's
+`main`) and the packages' settings modules see a config; everything below them takes these values."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from infra.device import resolve_device
+from infra.layout import STAGE_OUTPUTS, RunLayout
+
+
+@dataclass(frozen=True)
+class Tracking:
+    """Where and how a stage logs to W&B, and the run's whole config as plain data (what the W&B run records)."""
+
+    mode: str
+    project: str
+    entity: str | None
+    group: str | None
+    dir: Path
+    config: dict[str, Any]
+
+
+def tracking_of(cfg: Any) -> Tracking:
+    wcfg = cfg.get("wandb", {}) or {}
+    config = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
+    return Tracking(mode=str(wcfg.get("mode", "offline")), project=str(wcfg.get("project", "polyspec")),
+                    entity=wcfg.get("entity"), group=wcfg.get("group"), dir=Path(str(wcfg.get("dir") or "wandb")),
+                    config=config)
+
+
+def layout_of(cfg: Any) -> RunLayout:
+    """The layout of the run a stage's config describes (a stage's config may leave out other stages)."""
+    found = {name: OmegaConf.select(cfg, key) for name, key in STAGE_OUTPUTS.items()}
+    return RunLayout(Path(str(cfg.run_dir)), {name: Path(str(folder)) for name, folder in found.items()
+                                              if folder is not None})
+
+
+def device_of(cfg: Any) -> torch.device:
+    """The run's device from its config (`device`, top level; absent = auto)."""
+    return resolve_device(cfg.get("device", "auto") if hasattr(cfg, "get") else "auto")
