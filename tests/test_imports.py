@@ -88,3 +88,41 @@ def test_no_app_imports_another_app():
 def test_the_decode_root_holds_only_apps():
     root = {name for name, path in MODULES.items() if path.parent == ROOT / "decode" and path.stem != "__init__"}
     assert root and root <= APPS, sorted(root - APPS)
+
+
+def config_parameters(path: Path) -> list[str]:
+    """Functions of `path` that take a Hydra config: a parameter named cfg or *_cfg (qcfg, chain_cfg), or one
+    annotated DictConfig."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+            if any(a.arg == "cfg" or a.arg.endswith("cfg") or a.arg.endswith("_cfgs")
+                   or "DictConfig" in ast.unparse(a.annotation or ast.Constant(None)) for a in args):
+                found.append(f"{node.name}:{node.lineno}")
+    return found
+
+
+def is_door(name: str) -> bool:
+    """A package's settings module: where a stage's config is read into frozen values."""
+    return name.endswith(".settings")
+
+
+def test_only_the_apps_see_a_hydra_config():
+    """Below the apps nothing takes a config or imports omegaconf/hydra: each app's `main` hands its config to a
+    settings module once, and everything else takes the frozen values that come back."""
+    seen = {}
+    for name, path in MODULES.items():
+        if is_door(name):
+            continue
+        taking = config_parameters(path)
+        if name in APPS:
+            taking = [f for f in taking if not f.startswith("main:")]
+        imports = {a.name.split(".")[0] for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Import)
+                   for a in n.names} | {n.module.split(".")[0] for n in ast.walk(ast.parse(path.read_text()))
+                                        if isinstance(n, ast.ImportFrom) and n.module}
+        if name not in APPS and imports & {"omegaconf", "hydra"}:
+            taking.append("imports " + "/".join(sorted(imports & {"omegaconf", "hydra"})))
+        if taking:
+            seen[name] = taking
+    assert not seen, seen
