@@ -27,96 +27,68 @@ import sys
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from decode.evaluation import EvalError
 from decode.evaluation import speedup as paired
 from decode.evaluation.checks import ReferenceFn, evaluate
 from decode.evaluation.publish import chain_manifest, clean_stale, gate, publish_bundle, set_aside
 from decode.evaluation.runner import Decoded, build_decoders, decode_questions, decode_sampled, plan_chains
+from decode.settings import EvalSettings, eval_of
 from infra.cli import EXIT_NOT_PUBLISHED, run_main
 from infra.device import use_threads
-from infra.settings import tracking_of
 
 
-def checked_confidence(value: Any) -> float:
-    """eval.confidence, or the one-line EvalError."""
-    try:
-        return paired.checked_confidence(value)
-    except paired.IntervalError as err:
-        raise EvalError(f"eval.{err}") from None
-
-
-def run(cfg: DictConfig) -> int:
+def run(settings: EvalSettings) -> int:
     from data.models import weights_hash
     from data.prompts import load_questions
-    from decode.chains.build import configured_builder, eos_of, load_target
-    from infra.cli import check_writable, flag
+    from decode.chains.baselines import greedy_margins
+    from decode.chains.build import builder_for, eos_of, load_target
+    from infra.cli import check_writable
     from infra.tracking import Tracker
 
-    ecfg = cfg.eval
-    for key, least in (("max_new_tokens", 1), ("warmup_tokens", 0)):
-        value = ecfg.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise EvalError(f"eval.{key} must be >= {least} (an integer), got {value!r}")
-    per_category = ecfg.get("per_category")
-    if per_category is not None and (isinstance(per_category, bool) or not isinstance(per_category, int)
-                                     or per_category < 1):
-        raise EvalError(f"eval.per_category must be null or an integer >= 1, got {per_category!r}")
-    flag(ecfg.publish, "force", error=EvalError)  # a string such as 'false' would be truthy
-    checked_confidence(ecfg.get("confidence"))
-    flag(cfg.decode, "fast", default=False, error=EvalError)
-    check_writable(ecfg.out_dir, "eval.out_dir", error=EvalError)  # fail now, not after the decoding
-    check_writable(ecfg.publish.dir, "eval.publish.dir", error=EvalError)
-    if ecfg.publish.chain != "best" and ecfg.chains.get(ecfg.publish.chain) is None:
-        raise EvalError(f"eval.publish.chain={ecfg.publish.chain!r} is not one of eval.chains "
-                        f"({', '.join(ecfg.chains)}) nor 'best'")
-    questions = load_questions(ecfg.prompts, ecfg.per_category)
-    use_threads(cfg.decode.get("threads"), "decode.threads")
-    prepared, tokenizer = load_target(cfg)
+    section, decoding = settings.section, settings.decoding
+    check_writable(section.out_dir, "eval.out_dir", error=EvalError)  # fail now, not after the decoding
+    check_writable(section.publish.dir, "eval.publish.dir", error=EvalError)
+    questions = load_questions(section.prompts, section.per_category)
+    use_threads(decoding.threads, "decode.threads")
+    prepared, tokenizer = load_target(decoding)
     target = prepared.model
-    builder, eos = configured_builder(cfg, prepared, tokenizer), eos_of(target, tokenizer)
-    decoders, specs = build_decoders(cfg, builder, eos)
-    tracker = Tracker(tracking_of(cfg), "eval")
-    for art in ecfg.publish.lineage:  # this run consumed the head and the W4 model those stages logged
+    builder, eos = builder_for(decoding, prepared, tokenizer), eos_of(target, tokenizer)
+    decoders = build_decoders(settings, builder, eos)
+    tracker = Tracker(settings.tracking, "eval")
+    for art in section.publish.lineage:  # this run consumed the head and the W4 model those stages logged
         tracker.use_artifact(art.name, art.type)
-    plans = plan_chains(cfg, builder, specs, decoders, questions, eos) if ecfg.plan.enabled else {}
-    records = decode_questions(decoders, questions, tokenizer, ecfg.max_new_tokens, ecfg.warmup_tokens)
-    t33 = ecfg.theorem_3_3
-    sampled = decode_sampled({n: decoders[n] for n in specs}, questions[: int(t33.questions)], tokenizer,
-                             ecfg.max_new_tokens, float(t33.temperature), int(t33.seed)) if t33.questions else {}
-    chains = ({name: spec.as_config() for name, spec in specs.items()}
+    plans = plan_chains(settings, builder, decoders, questions, eos) if settings.plan.enabled else {}
+    records = decode_questions(decoders, questions, tokenizer, section.max_new_tokens, section.warmup_tokens)
+    t33 = section.theorem_3_3
+    sampled = decode_sampled({n: decoders[n] for n in settings.specs}, questions[: t33.questions], tokenizer,
+                             section.max_new_tokens, t33.temperature, t33.seed) if t33.questions else {}
+    chains = ({name: spec.as_config() for name, spec in settings.specs.items()}
               | {p["chain"]: p["levels"] for p in plans.values()})
     decoded = Decoded(records, chains, len(questions), plans, sampled)
-    from decode.chains.baselines import greedy_margins
 
     def reference_fn(prompt: list[int], forced: list[int], n: int):
         return greedy_margins(prepared, prompt, forced, n, eos)
 
-    return conclude(cfg, decoded, reference_fn, weights_hash(target), tracker)
+    return conclude(settings, decoded, reference_fn, weights_hash(target), tracker)
 
 
-def conclude(cfg: DictConfig, decoded: Decoded, reference_fn: ReferenceFn,
+def conclude(settings: EvalSettings, decoded: Decoded, reference_fn: ReferenceFn,
              target_hash: str, tracker: Any) -> int:
     """From decoded records to the gate: evaluate, write the report, publish or refuse; the exit code."""
     from decode.evaluation.report import write_report
 
-    ecfg = cfg.eval
-    near_tie = ecfg.checks.near_tie_relative.get(cfg.model.dtype)
-    if near_tie is None:
-        raise EvalError(f"eval.checks.near_tie_relative has no tolerance for dtype {cfg.model.dtype!r}")
-    confidence = checked_confidence(ecfg.get("confidence"))
-    checks_cfg = OmegaConf.create({**OmegaConf.to_container(ecfg.checks), "near_tie_relative": near_tie,
-                                   "confidence": confidence})
-    removed = clean_stale([ecfg.out_dir, ecfg.publish.dir])
-    report = evaluate(decoded, reference_fn, checks_cfg)
+    section, publish, run_name = settings.section, settings.publish, settings.decoding.run_name
+    removed = clean_stale([section.out_dir, publish.dir])
+    report = evaluate(decoded, reference_fn, settings.checks, settings.checks.near_tie(settings.decoding.dtype))
     speedups = {n: paired.Interval.from_dict(r["time_speedup_interval"]) for n, r in report["chains"].items()}
-    decision = gate(report["checks"], speedups, str(ecfg.publish.chain), bool(ecfg.publish.force))
-    report |= {"run_name": cfg.run_name, "gate": decision, "config": OmegaConf.to_container(ecfg, resolve=True),
-               "questions": decoded.questions, "max_new_tokens": ecfg.max_new_tokens}
-    out = write_report(report, ecfg.out_dir)
+    decision = gate(report["checks"], speedups, publish.chain, publish.force)
+    report |= {"run_name": run_name, "gate": decision, "config": settings.config,
+               "questions": decoded.questions, "max_new_tokens": section.max_new_tokens}
+    out = write_report(report, section.out_dir)
     tracker.summary(summary_metrics(report, decoded.names, decision))
-    tracker.log_artifact(out, name=f"eval-{cfg.run_name}", type="eval-report")
+    tracker.log_artifact(out, name=f"eval-{run_name}", type="eval-report")
     print((out / "report.md").read_text())  # the summary a pipeline run ends with
     for line in decision["failures"]:
         print(line, file=sys.stderr)
@@ -125,13 +97,14 @@ def conclude(cfg: DictConfig, decoded: Decoded, reference_fn: ReferenceFn,
     print(f"report: {out / 'report.md'}")
     if decision["publish"]:
         name = decision["chain"]
-        manifest, folders = chain_manifest(cfg, name, decoded.chains[name], target_hash, report, decision)
-        bundle = publish_bundle(ecfg.publish.dir, manifest, out, folders)
-        tracker.log_artifact(bundle, name=f"chain-{cfg.run_name}", type="chain", metadata=manifest)
+        manifest, folders = chain_manifest(settings.publication, name, decoded.chains[name], target_hash, report,
+                                           decision)
+        bundle = publish_bundle(publish.dir, manifest, out, folders)
+        tracker.log_artifact(bundle, name=f"chain-{run_name}", type="chain", metadata=manifest)
         print(f"published {name}{' (FORCED despite failed checks)' if decision['forced'] else ''}: {bundle}")
     else:
         print(f"not published: {decision['explanation']} ({len(decision['failures'])} failed check(s))")
-        stale = set_aside(ecfg.publish.dir)
+        stale = set_aside(publish.dir)
         if stale is not None:
             print(f"moved the previously published bundle aside to {stale}: this eval does not admit it")
     tracker.finish(out / "metrics.json")
@@ -161,11 +134,7 @@ def summary_metrics(report: dict[str, Any], chains: dict[str, list[str]], decisi
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run_main(lambda: run(cfg))
-
-
-if __name__ == "__main__":
-    main()
+    run_main(lambda: run(eval_of(cfg)))
 
 
 if __name__ == "__main__":

@@ -10,19 +10,16 @@ import copy
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from data.models import ModelSourceError, load_model, same_vocabulary
-from decode import backends
 from decode.backends import Backend
 from decode.backends.cpu import pack
 from decode.backends.cpu.dense import packed_with
 from decode.backends.cpu.int8 import quantize_lm_head
-from decode.backends.cpu.llama import ACTIVATIONS
 from decode.engine.chain import Chain, read_features
 from decode.engine.errors import DecodeError
 from decode.engine.head import DraftHead, EagleHead, vocabulary_rows
@@ -31,55 +28,29 @@ from decode.engine.levels import EagleLevel, Level, LevelCompute, ModelLevel, Ng
 from decode.engine.runner import Prepared, as_prepared
 from decode.engine.sampling import GREEDY, Sampling
 from decode.engine.spec import ChainSpec, LevelSpec
-from infra.cli import flag
 from infra.layout import RunLayout
-from infra.settings import device_of, layout_of
+
+if TYPE_CHECKING:
+    from decode.settings import Decoding
 
 
-def gemm_choice(cfg: Any) -> str | None:
-    """decode.gemm, checked: which packed product dense fp32 linears use (decode.backends.cpu.dense.gemm_for);
-    None off the CPU (`device`: nothing is packed there)."""
-    gemm, device = cfg.decode.get("gemm", "auto"), device_of(cfg)
+def load_target(decoding: Decoding) -> tuple[Prepared, PreTrainedTokenizerBase]:
+    """The chain's target as configured: `model` in `dtype` on `device`, prepared by the run's backend (packed, and
+    run natively per decode.native_fp32), which the AR reference and every chain share."""
+    target, tokenizer = load_model(decoding.model, decoding.dtype, decoding.device)
     try:
-        return backends.gemm_choice(gemm, device)
-    except (ValueError, RuntimeError) as err:  # an unknown name, or avx2 where it cannot run
+        return decoding.backend.prepare(target), tokenizer
+    except ValueError as err:  # native_fp32=on where the native runner cannot run the target
         raise DecodeError(f"decode.{err}") from None
 
 
-def backend_of(cfg: Any) -> Backend:
-    """decode.fast, gemm, native_fp32, native and w4_activations, checked once: how the run's models run (nothing
-    packed and nothing native without decode.fast, nothing packed off the CPU)."""
-    d, gemm = cfg.decode, gemm_choice(cfg)
-    if not flag(d, "fast", default=False, error=DecodeError):
-        return Backend()
-    native = {key: str(d.get(key, "auto")) for key in ("native_fp32", "native")}
-    for key, value in native.items():
-        if value not in backends.NATIVE:
-            raise DecodeError(f"decode.{key} must be one of {', '.join(backends.NATIVE)}, got {value!r}")
-    activations = str(d.get("w4_activations", "int8"))
-    if activations not in ACTIVATIONS:
-        raise DecodeError(f"decode.w4_activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
-    return Backend(gemm, native["native_fp32"], native["native"], activations)
-
-
-def onednn_target(cfg: Any, target: PreTrainedModel) -> PreTrainedModel | None:
+def onednn_target(decoding: Decoding, target: PreTrainedModel) -> PreTrainedModel | None:
     """The target packed with oneDNN, for a side-by-side row, when `target` itself runs on the AVX2 kernels."""
     if packed_with(target) != "avx2":
         return None
-    model = load_model(cfg.model.name, cfg.model.dtype)[0]
+    model = load_model(decoding.model, decoding.dtype)[0]
     pack(model, "onednn")
     return model
-
-
-def load_target(cfg: Any) -> tuple[Prepared, PreTrainedTokenizerBase]:
-    """The chain's target as configured: `model.name` in `model.dtype` on `device`, prepared by the run's backend
-    (backend_of: packed, and run natively per decode.native_fp32), which the AR reference and every chain share."""
-    backend = backend_of(cfg)
-    target, tokenizer = load_model(cfg.model.name, cfg.model.dtype, device_of(cfg))
-    try:
-        return backend.prepare(target), tokenizer
-    except ValueError as err:  # native_fp32=on where the native runner cannot run the target
-        raise DecodeError(f"decode.{err}") from None
 
 
 def eos_of(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> int | list[int] | None:
@@ -89,39 +60,25 @@ def eos_of(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> int |
     return eos if eos is not None else tokenizer.eos_token_id
 
 
-def reference_decoders(cfg: Any, target: Prepared, eos: Any, sampling: Sampling = GREEDY,
+def reference_decoders(decoding: Decoding, target: Prepared, eos: Any, sampling: Sampling = GREEDY,
                        onednn: bool = False) -> dict[str, Callable]:
     """The autoregressive reference on the configured target (`ar`), and beside it, where they differ, AR on the
     plain eager target (`ar_eager`, when decode.fast) and on oneDNN (`ar_onednn`, asked for and the target on AVX2)."""
     from decode.chains.baselines import autoregressive
 
     models: dict[str, Prepared | PreTrainedModel] = {"ar": target}
-    if cfg.decode.get("fast"):
-        models["ar_eager"] = load_model(cfg.model.name, cfg.model.dtype, target.model.device)[0]
-    if onednn and (other := onednn_target(cfg, target.model)) is not None:
+    if decoding.fast:
+        models["ar_eager"] = load_model(decoding.model, decoding.dtype, target.model.device)[0]
+    if onednn and (other := onednn_target(decoding, target.model)) is not None:
         models["ar_onednn"] = other
     runners = {name: as_prepared(model).new_runner() for name, model in models.items()}  # one each, reused
     return {name: (lambda p, n, s=sampling, m=model, r=runners[name]: autoregressive(m, p, n, s, eos, r))
             for name, model in models.items()}
 
 
-def configured_chain(cfg: Any, chain_cfg: list[dict], target_model: Prepared,
-                     tokenizer: PreTrainedTokenizerBase) -> Chain:
-    """A chain from a level list, with what the config says: the run's artifacts, decode.fast, decode.gemm and
-    decode.draft_defaults."""
-    return configured_builder(cfg, target_model, tokenizer).build(configured_spec(cfg, chain_cfg))
-
-
-def configured_spec(cfg: Any, chain_cfg: Any) -> ChainSpec:
-    """A level list from config as a spec, the drafter's missing draft keys from decode.draft_defaults."""
-    raw = OmegaConf.to_container(chain_cfg, resolve=True) if OmegaConf.is_config(chain_cfg) else chain_cfg
-    return ChainSpec.parse(raw, OmegaConf.to_container(cfg.decode.draft_defaults, resolve=True))
-
-
-def configured_builder(cfg: Any, target: Prepared, tokenizer: PreTrainedTokenizerBase) -> ChainBuilder:
-    """A builder for the config's run: its artifacts, model.dtype and backend (checked first)."""
-    backend = backend_of(cfg)
-    return ChainBuilder(target, tokenizer, layout_of(cfg), LevelSettings(cfg.model.dtype, backend))
+def builder_for(decoding: Decoding, target: Prepared, tokenizer: PreTrainedTokenizerBase) -> ChainBuilder:
+    """A builder for the run: its artifacts, model dtype and backend."""
+    return ChainBuilder(target, tokenizer, decoding.layout, LevelSettings(decoding.dtype, decoding.backend))
 
 
 def build_chain(
@@ -318,25 +275,3 @@ def _eagle_head(level: LevelSpec, tokenizer, artifacts: RunLayout, target: PreTr
         return load_head(folder, target, tokenizer, level.method).eval()
     except (OSError, ValueError, RuntimeError) as err:
         raise DecodeError(f"{folder}: cannot load the EAGLE head ({str(err).splitlines()[0]})") from None
-
-
-def chain_from_config(cfg: DictConfig, name: str, builder: ChainBuilder) -> Chain:
-    """decode.chains[name], built."""
-    chains = cfg.decode.chains
-    if name not in chains or chains[name] is None:
-        raise DecodeError(f"decode.chain={name!r}: no such chain in conf/decode/chain.yaml; known: {', '.join(chains)}")
-    return builder.build(configured_spec(cfg, chains[name]))
-
-
-def sampling_of(cfg: DictConfig) -> Sampling:
-    """decode.temperature / top_k / top_p / seed as the one Sampling value chains and baselines take, checked
-    first: a bad value is a one-line DecodeError naming its key (e.g. decode.top_p must be in (0, 1])."""
-    d = cfg.decode
-    args = {key: d.get(key) for key in ("temperature", "top_k", "top_p", "seed")}
-    for key in ("temperature", "top_p"):
-        if isinstance(args[key], int) and not isinstance(args[key], bool):
-            args[key] = float(args[key])
-    try:
-        return Sampling(**args)
-    except DecodeError as err:
-        raise DecodeError(f"decode.{err}") from None

@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from decode.engine.chain import Chain
 from decode.engine.levels import GenerationStats, ModelLevel
 from decode.engine.planner import ChainModel, Dist, Shape, best, capped, predict
 from decode.engine.spec import ChainSpec
 from decode.engine.theory import forward_cost
+
+if TYPE_CHECKING:
+    from decode.settings import PlanSettings
 
 Build = Callable[[ChainSpec], Chain]  # a spec's chain on already-loaded models (decode.chains.build.ChainBuilder.build)
 
@@ -41,38 +43,38 @@ def _per_round(stats: list[GenerationStats], i: int, value: str) -> float:
     return total / rounds if rounds else 0.0
 
 
-def cost_curves(chain: Chain, context: list[int], cfg: Any) -> tuple[list[dict[int, float]], list[str]]:
+def cost_curves(chain: Chain, context: list[int], plan: PlanSettings) -> tuple[list[dict[int, float]], list[str]]:
     """Seconds per forward at k tokens for every verifying level: costs.json's row of the same name, else timed."""
     from infra.timing import level_forward, median_ms
 
-    stored = json.loads(Path(cfg.costs).read_text())["ms"] if cfg.get("costs") and Path(cfg.costs).is_file() else {}
+    stored = json.loads(plan.costs.read_text())["ms"] if plan.costs and plan.costs.is_file() else {}
     verifiers: list[ModelLevel] = chain.levels[:-1]
     timed = {level.name: level_forward(level, context) for level in verifiers if level.name not in stored}
-    ms = stored | (median_ms(timed, [int(k) for k in cfg.ks], int(cfg.repeats)) if timed else {})
+    ms = stored | (median_ms(timed, list(plan.ks), plan.repeats) if timed else {})
     curves = [{int(k): v / 1e3 for k, v in ms[level.name].items()} for level in verifiers]
     return curves, ["costs.json" if level.name in stored else "timed" for level in verifiers]
 
 
-def calibrate(spec: ChainSpec, build: Build, prompts: list[list[int]], cfg: Any,
+def calibrate(spec: ChainSpec, build: Build, prompts: list[list[int]], plan: PlanSettings,
               eos: Any) -> tuple[ChainModel, dict[str, Any]]:
     """Decode `prompts` at each calibration setting (a variant of `spec` each); the model of the chain, and what was
     measured."""
     configured = spec.knobs()
     draft = configured["draft"]
-    mu_max = max([int(m) for m in cfg.mu] + list(configured["mu"].values()))
+    mu_max = max(list(plan.mu) + list(configured["mu"].values()))
     if draft["mode"] == "tree":
-        trees = [{**draft, **dict(t)} for t in cfg.trees]
+        trees = [{**draft, **t} for t in plan.trees]
         settings = trees + ([draft] if draft not in trees else [])
     else:
-        lengths = sorted({int(k) for k in cfg.lengths} | {int(draft["length"])})
+        lengths = sorted(set(plan.lengths) | {int(draft["length"])})
         settings = [{**draft, "length": lengths[-1]}]
-    context = [t for p in prompts for t in p][: int(cfg.context)]
+    context = [t for p in prompts for t in p][: plan.context]
     chain = build(spec)
-    curves, sources = cost_curves(chain, context, cfg)
+    curves, sources = cost_curves(chain, context, plan)
     start, runs = time.perf_counter(), []
     for setting in settings:
         variant = build(spec.with_knobs({"mu": {name: mu_max for name in configured["mu"]}, "draft": setting}))
-        runs.append([variant.generate(p, int(cfg.max_new_tokens), eos_token_id=eos).stats for p in prompts])
+        runs.append([variant.generate(p, plan.max_new_tokens, eos_token_id=eos).stats for p in prompts])
     n, pooled = len(chain.levels), [s for run in runs for s in run]
     scales = []  # per verifying level, in-chain seconds over the curve's (a prompt's prefill is outside the curve)
     for i, curve in enumerate(curves):
@@ -92,7 +94,7 @@ def calibrate(spec: ChainSpec, build: Build, prompts: list[list[int]], cfg: Any,
                        for k in lengths]
     model = ChainModel(curves, [_accepted(pooled, i) for i in range(n - 2)], shapes)
     measured = {
-        "prompts": len(prompts), "max_new_tokens": int(cfg.max_new_tokens), "decodes": len(settings) * len(prompts),
+        "prompts": len(prompts), "max_new_tokens": plan.max_new_tokens, "decodes": len(settings) * len(prompts),
         "mu": mu_max, "seconds": time.perf_counter() - start,
         "costs": {level.name: {"source": src, "scale": scale, "ms": {k: 1e3 * v for k, v in curve.items()}}
                   for level, src, scale, curve in zip(chain.levels, sources, scales, curves)},
@@ -100,22 +102,23 @@ def calibrate(spec: ChainSpec, build: Build, prompts: list[list[int]], cfg: Any,
     return model, measured
 
 
-def plan_chain(spec: ChainSpec, build: Build, prompts: list[list[int]], cfg: Any, eos: Any) -> dict[str, Any]:
+def plan_chain(spec: ChainSpec, build: Build, prompts: list[list[int]], plan: PlanSettings,
+               eos: Any) -> dict[str, Any]:
     """Calibrate, then the planned knobs next to the configured ones, each with its predicted time and its
     predicted speedup over AR (the target's 1-token forward, from the same curve). A plan predicted less
-    than `cfg.min_gain` faster keeps the configured values: the calibration is short and noisy."""
+    than `plan.min_gain` faster keeps the configured values: the calibration is short and noisy."""
     configured = spec.knobs()
-    model, calibration = calibrate(spec, build, prompts, cfg, eos)
+    model, calibration = calibrate(spec, build, prompts, plan, eos)
     mine = predict(model, list(configured["mu"].values()),
                    next(s for s in model.shapes if s.draft == configured["draft"]))
-    mus, shape, predicted = best(model, [int(m) for m in cfg.mu])
+    mus, shape, predicted = best(model, list(plan.mu))
     planned = {"mu": dict(zip(configured["mu"], mus)), "draft": shape.draft}
-    if predicted["s_per_token"] > (1 - float(cfg.min_gain)) * mine["s_per_token"]:
+    if predicted["s_per_token"] > (1 - plan.min_gain) * mine["s_per_token"]:
         planned, predicted = configured, mine
     ar = forward_cost(model.curves[0], 1)
     return {
         "configured": {"knobs": configured, "predicted": mine | {"speedup": ar / mine["s_per_token"]}},
         "planned": {"knobs": planned, "predicted": predicted | {"speedup": ar / predicted["s_per_token"]}},
-        "candidates": len(model.shapes) * len(cfg.mu) ** (len(spec.levels) - 2),
+        "candidates": len(model.shapes) * len(plan.mu) ** (len(spec.levels) - 2),
         "calibration": calibration,
     }

@@ -4,7 +4,7 @@ Theorem 3.3's variance comparison; `evaluate` computes the whole report from the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from decode.evaluation import speedup as paired
 from decode.evaluation import EvalError
@@ -12,6 +12,9 @@ from decode.engine.theory import InsertionCase, TheoryError, insertion_condition
 from decode.evaluation.aggregate import (by_category, chain_result, error_intervals, record_row, speedup,
                                          speedup_interval, summarize, theory_inputs, time_speedup)
 from decode.evaluation.runner import Decoded, Record
+
+if TYPE_CHECKING:
+    from decode.settings import CheckSettings
 
 PREDICTIONS = {"refined": "the refined prediction", "paper": "Theorem 3.1"}
 
@@ -195,13 +198,13 @@ def theorem_3_3(greedy: dict[str, list[Record]], sampled: dict[str, list[Record]
     return out
 
 
-def evaluate(decoded: Decoded, reference_fn: ReferenceFn, checks_cfg: Any,
+def evaluate(decoded: Decoded, reference_fn: ReferenceFn, checks: CheckSettings, near_tie: float,
              reference: str = "ar") -> dict[str, Any]:
     """Everything the report holds, computed from the decoded records: summaries, theory, checks, plans.
 
     `decoded.plans` maps a configured chain to its plan (decode.chains.plan.plan_chain, plus "chain": the planned
     chain's name); insertions pair configured chains with configured ones and planned with planned."""
-    records, chains, plans, confidence = decoded.records, decoded.names, decoded.plans, checks_cfg.confidence
+    records, chains, plans, confidence = decoded.records, decoded.names, decoded.plans, checks.confidence
     summaries = {name: summarize(recs) for name, recs in records.items()}
     rows = {name: [record_row(r, ref) for r, ref in zip(recs, records[reference])] for name, recs in records.items()}
     chain_results = {}
@@ -220,7 +223,7 @@ def evaluate(decoded: Decoded, reference_fn: ReferenceFn, checks_cfg: Any,
     groups = [[n for n in chains if n not in planned], [plan["chain"] for plan in plans.values()]]
     pairs = {(i["with"], i["without"], i["index"]): i
              for g in groups for i in find_insertions({n: chains[n] for n in g})}
-    insertions = [evaluate_insertion(ins, summaries, checks_cfg.insertion_rule) for ins in pairs.values()]
+    insertions = [evaluate_insertion(ins, summaries, checks.insertion_rule) for ins in pairs.values()]
     for ins in insertions:
         ins["speedups"] = {side: {"predicted": chain_results[ins[side]]["predictions"]["paper"].get("speedup"),
                                   "measured": chain_results[ins[side]]["time_speedup"]} for side in ("without", "with")}
@@ -232,16 +235,15 @@ def evaluate(decoded: Decoded, reference_fn: ReferenceFn, checks_cfg: Any,
             plan[side] |= {"measured_s_per_token": per_token[name],
                            "measured_speedup": per_token[reference] / per_token[name],
                            "error": plan[side]["predicted"]["s_per_token"] / per_token[name] - 1}
-    checks = [
-        check_lossless(records, reference_fn, checks_cfg.near_tie_relative, reference),
+    verdicts = [
+        check_lossless(records, reference_fn, near_tie, reference),
         check_insertion(insertions),
-        check_agreement(chain_results, insertions, checks_cfg.agreement_tolerance,
-                        checks_cfg.get("agreement_prediction", "refined")),
+        check_agreement(chain_results, insertions, checks.agreement_tolerance, checks.agreement_prediction),
     ]
     return {
         "summaries": summaries, "chains": chain_results, "baselines": baselines, "insertions": insertions,
         "plans": plans,
         "theorem_3_3": theorem_3_3(records, decoded.sampled),
-        "categories": by_category(records, confidence, reference), "checks": [c.as_dict() for c in checks],
+        "categories": by_category(records, confidence, reference), "checks": [c.as_dict() for c in verdicts],
         "records": rows,
     }

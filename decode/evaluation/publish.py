@@ -11,14 +11,26 @@ import time
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from dataclasses import dataclass
 
 from decode.evaluation import speedup as paired
 from infra.layout import RunLayout
-from infra.settings import layout_of
 from infra.tracking import atomic_dir
 
 LLAMACPP_W4 = "w4.Q4_0.gguf"  # the W4 level as llama.cpp loads it, in the bundle's levels/
+
+
+@dataclass(frozen=True)
+class Publication:
+    """Where a bundle comes from and goes: the target (`model` in `dtype`), the run and its folders, the bundle's
+    folder, and the draft length its llama.cpp serve command uses."""
+
+    model: str
+    dtype: str
+    run_name: str
+    layout: RunLayout
+    bundle: Path
+    llamacpp_draft_max: int = 4
 
 
 def folder_hash(path: str | Path) -> str:
@@ -67,11 +79,11 @@ def failed_lines(checks: list[dict[str, Any]]) -> list[str]:
     return [f"check failed: {c['name']}: {reason}" for c in checks if not c["passed"] for reason in c["reasons"]]
 
 
-def level_folder(level_cfg: Any, artifacts: RunLayout) -> Path | None:
+def level_folder(level: dict[str, Any], artifacts: RunLayout) -> Path | None:
     """The folder a level loads from (head, W4 model), resolved as decode.chains.build does; None for the target,
     `untrained` and models that are no folder (bundled:, hub ids)."""
-    kind = level_cfg.get("kind", "model")
-    source = level_cfg.get("path") if kind == "eagle" else level_cfg.get("model") if kind == "model" else None
+    kind = level.get("kind", "model")
+    source = level.get("path") if kind == "eagle" else level.get("model") if kind == "model" else None
     if not source or source in ("target", "untrained"):
         return None
     path = Path(artifacts.model_spec(str(source))) if kind == "model" else artifacts.folder(str(source))
@@ -79,28 +91,28 @@ def level_folder(level_cfg: Any, artifacts: RunLayout) -> Path | None:
 
 
 def chain_manifest(
-    cfg: DictConfig, name: str, level_cfgs: list[dict[str, Any]], target_hash: str, report: dict[str, Any],
+    where: Publication, name: str, chain: list[dict[str, Any]], target_hash: str, report: dict[str, Any],
     decision: dict[str, Any],
 ) -> tuple[dict[str, Any], dict[str, Path]]:
     """chain.json for the published chain (its levels as decoded, planned values included), and the level
     folders to copy into the bundle."""
-    levels, folders, artifacts = [], {}, layout_of(cfg)
-    for i, level_cfg in enumerate(level_cfgs):
-        entry, label = {"config": level_cfg}, level_cfg.get("name") or f"L{i + 1}"
-        folder = level_folder(level_cfg, artifacts)
+    levels, folders = [], {}
+    for i, level in enumerate(chain):
+        entry, label = {"config": level}, level.get("name") or f"L{i + 1}"
+        folder = level_folder(level, where.layout)
         if folder is not None:
             entry |= {"source": str(folder), "content_hash": folder_hash(folder), "bundled_as": f"levels/{label}"}
             folders[label] = folder
-        elif level_cfg.get("model") == "target":
-            entry |= {"source": cfg.model.name, "dtype": cfg.model.dtype, "content_hash": target_hash}
-        elif level_cfg.get("kind", "model") != "ngram":
-            entry["source"] = str(level_cfg.get("model") or level_cfg.get("path"))  # a hub id, or `untrained`
+        elif level.get("model") == "target":
+            entry |= {"source": where.model, "dtype": where.dtype, "content_hash": target_hash}
+        elif level.get("kind", "model") != "ngram":
+            entry["source"] = str(level.get("model") or level.get("path"))  # a hub id, or `untrained`
         levels.append(entry)
     summary, result = report["summaries"][name], report["chains"][name]
     plan = next(({"base": base, "published": "planned" if name != base else "configured", **p}
                  for base, p in report["plans"].items() if name in (base, p["chain"])), None)
     manifest = {
-        "chain": name, "run_name": cfg.run_name, "levels": levels, "plan": plan,
+        "chain": name, "run_name": where.run_name, "levels": levels, "plan": plan,
         "measured": {
             "speedup_over_ar": result["time_speedup"], "speedup_over_ar_interval": result["time_speedup_interval"],
             "spec_bench_speedup": result["measured_speedup"],
@@ -115,40 +127,39 @@ def chain_manifest(
                       name, result["time_speedup_interval"])).above_one},  # as the gate judged it (Holm)
         "forced": decision["forced"], "rejected": decision["rejected"], "failed_checks": decision["failures"],
         "versions": library_versions(), "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "serve": serve_of(cfg, levels),
+        "serve": serve_of(where, levels),
     }
-    manifest["serve"]["llamacpp"], w4_gguf = llamacpp_serve(cfg, levels)
-    if (eagle3 := llamacpp_eagle3_serve(cfg, levels)) is not None:
+    manifest["serve"]["llamacpp"], w4_gguf = llamacpp_serve(where, levels)
+    if (eagle3 := llamacpp_eagle3_serve(where, levels)) is not None:
         manifest["serve"]["llamacpp_eagle3"] = eagle3
     if w4_gguf is not None:
         folders[LLAMACPP_W4] = w4_gguf
     return manifest, folders
 
 
-def serve_of(cfg: DictConfig, levels: list[dict[str, Any]]) -> dict[str, Any]:
+def serve_of(where: Publication, levels: list[dict[str, Any]]) -> dict[str, Any]:
     """chain.json's `serve` (decode.consumers.serving) for the published bundle's target, drafter and W4 level, by their
     paths once published."""
     from data.models import ModelSourceError, resolve_model_path
     from decode.consumers.serving import serve_section
 
-    bundle = Path(cfg.eval.publish.dir).resolve()
-    where = [str(bundle / level["bundled_as"]) if "bundled_as" in level else None for level in levels]
+    bundle = where.bundle.resolve()
+    paths = [str(bundle / level["bundled_as"]) if "bundled_as" in level else None for level in levels]
     try:
-        target = resolve_model_path(cfg.model.name)  # the folder a bundled target was converted into
+        target = resolve_model_path(where.model)  # the folder a bundled target was converted into
     except ModelSourceError:
-        target = cfg.model.name
-    return serve_section(target, cfg.model.dtype, levels[-1]["config"], where[-1],
-                         next(filter(None, where[1:-1]), None))
+        target = where.model
+    return serve_section(target, where.dtype, levels[-1]["config"], paths[-1], next(filter(None, paths[1:-1]), None))
 
 
-def llamacpp_serve(cfg: DictConfig, levels: list[dict[str, Any]]) -> tuple[dict[str, Any], Path | None]:
+def llamacpp_serve(where: Publication, levels: list[dict[str, Any]]) -> tuple[dict[str, Any], Path | None]:
     """chain.json's serve.llamacpp: llama.cpp serving the target with the chain's W4 level as its draft model (a
     Q4_0 GGUF exported exactly, bundled as levels/w4.Q4_0.gguf), and the GGUF to bundle; where that cannot be,
     the one reason and None."""
     from decode.consumers.llamacpp import SDIST, serve_commands
     from decode.consumers.llamacpp_gguf import GgufExportError, target_gguf, w4_gguf
 
-    model = str(cfg.model.name)
+    model = where.model
     w4 = next((Path(level["source"]) for level in levels[1:]
                if level["config"].get("kind", "model") == "model" and "bundled_as" in level), None)
     if w4 is None or not model.startswith("bundled:"):
@@ -159,15 +170,15 @@ def llamacpp_serve(cfg: DictConfig, levels: list[dict[str, Any]]) -> tuple[dict[
         draft = w4_gguf(w4, target)
     except GgufExportError as err:
         return {"not_served": f"llama.cpp: {err}"}, None
-    bundled = Path(cfg.eval.publish.dir).resolve() / "levels" / LLAMACPP_W4
-    draft_max = int(OmegaConf.select(cfg, "decode.bench.llamacpp.draft_max", default=4))
+    bundled = where.bundle.resolve() / "levels" / LLAMACPP_W4
+    draft_max = where.llamacpp_draft_max
     return {"engine": f"llama.cpp (vendored by {SDIST}; checked with llama-speculative-simple: decode.bench, "
                       "decode.interop)", **serve_commands(str(target), str(bundled), draft_max),
             "target_gguf": str(target), "draft_gguf": f"levels/{LLAMACPP_W4}",
             "note": "llama.cpp serves two levels: the target and the W4 level as its draft model."}, draft
 
 
-def llamacpp_eagle3_serve(cfg: DictConfig, levels: list[dict[str, Any]]) -> dict[str, Any] | None:
+def llamacpp_eagle3_serve(where: Publication, levels: list[dict[str, Any]]) -> dict[str, Any] | None:
     """chain.json's serve.llamacpp_eagle3 where the chain drafts with an EAGLE-3 head: llama.cpp's converter and
     server commands for the bundled head (None for any other drafter); where the target is not a bundled GGUF,
     the reason."""
@@ -181,10 +192,10 @@ def llamacpp_eagle3_serve(cfg: DictConfig, levels: list[dict[str, Any]]) -> dict
         return None
     if head_method(drafter["config"], drafter.get("source")) != "eagle3":
         return None
-    model = str(cfg.model.name)
+    model = where.model
     if not model.startswith("bundled:"):
         return {"not_served": f"llama.cpp: the target {model} is not a bundled GGUF"}
-    head = Path(cfg.eval.publish.dir).resolve() / drafter["bundled_as"]
+    head = where.bundle.resolve() / drafter["bundled_as"]
     commands = eagle3_serve_commands(str(target_gguf(model.removeprefix("bundled:"))), resolve_model_path(model),
                                      str(head), draft_length(drafter["config"].get("draft") or {}))
     return {"engine": f"llama.cpp (vendored by {SDIST}; converted and checked by decode.interop)", **commands,

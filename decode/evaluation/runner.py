@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from omegaconf import DictConfig
 from tqdm import tqdm
 
 from decode.engine.sampling import GREEDY, Sampling
 from decode.evaluation import EvalError
+
+if TYPE_CHECKING:
+    from decode.settings import EvalSettings
 
 Decoder = Callable[..., Any]  # (prompt_ids, max_new_tokens, sampling=GREEDY) -> Generation
 
@@ -104,53 +106,45 @@ def chain_decoder(chain, eos: Any) -> Decoder:
     return decode
 
 
-def build_decoders(cfg: DictConfig, builder, eos: Any) -> tuple[dict[str, Decoder], dict[str, Any]]:
-    """The AR reference and every configured chain, as decoders; and the chains' specs."""
-    from decode.chains.build import configured_spec, reference_decoders
+def build_decoders(settings: EvalSettings, builder: Any, eos: Any) -> dict[str, Decoder]:
+    """The AR reference and every chain the eval compares, as decoders."""
+    from decode.chains.build import reference_decoders
 
-    decoders: dict[str, Decoder] = reference_decoders(cfg, builder.prepared_target, eos)
-    specs = {}
-    for name, levels in cfg.eval.chains.items():
-        if name == "ar":
-            raise EvalError("eval.chains: 'ar' is reserved for the autoregressive reference")
-        if levels is None:
-            continue  # a chain switched off from the command line (eval.chains.polybasic=null)
-        specs[name] = configured_spec(cfg, levels)
-        decoders[name] = chain_decoder(builder.build(specs[name]), eos)
-    if not specs:
-        raise EvalError("eval.chains is empty: nothing to evaluate")
-    return decoders, specs
+    decoders: dict[str, Decoder] = reference_decoders(settings.decoding, builder.prepared_target, eos)
+    for name, spec in settings.specs.items():
+        decoders[name] = chain_decoder(builder.build(spec), eos)
+    return decoders
 
 
-def calibration_prompts(ecfg: Any, questions: list, tokenizer) -> list[list[int]]:
+def calibration_prompts(prompts_file: str | None, count: int, questions: list, tokenizer) -> list[list[int]]:
     """First turns of questions the eval does not decode (categories in turn), else of the eval's own."""
     from data.prompts import load_questions
     from data.sharegpt import chat_prompt_ids
 
     used = {q.question_id for q in questions}
-    held_out = [q for q in load_questions(ecfg.prompts) if q.question_id not in used] or questions
+    held_out = [q for q in load_questions(prompts_file) if q.question_id not in used] or questions
     seen: dict[str, int] = {}
     ranked = []
     for q in held_out:
         seen[q.category] = seen.get(q.category, 0) + 1
         ranked.append((seen[q.category], q))
-    picked = [q for _, q in sorted(ranked, key=lambda r: r[0])][: int(ecfg.plan.questions)]
+    picked = [q for _, q in sorted(ranked, key=lambda r: r[0])][:count]
     return [chat_prompt_ids(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in picked]
 
 
-def plan_chains(cfg: DictConfig, builder: Any, specs: dict[str, Any], decoders: dict[str, Decoder], questions: list,
+def plan_chains(settings: EvalSettings, builder: Any, decoders: dict[str, Decoder], questions: list,
                 eos: Any) -> dict[str, dict[str, Any]]:
     """Plan the chains of eval.plan.chains (null: all) on held-out prompts. A plan that changes the knobs adds
     the decoder `<chain>_planned` (a chain built from the planned spec), decoded next to the configured chain."""
     from decode.chains.plan import plan_chain
 
-    pcfg, plans = cfg.eval.plan, {}
-    prompts = calibration_prompts(cfg.eval, questions, builder.tokenizer)
-    for name in pcfg.chains or list(specs):
+    specs, plan_settings, plans = settings.specs, settings.plan, {}
+    prompts = calibration_prompts(settings.section.prompts, plan_settings.questions, questions, builder.tokenizer)
+    for name in plan_settings.chains or list(specs):
         if name not in specs:
             raise EvalError(f"eval.plan.chains: {name!r} is not one of eval.chains ({', '.join(specs)})")
         print(f"plan: calibrating {name} on {len(prompts)} held-out prompts", file=sys.stderr)
-        plan = plan_chain(specs[name], builder.build, prompts, pcfg, eos)
+        plan = plan_chain(specs[name], builder.build, prompts, plan_settings, eos)
         planned_spec = specs[name].with_knobs(plan["planned"]["knobs"])
         planned = name if planned_spec == specs[name] else f"{name}_planned"
         if planned != name:

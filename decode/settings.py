@@ -1,0 +1,281 @@
+"""The decode apps' door: `decode.*` (and model, device, run_dir) read once into frozen values, checked before any
+model loads. Everything below the apps takes these values; none of it sees a config."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from decode import backends
+from decode.backends import Backend
+from decode.engine.errors import DecodeError
+from decode.engine.sampling import Sampling
+from decode.engine.spec import ChainSpec, SpecError
+from decode.evaluation import EvalError
+from decode.evaluation.publish import Publication
+from decode.evaluation.speedup import IntervalError, checked_confidence
+from infra.errors import ConfigError
+from infra.layout import RunLayout
+from infra.settings import Tracking, checked, device_of, layout_of, parse, plain, tracking_of
+
+Native = Literal["auto", "on", "off"]
+BACKEND_KEYS = {"native_fp32": "native_fp32", "native_w4": "native", "activations": "w4_activations"}
+
+
+@dataclass(frozen=True)
+class DecodeSection:
+    """decode.*'s own keys (bench, costs and chains have their own values)."""
+
+    chain: str = "polybasic"
+    prompt: Any = None
+    prompt_file: str | None = None
+    max_new_tokens: Any = 128
+    temperature: Any = 0.0
+    top_k: Any = 0
+    top_p: Any = 1.0
+    seed: Any = 0
+    fast: bool = False
+    gemm: str = "auto"
+    native: str = "auto"
+    native_fp32: str = "auto"
+    w4_activations: str = "int8"
+    threads: Any = None
+    compare_ar: bool = False
+    draft_defaults: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """What every decode app shares: the target (`model` in `dtype` on `device`), how models run (`backend`; nothing
+    packed without `fast`), how tokens are drawn, the run's folders, and the named chains as specs."""
+
+    model: str
+    dtype: str
+    device: torch.device
+    layout: RunLayout
+    run_name: str
+    fast: bool
+    backend: Backend
+    sampling: Sampling
+    threads: int | None
+    chain: str
+    chains: dict[str, ChainSpec]
+    draft_defaults: dict[str, Any]
+    section: DecodeSection
+
+    def spec(self, name: str) -> ChainSpec:
+        """decode.chains[name], or the one-line DecodeError naming the chains there are."""
+        if name not in self.chains:
+            raise DecodeError(f"decode.chain={name!r}: no such chain in conf/decode/chain.yaml; "
+                              f"known: {', '.join(self.chains)}")
+        return self.chains[name]
+
+    def parse_chain(self, levels: Any, where: str = "chain") -> ChainSpec:
+        """A level list (a config's or a manifest's) as a spec, the drafter's missing draft keys from draft_defaults."""
+        return ChainSpec.parse(plain(levels), self.draft_defaults, where)
+
+
+def gemm_choice(gemm: Any, device: torch.device) -> str | None:
+    """decode.gemm checked: which packed product dense fp32 linears use (decode.backends.cpu.dense.gemm_for); None
+    off the CPU (nothing is packed there)."""
+    try:
+        return backends.gemm_choice(gemm, device)
+    except (ValueError, RuntimeError) as err:  # an unknown name, or avx2 where it cannot run
+        raise DecodeError(f"decode.{err}") from None
+
+
+def backend_of(d: DecodeSection, device: torch.device) -> Backend:
+    """How the run's models run: nothing packed and nothing native without decode.fast, nothing packed off the CPU.
+    Backend checks its own values; a wrong one is named by its config key."""
+    gemm = gemm_choice(d.gemm, device)
+    if not d.fast:
+        return Backend()
+    try:
+        return Backend(gemm, d.native_fp32, d.native, d.w4_activations)
+    except ValueError as err:
+        field_name = str(err).split(" ", 1)[0]
+        raise DecodeError(f"decode.{BACKEND_KEYS.get(field_name, field_name)} {str(err).split(' ', 1)[1]}") from None
+
+
+def sampling_of(d: DecodeSection) -> Sampling:
+    """decode.temperature / top_k / top_p / seed as one Sampling, or a one-line DecodeError naming the key."""
+    args = {key: getattr(d, key) for key in ("temperature", "top_k", "top_p", "seed")}
+    for key in ("temperature", "top_p"):
+        if isinstance(args[key], int) and not isinstance(args[key], bool):
+            args[key] = float(args[key])
+    try:
+        return Sampling(**args)
+    except DecodeError as err:
+        raise DecodeError(f"decode.{err}") from None
+
+
+def threads_of(value: Any, key: str) -> int | None:
+    """A `threads` setting: null (torch's default) or an integer >= 1."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigError(f"{key} must be null or an integer >= 1, got {value!r}")
+    return value
+
+
+def decode_section(cfg: Any) -> DecodeSection:
+    d = cfg.decode
+    try:
+        own = {key: plain(d.get(key)) for key in (f.name for f in dataclasses.fields(DecodeSection)) if key in d}
+    except OmegaConfBaseException as err:  # an interpolation in decode.prompt that does not resolve
+        raise DecodeError(f"decode.prompt: cannot resolve it ({err.__class__.__name__}); pass text with prompt=\"...\" "
+                          "or decode.prompt_file=PATH, which are taken literally") from None
+    for key in ("prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "threads"):
+        own[key] = own.get(key)  # typed where they are used: their checks name them better than a type would
+    return parse(DecodeSection, own, "decode", DecodeError)
+
+
+def decoding_of(cfg: Any) -> Decoding:
+    """decode.*, model.*, device and run_dir as one Decoding, every value and every named chain checked."""
+    d = decode_section(cfg)
+    device = device_of(cfg)
+    chains = {}
+    for name, levels in (cfg.decode.get("chains") or {}).items():
+        if levels is not None:
+            try:
+                chains[name] = ChainSpec.parse(plain(levels), d.draft_defaults, f"decode.chains.{name}")
+            except SpecError as err:
+                raise DecodeError(str(err)) from None
+    return Decoding(model=str(cfg.model.name), dtype=str(cfg.model.dtype), device=device, layout=layout_of(cfg),
+                    run_name=str(cfg.get("run_name", "")), fast=d.fast, backend=backend_of(d, device),
+                    sampling=sampling_of(d), threads=threads_of(d.threads, "decode.threads"), chain=d.chain,
+                    chains=chains, draft_defaults=d.draft_defaults, section=d)
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """eval.plan: which chains the planner calibrates, on what, and the knobs it tries."""
+
+    enabled: bool = True
+    chains: tuple[str, ...] | None = None
+    questions: int = 4
+    max_new_tokens: int = 32
+    mu: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
+    lengths: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
+    min_gain: float = 0.03
+    trees: tuple[dict[str, int], ...] = ()
+    costs: Path | None = None
+    ks: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    repeats: int = 5
+    context: int = 192
+
+
+@dataclass(frozen=True)
+class CheckSettings:
+    """eval.checks, with the near-tie tolerance of the target's dtype and the eval's confidence."""
+
+    near_tie_relative: dict[str, float]
+    insertion_rule: Literal["both", "theorem", "direct"] = "both"
+    agreement_tolerance: float = 0.10
+    agreement_prediction: Literal["refined", "paper"] = "refined"
+    confidence: float = 0.95
+
+    def near_tie(self, dtype: str) -> float:
+        if dtype not in self.near_tie_relative:
+            raise EvalError(f"eval.checks.near_tie_relative has no tolerance for dtype {dtype!r}")
+        return self.near_tie_relative[dtype]
+
+
+@dataclass(frozen=True)
+class Theorem33:
+    questions: int = 3
+    temperature: float = 1.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Artifact:
+    name: str
+    type: str
+
+
+@dataclass(frozen=True)
+class PublishSettings:
+    chain: str = "best"
+    dir: Path = Path("publish")
+    force: bool = False
+    lineage: tuple[Artifact, ...] = ()
+
+
+@dataclass(frozen=True)
+class EvalSection:
+    prompts: str | None = None
+    per_category: Any = 2
+    max_new_tokens: Any = 64
+    warmup_tokens: Any = 16
+    out_dir: Path = Path("eval")
+    confidence: Any = 0.95
+    chains: dict[str, Any] = field(default_factory=dict)
+    checks: dict[str, Any] = field(default_factory=dict)
+    plan: PlanSettings = PlanSettings()
+    theorem_3_3: Theorem33 = Theorem33()
+    publish: PublishSettings = PublishSettings()
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """decode.eval's run: the shared decoding, the chains it compares (as specs), and eval.*."""
+
+    decoding: Decoding
+    specs: dict[str, ChainSpec]
+    checks: CheckSettings
+    section: EvalSection
+    publication: Publication
+    tracking: Tracking
+    config: dict[str, Any]  # eval.* as plain data, recorded in the report
+
+    @property
+    def plan(self) -> PlanSettings:
+        return self.section.plan
+
+    @property
+    def publish(self) -> PublishSettings:
+        return self.section.publish
+
+
+def confidence_of(value: Any, section: str, error: type[Exception]) -> float:
+    """A `confidence` setting of `section` (eval, decode.bench), or the one-line error naming it."""
+    try:
+        return checked_confidence(value)
+    except IntervalError as err:
+        raise error(f"{section}.{err}") from None
+
+
+def eval_of(cfg: Any) -> EvalSettings:
+    """decode.eval's settings, every check of its inputs done before anything loads."""
+    section = parse(EvalSection, plain(cfg.eval), "eval", EvalError)
+    for key, least in (("max_new_tokens", 1), ("warmup_tokens", 0)):
+        value = getattr(section, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise EvalError(f"eval.{key} must be >= {least} (an integer), got {value!r}")
+    per_category = section.per_category
+    if per_category is not None and (isinstance(per_category, bool) or not isinstance(per_category, int)
+                                     or per_category < 1):
+        raise EvalError(f"eval.per_category must be null or an integer >= 1, got {per_category!r}")
+    confidence = confidence_of(section.confidence, "eval", EvalError)
+    if section.publish.chain != "best" and section.chains.get(section.publish.chain) is None:
+        raise EvalError(f"eval.publish.chain={section.publish.chain!r} is not one of eval.chains "
+                        f"({', '.join(section.chains)}) nor 'best'")
+    decoding = decoding_of(cfg)
+    checks = parse(CheckSettings, {**section.checks, "confidence": confidence}, "eval.checks", EvalError)
+    checks.near_tie(decoding.dtype)
+    specs = {}
+    for name, levels in section.chains.items():
+        if name == "ar":
+            raise EvalError("eval.chains: 'ar' is reserved for the autoregressive reference")
+        if levels is not None:  # a chain switched off from the command line (eval.chains.polybasic=null)
+            specs[name] = decoding.parse_chain(levels, f"eval.chains.{name}")
+    if not specs:
+        raise EvalError("eval.chains is empty: nothing to evaluate")
+    draft_max = OmegaConf.select(cfg, "decode.bench.llamacpp.draft_max", default=4)
+    publication = Publication(decoding.model, decoding.dtype, decoding.run_name, decoding.layout, section.publish.dir,
+                              checked(int, draft_max, "decode.bench.llamacpp.draft_max", DecodeError))
+    return EvalSettings(decoding, specs, checks, section, publication, tracking_of(cfg), plain(cfg.eval))
