@@ -279,3 +279,47 @@ def eval_of(cfg: Any) -> EvalSettings:
     publication = Publication(decoding.model, decoding.dtype, decoding.run_name, decoding.layout, section.publish.dir,
                               checked(int, draft_max, "decode.bench.llamacpp.draft_max", DecodeError))
     return EvalSettings(decoding, specs, checks, section, publication, tracking_of(cfg), plain(cfg.eval))
+
+
+@dataclass(frozen=True)
+class LlamaCppBench:
+    """decode.bench.llamacpp: llama.cpp beside polyspec (decode.consumers.llamacpp_peer)."""
+
+    enabled: Any = "auto"
+    draft_max: int = 4
+    ngram: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BenchSection:
+    prompts: str | None = None
+    per_category: int | None = 1
+    max_new_tokens: int = 64
+    repeats: int = 1
+    confidence: Any = 0.95
+    warmup_tokens: int = 8
+    two_level: str | None = None
+    three_level: str | None = None
+    extra: tuple[str, ...] = ()
+    stand_ins: dict[str, str] = field(default_factory=dict)
+    assistant: dict[str, Any] | None = None
+    assistant_stand_in: dict[str, Any] | None = None
+    prompt_lookup_num_tokens: int = 6
+    llamacpp: LlamaCppBench | None = None
+    out: Path = Path("bench.json")
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """decode.bench's run: the shared decoding, decode.bench.* and its interval's confidence."""
+
+    decoding: Decoding
+    section: BenchSection
+    confidence: float
+    config: dict[str, Any]  # decode.bench.* as plain data, recorded in bench.json
+
+
+def bench_of(cfg: Any) -> BenchSettings:
+    section = parse(BenchSection, plain(cfg.decode.bench), "decode.bench", DecodeError)
+    return BenchSettings(decoding_of(cfg), section, confidence_of(section.confidence, "decode.bench", DecodeError),
+                         plain(cfg.decode.bench))
