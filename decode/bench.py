@@ -18,29 +18,22 @@ from typing import Callable
 
 import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm import tqdm
 
-from decode.chains.build import (
-    chain_from_config,
-    configured_builder,
-    eos_of,
-    level_model,
-    load_target,
-    reference_decoders,
-    sampling_of,
-)
+from decode.chains.build import builder_for, eos_of, level_model, load_target, reference_decoders
 from decode.engine.errors import DecodeError
 from decode.engine.levels import Generation
 from decode.evaluation.measure import level_line, prediction_line, summarize
-from decode.evaluation.speedup import Interval, IntervalError, checked_confidence, time_speedup
+from decode.evaluation.speedup import Interval, time_speedup
+from decode.settings import BenchSettings, bench_of
 from infra.cli import check_writable, run_main
 from infra.device import use_threads
 
 Method = Callable[[list[int], int], Generation]
 
 
-def methods(cfg: DictConfig, prepared, tokenizer) -> tuple[dict[str, Method], dict[str, str]]:
+def methods(settings: BenchSettings, prepared, tokenizer) -> tuple[dict[str, Method], dict[str, str]]:
     """The decoders to compare, and a note per method on what it actually is (`prepared`: the configured target)."""
     from decode.backends import Backend
     from decode.backends.cpu.dense import packed_with
@@ -48,46 +41,45 @@ def methods(cfg: DictConfig, prepared, tokenizer) -> tuple[dict[str, Method], di
     from decode.engine.head import HeadError
     from decode.engine.spec import LevelSpec, parse
 
-    target = prepared.model
-    b, eos, sampling = cfg.decode.bench, eos_of(target, tokenizer), sampling_of(cfg)
-    found: dict[str, Method] = reference_decoders(cfg, prepared, eos, sampling, onednn=True)
+    target, decoding, b = prepared.model, settings.decoding, settings.section
+    eos, sampling = eos_of(target, tokenizer), decoding.sampling
+    found: dict[str, Method] = reference_decoders(decoding, prepared, eos, sampling, onednn=True)
     notes = {"ar": "target alone" + (f" (packed: {packed_with(target)})" if packed_with(target) else ""),
              "ar_eager": "target alone, plain eager nn.Linear",
              "ar_onednn": "target alone, packed with oneDNN (decode.gemm=onednn)"}
     notes = {name: note for name, note in notes.items() if name in found}
-    builder = configured_builder(cfg, prepared, tokenizer)
+    builder = builder_for(decoding, prepared, tokenizer)
     if b.assistant is not None:
-        assistant_cfg = OmegaConf.to_container(b.assistant, resolve=True)
+        assistant_level = b.assistant
         try:
-            assistant = level_model(parse(LevelSpec, assistant_cfg, "decode.bench.assistant"), target, tokenizer,
-                                    builder.artifacts, cfg.model.dtype)
+            assistant = level_model(parse(LevelSpec, assistant_level, "decode.bench.assistant"), target, tokenizer,
+                                    builder.artifacts, decoding.dtype)
         except DecodeError as err:
-            print(f"hf_assisted: assistant unavailable ({err}); using stand-in {dict(b.assistant_stand_in)}",
+            print(f"hf_assisted: assistant unavailable ({err}); using stand-in {b.assistant_stand_in}",
                   file=sys.stderr)
-            assistant_cfg = OmegaConf.to_container(b.assistant_stand_in, resolve=True)
-            assistant = level_model(parse(LevelSpec, assistant_cfg, "decode.bench.assistant_stand_in"), target,
-                                    tokenizer, builder.artifacts, cfg.model.dtype)
+            assistant_level = b.assistant_stand_in
+            assistant = level_model(parse(LevelSpec, assistant_level, "decode.bench.assistant_stand_in"), target,
+                                    tokenizer, builder.artifacts, decoding.dtype)
         Backend(builder.backend.gemm).prepare(assistant)  # packed as the target is
         found["hf_assisted"] = lambda p, n: hf_assisted(target, assistant, p, n, sampling, eos_token_id=eos)
-        notes["hf_assisted"] = f"assistant {assistant_cfg}"
-    found["hf_prompt_lookup"] = lambda p, n: hf_prompt_lookup(target, p, n, int(b.prompt_lookup_num_tokens), sampling,
+        notes["hf_assisted"] = f"assistant {assistant_level}"
+    found["hf_prompt_lookup"] = lambda p, n: hf_prompt_lookup(target, p, n, b.prompt_lookup_num_tokens, sampling,
                                                               eos_token_id=eos)
     notes["hf_prompt_lookup"] = f"{b.prompt_lookup_num_tokens} tokens"
-    slots = {"two_level": b.two_level, "three_level": b.three_level, **{name: name for name in b.get("extra") or []}}
+    slots = {"two_level": b.two_level, "three_level": b.three_level, **{name: name for name in b.extra}}
     for slot, name in slots.items():
         if name is None:
             continue
         try:
-            chain = chain_from_config(cfg, name, builder)
+            chain = builder.build(decoding.spec(name))
         except (DecodeError, HeadError) as err:
             stand_in = b.stand_ins.get(name)
             if not stand_in:
                 raise
             print(f"{slot}: chain {name!r} unavailable ({err}); using stand-in {stand_in!r}", file=sys.stderr)
-            name, chain = stand_in, chain_from_config(cfg, stand_in, builder)
+            name, chain = stand_in, builder.build(decoding.spec(stand_in))
         found[slot] = lambda p, n, chain=chain: chain.generate(p, n, sampling, eos_token_id=eos)
         notes[slot] = f"{name}: " + " <- ".join(f"{level.name}({level.kind})" for level in chain.levels)
-        found[slot].chain = chain  # type: ignore[attr-defined]
     return found, notes
 
 
@@ -135,34 +127,30 @@ def _interval(name: str, s: dict) -> str:
     return x.text() + (" +" if x.above_one else " -" if x.below_one else "  ")
 
 
-def run(cfg: DictConfig) -> dict:
+def run(settings: BenchSettings) -> dict:
     from data.prompts import load_questions
     from data.sharegpt import chat_prompt_ids
     from decode.consumers import llamacpp_peer
     from infra.tracking import write_json_atomic
 
-    b = cfg.decode.bench
+    b, decoding, confidence = settings.section, settings.decoding, settings.confidence
     check_writable(b.out, "decode.bench.out", kind="file")  # refuse before minutes of decoding, not after
-    try:
-        confidence = checked_confidence(b.get("confidence"))
-    except IntervalError as err:
-        raise DecodeError(f"decode.bench.{err}") from None
-    use_threads(cfg.decode.get("threads"), "decode.threads")
+    use_threads(decoding.threads, "decode.threads")
     questions = load_questions(b.prompts, per_category=b.per_category)  # before any model: a bad file fails fast
-    peer = llamacpp_peer.peer_from_config(cfg, torch.get_num_threads())  # None (said why) where it is off
-    target, tokenizer = load_target(cfg)
-    decoders, notes = methods(cfg, target, tokenizer)
+    peer = llamacpp_peer.bench_peer(decoding, b.llamacpp, torch.get_num_threads())  # None (said why) where it is off
+    target, tokenizer = load_target(decoding)
+    decoders, notes = methods(settings, target, tokenizer)
     prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]
     for decode in decoders.values():  # untimed warm-up: lazy initialisation, allocator
-        decode(prompts[0], int(b.warmup_tokens))
+        decode(prompts[0], b.warmup_tokens)
     texts = [tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
     if peer:
-        peer.decode_all(texts[0], int(b.warmup_tokens), keep=False)
+        peer.decode_all(texts[0], b.warmup_tokens, keep=False)
     names = list(decoders)
     runs: dict[str, list[Generation]] = {name: [] for name in names}
     ar_tokens: list[list[int]] = []
-    n = int(b.max_new_tokens)
-    work = [(r, i) for r in range(int(b.repeats)) for i in range(len(prompts))]
+    n = b.max_new_tokens
+    work = [(r, i) for r in range(b.repeats) for i in range(len(prompts))]
     for step, (_, i) in enumerate(tqdm(work, desc="bench", unit="prompt")):
         order = names[step % len(names):] + names[: step % len(names)]  # rotate: no method always runs first
         for name in order:
@@ -171,12 +159,12 @@ def run(cfg: DictConfig) -> dict:
         if peer:
             peer.decode_all(texts[i], n)
     summary = summarise(runs, ar_tokens, confidence)
-    print(f"\n{len(work)} prompts x {len(names)} methods, {n} new tokens, temperature {cfg.decode.temperature}, "
+    print(f"\n{len(work)} prompts x {len(names)} methods, {n} new tokens, temperature {decoding.sampling.temperature}, "
           f"{torch.get_num_threads()} threads; medians (x AR = median per-prompt ratio; sb = Spec-Bench mean ratio; "
           f"time x AR = pooled seconds per token of AR over the method's, {confidence:.0%} paired interval over "
           f"prompts, + shown faster, - shown slower)")
     print(table(summary, notes))
-    result = {"config": OmegaConf.to_container(b, resolve=True), "device": str(target.model.device),
+    result = {"config": settings.config, "device": str(target.model.device),
               "threads": torch.get_num_threads(), "notes": notes, "summary": summary}
     if peer:
         ar_texts = [llamacpp_peer.reply_text(tokenizer, tokens) for tokens in ar_tokens]
@@ -189,7 +177,7 @@ def run(cfg: DictConfig) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run_main(lambda: run(cfg))
+    run_main(lambda: run(bench_of(cfg)))
 
 
 def cli() -> None:

@@ -21,9 +21,9 @@ from omegaconf import DictConfig
 from transformers import DynamicCache
 
 from decode.backends import Backend
+from decode.settings import CostsSettings, Decoding, costs_of
 from infra.cli import check_writable, run_main
 from infra.device import use_threads
-from infra.settings import device_of, layout_of
 from infra.timing import Step, cached_forward, level_forward, median_ms, streaming_floor_ms
 
 
@@ -74,49 +74,50 @@ def _w4_steps(w4: Any, context: list[int], steps: dict[str, Step], notes: dict[s
         notes["w4 int8 head"] = "the W4 level with lm_head: int8"
 
 
-def _target_steps(cfg: DictConfig, context: list[int], steps: dict[str, Step], notes: dict[str, str]) -> Any:
+def _target_steps(decoding: Decoding, context: list[int], steps: dict[str, Step], notes: dict[str, str]) -> Any:
     """The target's rows: as configured (decode.fast, decode.gemm, decode.native_fp32), and beside it the other
     products and forwards it could run on; returns the configured (prepared) target."""
     from data.models import load_model
     from decode import backends
     from decode.backends.cpu.dense import packed_with
-    from decode.chains.build import backend_of, onednn_target
+    from decode.chains.build import onednn_target
     from decode.engine.levels import ModelLevel
 
-    device, dtype, backend = device_of(cfg), cfg.model.dtype, backend_of(cfg)
-    fast_target = backend.prepare(load_model(cfg.model.name, dtype, device)[0])
+    device, dtype, backend = decoding.device, decoding.dtype, decoding.backend
+    fast_target = backend.prepare(load_model(decoding.model, dtype, device)[0])
     packed = f"{dtype}, packed (decode.fast, {packed_with(fast_target.model)})"
     if backends.runs_natively(fast_target):
         steps["target"] = level_forward(ModelLevel("target", fast_target), context)
         notes["target"] = f"{packed}, native runner (decode.native_fp32)"
-        hf_target = Backend(backend.gemm).prepare(load_model(cfg.model.name, dtype, device)[0]).model
+        hf_target = Backend(backend.gemm).prepare(load_model(decoding.model, dtype, device)[0]).model
         steps["target hf layers"] = cached_forward(hf_target, context)
         notes["target hf layers"] = f"{packed}, the HF layers (decode.native_fp32=off)"
     else:
         steps["target"], notes["target"] = cached_forward(fast_target.model, context), packed
-    onednn = onednn_target(cfg, fast_target.model)  # the other packed product, side by side
+    onednn = onednn_target(decoding, fast_target.model)  # the other packed product, side by side
     if onednn is not None:
         steps["target onednn"] = cached_forward(onednn, context)
         notes["target onednn"] = f"{dtype}, packed (decode.fast, onednn)"
     return fast_target
 
 
-def round_costs(cfg: DictConfig, target: Any, tokenizer: Any, prompt: list[int]) -> dict | None:
+def round_costs(settings: CostsSettings, target: Any, tokenizer: Any, prompt: list[int]) -> dict | None:
     """Per round of decode.chain's chain, greedy on `prompt` (decode.costs.round_tokens new tokens, after a short
     warm-up): each level's forward ms, the round's ms and its overhead beside the forwards; None (said on stderr)
     where the chain cannot be built here (a missing artifact)."""
-    from decode.chains.build import configured_chain
+    from decode.chains.build import builder_for
     from decode.engine.errors import DecodeError
     from decode.engine.head import HeadError
 
-    name = cfg.decode.chain
+    decoding = settings.decoding
+    name = decoding.chain
     try:
-        chain = configured_chain(cfg, cfg.decode.chains[name], target, tokenizer)
+        chain = builder_for(decoding, target, tokenizer).build(decoding.spec(name))
     except (DecodeError, HeadError) as err:
         print(f"costs: chain {name!r} unavailable ({err}); no round costs", file=sys.stderr)
         return None
     chain.generate(prompt, 8)
-    stats = chain.generate(prompt, int(cfg.decode.costs.round_tokens)).stats
+    stats = chain.generate(prompt, settings.section.round_tokens).stats
     rounds = max(len(stats.levels[0].acceptance_lengths), 1)
     forwards = {level.name: (level.draft_time_s + level.verify_time_s) * 1000 / rounds for level in stats.levels}
     round_ms = (stats.wall_time_s - stats.time_to_first_token_s) * 1000 / rounds
@@ -124,34 +125,33 @@ def round_costs(cfg: DictConfig, target: Any, tokenizer: Any, prompt: list[int])
             "forward_ms": forwards, "overhead_ms": round_ms - sum(forwards.values())}
 
 
-def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str], dict]:
+def steps_for(settings: CostsSettings) -> tuple[dict[str, Step], dict[str, str], dict]:
     """The forwards to time, a note per row on what it is, and what is measured beside them: the configured target's
     weight-streaming floor and the round costs of decode.chain."""
     from data.models import load_model
-    from data.sharegpt import load_split
-    from decode.chains.build import backend_of
+    from data.sharegpt import load_conversations, split_conversations
 
-    device = device_of(cfg)
-    _, held_out = load_split(cfg.data)  # the data before any model or kernel build: refused in seconds
-    c, backend = cfg.decode.costs, backend_of(cfg)
-    target, tokenizer = load_model(cfg.model.name, cfg.model.dtype, device)
-    context = context_ids(held_out, tokenizer, int(c.context))
+    decoding = settings.decoding
+    device, backend = decoding.device, decoding.backend
+    # the data before any model or kernel build: refused in seconds
+    _, held_out = split_conversations(load_conversations(settings.data_source), settings.held_out_fraction)
+    target, tokenizer = load_model(decoding.model, decoding.dtype, device)
+    context = context_ids(held_out, tokenizer, settings.section.context)
     steps = {"target eager": cached_forward(target, context)}
-    notes = {"target eager": f"{cfg.model.dtype}, plain nn.Linear"}
-    fast_target = _target_steps(cfg, context, steps, notes)
+    notes = {"target eager": f"{decoding.dtype}, plain nn.Linear"}
+    fast_target = _target_steps(decoding, context, steps, notes)
     floor_ms, size, bandwidth = streaming_floor_ms(fast_target.model)
     beside = {"floor": {"ms": floor_ms, "weight_bytes": size, "read_bytes_per_s": bandwidth},
-              "round": round_costs(cfg, fast_target, tokenizer, context)}
-    artifacts, w4 = layout_of(cfg), None
-    w4_dir = artifacts.output("w4")
+              "round": round_costs(settings, fast_target, tokenizer, context)}
+    w4, w4_dir = None, decoding.layout.output("w4")
     if (w4_dir / "config.json").is_file():
-        w4 = backend.drafting(fast_target).prepare(load_model(str(w4_dir), cfg.model.dtype, device)[0])
+        w4 = backend.drafting(fast_target).prepare(load_model(str(w4_dir), decoding.dtype, device)[0])
         _w4_steps(w4, context, steps, notes)
     else:
         print(f"costs: no W4 model in {w4_dir}; skipping it", file=sys.stderr)
     with torch.inference_mode():
         states = target(torch.tensor([context], device=device), output_hidden_states=True).hidden_states
-    vocab = _head_steps(cfg, (fast_target.model, tokenizer), backend, (context, states), (steps, notes))
+    vocab = _head_steps(settings, (fast_target.model, tokenizer), (context, states), (steps, notes))
     if w4 is not None and vocab is not None:
         from decode.engine.head import vocabulary_rows
         from decode.engine.levels import LevelCompute, ModelLevel
@@ -163,25 +163,25 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str], dict]:
     return steps, notes, beside
 
 
-def _head_steps(cfg: DictConfig, target: tuple, backend: Any, inputs: tuple, rows: tuple) -> torch.Tensor | None:
+def _head_steps(settings: CostsSettings, target: tuple, inputs: tuple, rows: tuple) -> torch.Tensor | None:
     """The rows of the run's head (either method) and of untrained heads with `decode.costs.head_vocab`'s draft
-    vocabularies, each on `backend` (`target`: model and tokenizer; `inputs`: the context and the target's hidden
-    states on it; `rows`: the steps and notes to add to); returns the run's head's draft vocabulary, if any."""
+    vocabularies, each on the run's backend (`target`: model and tokenizer; `inputs`: the context and the target's
+    hidden states on it; `rows`: the steps and notes to add to); returns the run's head's draft vocabulary, if any."""
     from decode.engine.head import EagleHead
     from decode.engine.head3 import load_head
 
     (model, tokenizer), (context, states), (steps, notes) = target, inputs, rows
-    head_dir, heads = layout_of(cfg).output("eagle"), {}
+    head_dir, heads = settings.decoding.layout.output("eagle"), {}
     if (head_dir / "config.json").is_file():
         heads["head"] = load_head(head_dir, model, tokenizer)
         n = heads["head"].draft_vocab
         notes["head"] = f"{head_dir}, packed, draft vocabulary {'full' if n is None else len(n)}"
-    for size in cfg.decode.costs.head_vocab or []:
+    for size in settings.section.head_vocab:
         vocab = None if size is None else torch.arange(int(size))  # cost depends on the size only
         heads[f"head V={size or 'full'}"] = EagleHead.for_target(model, draft_vocab=vocab)
         notes[f"head V={size or 'full'}"] = "untrained head, packed, timing only"
     for name, head in heads.items():
-        lm_head = backend.prepare_head(head)
+        lm_head = settings.decoding.backend.prepare_head(head)
         layers = getattr(head, "aux_layers", None)  # an EAGLE-3 head drafts from the aux states first
         features = torch.cat([states[i] for i in layers], -1) if layers else states[-1]
         steps[name] = head_forward(head.eval(), lm_head, context, features)
@@ -195,23 +195,23 @@ def _print_rounds(rounds: dict) -> None:
           f"each): {rounds['round_ms']:.1f} ms = forwards ({forwards}) + overhead {rounds['overhead_ms']:.1f} ms")
 
 
-def run(cfg: DictConfig) -> dict:
+def run(settings: CostsSettings) -> dict:
     from infra.tracking import write_json_atomic
 
-    c = cfg.decode.costs
+    c = settings.section
     check_writable(c.out, "decode.costs.out", kind="file")  # refuse before minutes of timing, not after
-    use_threads(cfg.decode.get("threads"), "decode.threads")
-    steps, notes, beside = steps_for(cfg)
-    ks = [int(k) for k in c.ks]
-    ms = median_ms(steps, ks, int(c.repeats))
+    use_threads(settings.decoding.threads, "decode.threads")
+    steps, notes, beside = steps_for(settings)
+    ks = list(c.ks)
+    ms = median_ms(steps, ks, c.repeats)
     base = ms["target"][1]
     print(f"\nmedian ms per forward of k new tokens on a {c.context}-token context, {c.repeats} repeats interleaved, "
           f"{torch.get_num_threads()} threads; (x) = ratio to the configured target's 1-token forward")
     print(f"{'level':<18}" + "".join(f"{f'k={k}':>15}" for k in ks) + "  note")
     for name, per in ms.items():
         print(f"{name:<18}" + "".join(f"{per[k]:8.1f} ({per[k] / base:4.2f})" for k in ks) + f"  {notes[name]}")
-    result = {"device": str(device_of(cfg)), "context": int(c.context), "threads": torch.get_num_threads(),
-              "repeats": int(c.repeats), "notes": notes, "ms": ms,
+    result = {"device": str(settings.decoding.device), "context": c.context, "threads": torch.get_num_threads(),
+              "repeats": c.repeats, "notes": notes, "ms": ms,
               "ratio_to_target_1": {n: {k: v / base for k, v in per.items()} for n, per in ms.items()}}
     floor = beside["floor"]
     print(f"target T(1) {base:.1f} ms = {base / floor['ms']:.2f}x its weight-streaming floor: "
@@ -228,7 +228,7 @@ def run(cfg: DictConfig) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run_main(lambda: run(cfg))
+    run_main(lambda: run(costs_of(cfg)))
 
 
 if __name__ == "__main__":

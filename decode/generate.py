@@ -10,67 +10,16 @@ from __future__ import annotations
 
 import re
 import sys
-from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
-from omegaconf.errors import OmegaConfBaseException
 
-from decode.chains.build import chain_from_config, configured_builder, eos_of, sampling_of
-from decode.engine.chain import check_new_tokens
+from decode.chains.build import builder_for, eos_of
 from decode.engine.errors import DecodeError
 from decode.engine.levels import Generation
-from infra.cli import flag, run_main
+from decode.settings import GenerateSettings, generate_of
+from infra.cli import run_main
 from infra.device import use_threads
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def max_new_tokens(cfg: DictConfig) -> int:
-    value = cfg.decode.get("max_new_tokens")
-    try:
-        check_new_tokens(value)
-    except DecodeError as err:
-        raise DecodeError(f"decode.{err}") from None
-    return int(value)
-
-
-def prompt_text(cfg: DictConfig) -> str:
-    """The user message: the file `decode.prompt_file` read literally (`-` = stdin; UTF-8, a byte order mark
-    and one final newline dropped), or `decode.prompt` (the `prompt=` shorthand makes that literal too;
-    a plain `decode.prompt=` override is Hydra syntax, where `${...}` is an interpolation)."""
-    try:
-        prompt, prompt_file = cfg.decode.get("prompt"), cfg.decode.get("prompt_file")
-    except OmegaConfBaseException as err:
-        raise DecodeError(f"decode.prompt: cannot resolve it ({err.__class__.__name__}); pass text with prompt=\"...\" "
-                          "or decode.prompt_file=PATH, which are taken literally") from None
-    if prompt is not None and prompt_file is not None:
-        raise DecodeError("decode.prompt and decode.prompt_file are both set; give one")
-    if prompt_file is not None:
-        where = "decode.prompt_file=-" if str(prompt_file) == "-" else f"decode.prompt_file={prompt_file}"
-        try:
-            data = (sys.stdin.buffer.read() if str(prompt_file) == "-"
-                    else Path(str(prompt_file)).expanduser().read_bytes())
-        except OSError as err:
-            raise DecodeError(f"{where}: cannot read ({err.strerror or err.__class__.__name__})") from None
-        try:
-            prompt = data.removeprefix(b"\xef\xbb\xbf").decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise DecodeError(f"{where}: not UTF-8 text (byte {err.start + 1})") from None
-        prompt = prompt[:-2] if prompt.endswith("\r\n") else prompt[:-1] if prompt.endswith("\n") else prompt
-    else:
-        where = "decode.prompt"
-    if prompt_file is not None and not prompt.strip():
-        raise DecodeError(f"{where}: no prompt in it (empty)")
-    if prompt is None or (isinstance(prompt, str) and not prompt.strip()):
-        raise DecodeError('no prompt: python -m decode.generate prompt="your question"')
-    if not isinstance(prompt, (str, int, float)) or isinstance(prompt, bool):
-        raise DecodeError(f"decode.prompt must be text, got {type(prompt).__name__}; quote it: prompt=\"...\"")
-    prompt = str(prompt)
-    if _SURROGATE.search(prompt):
-        raise DecodeError(f"{where}: not valid UTF-8 text (undecodable bytes or lone surrogates)")
-    return prompt
-
 
 def check_context(prompt: list[int], new_tokens: int, model) -> None:
     """Refuse a prompt that, with the tokens to generate, does not fit the model's context."""
@@ -100,21 +49,19 @@ def level_table(generation: Generation) -> str:
     return "\n".join(rows)
 
 
-def run(cfg: DictConfig) -> None:
+def run(settings: GenerateSettings) -> None:
     from data.sharegpt import chat_prompt_ids
     from decode.chains.baselines import autoregressive
     from decode.chains.build import load_target
 
-    d = cfg.decode
-    text, new_tokens, sampling = prompt_text(cfg), max_new_tokens(cfg), sampling_of(cfg)  # checked before any loading
-    flag(d, "fast", default=False, error=DecodeError)
-    compare_ar = flag(d, "compare_ar", default=False, error=DecodeError)
-    use_threads(d.get("threads"), "decode.threads")
-    prepared, tokenizer = load_target(cfg)
+    decoding, new_tokens = settings.decoding, settings.max_new_tokens
+    sampling = decoding.sampling
+    use_threads(decoding.threads, "decode.threads")
+    prepared, tokenizer = load_target(decoding)
     target = prepared.model
-    prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": text}])
+    prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": settings.prompt}])
     check_context(prompt, new_tokens, target)
-    chain = chain_from_config(cfg, d.chain, configured_builder(cfg, prepared, tokenizer))
+    chain = builder_for(decoding, prepared, tokenizer).build(decoding.spec(decoding.chain))
     eos = eos_of(target, tokenizer)
     shown: list[int] = []
     printed = ""
@@ -128,9 +75,9 @@ def run(cfg: DictConfig) -> None:
         printed = text
 
     result = chain.generate(prompt, new_tokens, sampling, eos_token_id=eos, on_tokens=stream)
-    print(f"\n\nchain {d.chain}: " + " <- ".join(level.name for level in chain.levels))
+    print(f"\n\nchain {decoding.chain}: " + " <- ".join(level.name for level in chain.levels))
     print(level_table(result))
-    if compare_ar:
+    if settings.compare_ar:
         reference = autoregressive(prepared, prompt, new_tokens, sampling, eos_token_id=eos)
         same = reference.tokens == result.tokens
         ratio = (result.stats.tokens_per_s / reference.stats.tokens_per_s if reference.stats.tokens_per_s
@@ -143,7 +90,7 @@ def run(cfg: DictConfig) -> None:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run_main(lambda: run(cfg))
+    run_main(lambda: run(generate_of(cfg)))
 
 
 def shorthand(arg: str) -> str:

@@ -3,6 +3,8 @@ model loads. Everything below the apps takes these values; none of it sees a con
 from __future__ import annotations
 
 import dataclasses
+import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -13,6 +15,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from decode import backends
 from decode.backends import Backend
+from decode.engine.chain import check_new_tokens
 from decode.engine.errors import DecodeError
 from decode.engine.sampling import Sampling
 from decode.engine.spec import ChainSpec, SpecError
@@ -23,7 +26,7 @@ from infra.errors import ConfigError
 from infra.layout import RunLayout
 from infra.settings import Tracking, checked, device_of, layout_of, parse, plain, tracking_of
 
-Native = Literal["auto", "on", "off"]
+_SURROGATE = re.compile("[\ud800-\udfff]")
 BACKEND_KEYS = {"native_fp32": "native_fp32", "native_w4": "native", "activations": "w4_activations"}
 
 
@@ -148,6 +151,65 @@ def decoding_of(cfg: Any) -> Decoding:
                     run_name=str(cfg.get("run_name", "")), fast=d.fast, backend=backend_of(d, device),
                     sampling=sampling_of(d), threads=threads_of(d.threads, "decode.threads"), chain=d.chain,
                     chains=chains, draft_defaults=d.draft_defaults, section=d)
+
+
+@dataclass(frozen=True)
+class GenerateSettings:
+    """decode.generate's run: the shared decoding, the user message, the token budget, whether to compare with AR."""
+
+    decoding: Decoding
+    prompt: str
+    max_new_tokens: int
+    compare_ar: bool
+
+
+def generate_of(cfg: Any) -> GenerateSettings:
+    """decode.generate's settings; the prompt read (a file or stdin) and every value checked before any model loads."""
+    decoding = decoding_of(cfg)
+    d = decoding.section
+    new_tokens = max_new_tokens(d.max_new_tokens)
+    return GenerateSettings(decoding, prompt_text(d.prompt, d.prompt_file), new_tokens, d.compare_ar)
+
+
+def max_new_tokens(value: Any) -> int:
+    """decode.max_new_tokens, or the one-line DecodeError naming it."""
+    try:
+        check_new_tokens(value)
+    except DecodeError as err:
+        raise DecodeError(f"decode.{err}") from None
+    return int(value)
+
+
+def prompt_text(prompt: Any, prompt_file: str | None) -> str:
+    """The user message: the file `decode.prompt_file` read literally (`-` = stdin; UTF-8, a byte order mark
+    and one final newline dropped), or `decode.prompt` (the `prompt=` shorthand makes that literal too;
+    a plain `decode.prompt=` override is Hydra syntax, where `${...}` is an interpolation)."""
+    if prompt is not None and prompt_file is not None:
+        raise DecodeError("decode.prompt and decode.prompt_file are both set; give one")
+    if prompt_file is not None:
+        where = "decode.prompt_file=-" if str(prompt_file) == "-" else f"decode.prompt_file={prompt_file}"
+        try:
+            data = (sys.stdin.buffer.read() if str(prompt_file) == "-"
+                    else Path(str(prompt_file)).expanduser().read_bytes())
+        except OSError as err:
+            raise DecodeError(f"{where}: cannot read ({err.strerror or err.__class__.__name__})") from None
+        try:
+            prompt = data.removeprefix(b"\xef\xbb\xbf").decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise DecodeError(f"{where}: not UTF-8 text (byte {err.start + 1})") from None
+        prompt = prompt[:-2] if prompt.endswith("\r\n") else prompt[:-1] if prompt.endswith("\n") else prompt
+    else:
+        where = "decode.prompt"
+    if prompt_file is not None and not prompt.strip():
+        raise DecodeError(f"{where}: no prompt in it (empty)")
+    if prompt is None or (isinstance(prompt, str) and not prompt.strip()):
+        raise DecodeError('no prompt: python -m decode.generate prompt="your question"')
+    if not isinstance(prompt, (str, int, float)) or isinstance(prompt, bool):
+        raise DecodeError(f"decode.prompt must be text, got {type(prompt).__name__}; quote it: prompt=\"...\"")
+    prompt = str(prompt)
+    if _SURROGATE.search(prompt):
+        raise DecodeError(f"{where}: not valid UTF-8 text (undecodable bytes or lone surrogates)")
+    return prompt
 
 
 @dataclass(frozen=True)
@@ -323,3 +385,29 @@ def bench_of(cfg: Any) -> BenchSettings:
     section = parse(BenchSection, plain(cfg.decode.bench), "decode.bench", DecodeError)
     return BenchSettings(decoding_of(cfg), section, confidence_of(section.confidence, "decode.bench", DecodeError),
                          plain(cfg.decode.bench))
+
+
+@dataclass(frozen=True)
+class CostsSection:
+    ks: tuple[int, ...] = (1, 2, 4, 8, 12, 16)
+    context: int = 256
+    repeats: int = 9
+    head_vocab: tuple[int | None, ...] = ()
+    round_tokens: int = 64
+    out: Path = Path("costs.json")
+
+
+@dataclass(frozen=True)
+class CostsSettings:
+    """decode.costs' run: the shared decoding, decode.costs.*, and the conversations its context comes from."""
+
+    decoding: Decoding
+    section: CostsSection
+    data_source: str
+    held_out_fraction: float
+
+
+def costs_of(cfg: Any) -> CostsSettings:
+    section = parse(CostsSection, plain(cfg.decode.costs), "decode.costs", DecodeError)
+    return CostsSettings(decoding_of(cfg), section, checked(str, cfg.data.source, "data.source"),
+                         checked(float, cfg.data.held_out_fraction, "data.held_out_fraction"))

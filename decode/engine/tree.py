@@ -56,11 +56,11 @@ class Tree:
 Step = Callable[[Tree | None, int, int], torch.Tensor]
 
 
-def build(step: Step, cfg: Draft, budget: int) -> Tree | None:
+def build(step: Step, draft: Draft, budget: int) -> Tree | None:
     """EAGLE-2: expand the top_k best frontier nodes per depth, keep every candidate with its cumulative
     log-probability, then keep the total_tokens best candidates (a node always scores below its parent,
     so the kept set is a tree). None when the budget leaves no depth to draft."""
-    depth, top_k, total = min(cfg.depth, budget), cfg.top_k, cfg.total_tokens
+    depth, top_k, total = min(draft.depth, budget), draft.top_k, draft.total_tokens
     if depth <= 0:
         return None
     fed = Tree()
