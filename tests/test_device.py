@@ -77,15 +77,17 @@ def test_synchronized_clock_on_the_cpu_is_perf_counter():
 
 def test_cpu_device_keeps_the_packed_cpu_path():
     """device=cpu: decode.gemm is checked and used as before; on a GPU nothing is packed (None)."""
-    from decode.chains.build import gemm_choice
+    from decode.settings import backend_of, decode_section
 
-    assert gemm_choice(OmegaConf.create({"device": "cpu", "decode": {"gemm": "onednn"}})) == "onednn"
+    cfg = OmegaConf.create({"device": "cpu", "decode": {"fast": True, "gemm": "onednn"}})
+    assert backend_of(decode_section(cfg), device_of(cfg)).gemm == "onednn"
 
 
 def test_nothing_is_packed_on_cuda(two_gpus):
-    from decode.chains.build import gemm_choice
+    from decode.settings import backend_of, decode_section
 
-    assert gemm_choice(OmegaConf.create({"device": "cuda:1", "decode": {"gemm": "onednn"}})) is None
+    cfg = OmegaConf.create({"device": "cuda:1", "decode": {"fast": True, "gemm": "onednn"}})
+    assert backend_of(decode_section(cfg), device_of(cfg)).gemm is None
 
 
 def test_cpu_device_places_models_on_the_cpu(tiny_llama, tmp_path):

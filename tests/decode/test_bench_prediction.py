@@ -6,6 +6,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from decode.evaluation import measure
+from decode.settings import CheckSettings
 from decode.engine.levels import Generation, GenerationStats, LevelStats
 
 
@@ -71,10 +72,9 @@ def test_bench_and_eval_print_the_same_per_level_numbers_for_the_same_generation
 
     records = {name: [Record(i, "qa", 0, [1, 2], g.tokens, g.stats) for i, g in enumerate(gens)]
                for name, gens in (("ar", ar), ("polybasic", chain))}
-    checks_cfg = OmegaConf.create({"near_tie_relative": 1e-4, "insertion_rule": "both", "agreement_tolerance": 0.1,
-                                   "confidence": 0.95})
+    checks = CheckSettings({"float32": 1e-4}, "both", 0.1, confidence=0.95)
     levels = [{"name": name} for name in ("target", "w4", "head")]
-    report = evaluate(Decoded(records, {"polybasic": levels}, 2), lambda ids: (1.0, [0, 0]), checks_cfg)
+    report = evaluate(Decoded(records, {"polybasic": levels}, 2), lambda ids: (1.0, [0, 0]), checks, 1e-4)
     speedups = {n: Interval.from_dict(r["time_speedup_interval"]) for n, r in report["chains"].items()}
     report |= {"run_name": "t", "gate": gate(report["checks"], speedups),
                "config": {"theorem_3_3": {"temperature": 1.0}, "confidence": 0.95}}
@@ -97,6 +97,7 @@ def test_bench_skips_the_assistant_and_chain_slots_set_to_null(monkeypatch):
 
     import data.models
     from decode.bench import methods
+    from decode.settings import bench_of
     from decode.engine.runner import as_prepared
     from decode_fixtures import tiny_model
 
@@ -107,6 +108,6 @@ def test_bench_skips_the_assistant_and_chain_slots_set_to_null(monkeypatch):
         "decode": {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0, "fast": False,
                    "bench": {"assistant": None, "two_level": None, "three_level": None, "extra": [],
                              "prompt_lookup_num_tokens": 3}}})
-    found, notes = methods(cfg, as_prepared(target), SimpleNamespace(eos_token_id=None))
+    found, notes = methods(bench_of(cfg), as_prepared(target), SimpleNamespace(eos_token_id=None))
     assert list(found) == list(notes) == ["ar", "hf_prompt_lookup"]  # decode.fast off: no separate eager row
     assert len(found["ar"]([1, 2, 3], 4).tokens) == 4

@@ -13,12 +13,12 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
-from decode.chains.build import build_chain, configured_chain
+from decode.chains.build import build_chain, builder_for
+from decode.settings import decoding_of
 from decode.engine.chain import read_features
 from decode.engine.errors import DecodeError
 from decode.engine.levels import EagleLevel, ModelLevel, NgramLevel
 from infra.layout import RunLayout
-from infra.settings import layout_of
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 VOCAB = 300
@@ -142,12 +142,13 @@ def test_configured_outputs_are_where_chains_and_the_eval_look(target, tmp_path)
         cfg = compose(config_name="config", overrides=[f"run_dir={tmp_path / 'run'}", f"quantize.output={w4}",
                                                        f"train.output={head}", "decode.fast=false"])
     levels = [{"kind": "model"}, {"kind": "model", "name": "w4", "model": "w4"}, {"kind": "eagle", "path": "eagle"}]
-    chain = configured_chain(cfg, levels, model, tokenizer)
+    decoding = decoding_of(cfg)
+    chain = builder_for(decoding, model, tokenizer).build(decoding.parse_chain(levels))
     assert weights_hash(chain.levels[1].model) == weights_hash(tiny_model(seed=1, vocab=VOCAB))
     assert isinstance(chain.levels[2], EagleLevel) and chain.levels[1].keep_hidden
     # the draft from config
     assert chain.levels[2].draft_spec.as_config() == {"mode": "chain", **cfg.decode.draft_defaults.chain}
-    assert [level_folder(level, layout_of(cfg)) for level in levels] == [None, w4, head]
+    assert [level_folder(level, decoding.layout) for level in levels] == [None, w4, head]
 
 
 def test_generate_cli_reports_bad_input_in_one_line():

@@ -9,7 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from decode.chains.build import gemm_choice
+from decode.settings import decode_section, gemm_choice
 from decode.engine.errors import DecodeError
 from decode.backends.cpu.dense import GEMMS, PackedLinear, gemm_for, pack_weight, _packed_mm
 from decode.backends.cpu.attention import KERNEL_ATTENTION
@@ -76,9 +76,9 @@ def test_packed_linear_takes_the_configured_product_and_copies(kernel):
 
 
 def test_decode_gemm_config_is_checked_in_one_line():
-    with pytest.raises(DecodeError, match=r"decode.gemm must be one of auto, avx2, onednn, got 'mkl'"):
-        gemm_choice(OmegaConf.create({"decode": {"gemm": "mkl"}}))
-    assert gemm_choice(OmegaConf.create({"decode": {}})) == "auto"
+    with pytest.raises(DecodeError, match=r"^decode.gemm must be one of auto, avx2, onednn, got 'mkl'"):
+        gemm_choice("mkl", torch.device("cpu"))
+    assert decode_section(OmegaConf.create({"decode": {}})).gemm == gemm_choice("auto", torch.device("cpu")) == "auto"
 
 
 def sdpa_reference(q, k, v, mask):

@@ -14,7 +14,8 @@ from decode.chains.baselines import autoregressive
 from decode.engine.chain import Chain
 from decode.engine.errors import DecodeError
 from decode.engine.levels import ModelLevel, NgramLevel
-from decode.generate import check_context, max_new_tokens, prompt_text, sampling_of, shorthand
+from decode.generate import check_context, shorthand
+from decode.settings import decoding_of, generate_of
 from decode.engine.sampling import Sampling, SamplingError
 from decode_fixtures import tiny_model
 
@@ -79,19 +80,19 @@ def test_bad_sampling_is_a_decode_error_before_any_chain_runs(kwargs, message):
 ])
 def test_config_sampling_values_are_refused_naming_the_key(override, message):
     with pytest.raises(DecodeError, match=message) as err:
-        sampling_of(compose(override))
+        decoding_of(compose(override))
     assert "\n" not in str(err.value)
 
 
 def test_config_sampling_values_pass_through():
-    assert sampling_of(compose("decode.temperature=1", "decode.top_k=5", "decode.top_p=0.5")) == Sampling(
+    assert decoding_of(compose("decode.temperature=1", "decode.top_k=5", "decode.top_p=0.5")).sampling == Sampling(
         temperature=1.0, top_k=5, top_p=0.5, seed=0)
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "'12'", "null"])
 def test_config_token_budget_is_refused_naming_the_key(value):
     with pytest.raises(DecodeError, match=r"^decode\.max_new_tokens must be an integer >= 1"):
-        max_new_tokens(compose(f"decode.max_new_tokens={value}"))
+        generate_of(compose(f"decode.max_new_tokens={value}", "decode.prompt=hi"))
 
 
 NASTY = ["${HOME}", "${oc.env:HOME}", "${", "${a b}", "ends with a backslash \\", "\\", "\\\\", "it's", "\\'",
@@ -100,19 +101,19 @@ NASTY = ["${HOME}", "${oc.env:HOME}", "${", "${a b}", "ends with a backslash \\"
 
 @pytest.mark.parametrize("text", NASTY)
 def test_prompt_shorthand_is_taken_literally(text):
-    assert prompt_text(compose(shorthand("prompt=" + text))) == text
+    assert generate_of(compose(shorthand("prompt=" + text))).prompt == text
 
 
 def test_prompt_file_is_read_literally(tmp_path):
     path = tmp_path / "prompt.txt"
     text = "Explain ${HOME} and %PATH% \\n\u2028 in C:\\dir\\\nSecond line ends with \\"
     path.write_bytes(b"\xef\xbb\xbf" + (text + "\n").encode())
-    assert prompt_text(compose(f"decode.prompt_file={path}")) == text
+    assert generate_of(compose(f"decode.prompt_file={path}")).prompt == text
 
 
 def test_prompt_file_dash_reads_stdin(monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("from stdin: ${x} \\\r\n".encode())))
-    assert prompt_text(compose("decode.prompt_file=-")) == "from stdin: ${x} \\"
+    assert generate_of(compose("decode.prompt_file=-")).prompt == "from stdin: ${x} \\"
 
 
 @pytest.mark.parametrize("content, overrides, message", [
@@ -126,13 +127,13 @@ def test_bad_prompt_files_are_one_line_errors(tmp_path, content, overrides, mess
     if content is not None:
         path.write_bytes(content)
     with pytest.raises(DecodeError, match=message) as err:
-        prompt_text(compose(f"decode.prompt_file={path}", *overrides))
+        generate_of(compose(f"decode.prompt_file={path}", *overrides)).prompt
     assert "\n" not in str(err.value)
 
 
 def test_a_direct_interpolation_that_cannot_resolve_is_one_line():
     with pytest.raises(DecodeError, match=r"decode.prompt: cannot resolve it .*prompt_file"):
-        prompt_text(compose("decode.prompt=${nowhere}"))
+        generate_of(compose("decode.prompt=${nowhere}")).prompt
 
 
 def test_prompt_longer_than_the_context_is_refused():

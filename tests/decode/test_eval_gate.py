@@ -15,9 +15,9 @@ from decode.engine.chain import Chain
 from decode.engine.levels import ModelLevel
 from decode.engine.spec import ChainSpec
 from decode.eval import conclude
+from decode.settings import eval_of
 from decode.evaluation.runner import Decoded, chain_decoder, decode_questions, decode_sampled, plan_chains
 from infra.cli import EXIT_NOT_PUBLISHED
-from infra.settings import tracking_of
 from infra.tracking import Tracker
 
 DRAFT = {"mode": "chain", "length": 4}
@@ -66,17 +66,16 @@ class LevelBuilder:
 def run_eval(models, tmp_path, chains: dict[str, Chain], plan: bool = False, **cfg_kwargs):
     target = models[0]
     levels = {name: [LEVELS[level.name] for level in chain.levels] for name, chain in chains.items()}
-    cfg = eval_cfg(tmp_path, levels, **cfg_kwargs)
+    settings = eval_of(eval_cfg(tmp_path, levels, **cfg_kwargs))
     decoders = {"ar": lambda p, n, *sampling: autoregressive(target, p, n, *sampling, eos_token_id=EOS)}
     decoders |= {name: chain_decoder(chain, EOS) for name, chain in chains.items()}
-    specs = {name: ChainSpec.parse(chain) for name, chain in levels.items()}
-    plans = plan_chains(cfg, LevelBuilder(chains), specs, decoders, QUESTIONS[:1], EOS) if plan else {}
+    plans = plan_chains(settings, LevelBuilder(chains), decoders, QUESTIONS[:1], EOS) if plan else {}
     records = decode_questions(decoders, QUESTIONS, ByteTokenizer(), max_new_tokens=12, warmup_tokens=4)
     sampled = decode_sampled({n: decoders[n] for n in chains}, QUESTIONS[:2], ByteTokenizer(), 12, 1.0, 0)
     levels |= {p["chain"]: p["levels"] for p in plans.values()}
     decoded = Decoded(records, levels, len(QUESTIONS), plans, sampled)
     reference = lambda p, forced, n: greedy_margins(target, p, forced, n, EOS)  # noqa: E731
-    code = conclude(cfg, decoded, reference, "hash", Tracker(tracking_of(cfg), "eval"))
+    code = conclude(settings, decoded, reference, "hash", Tracker(settings.tracking, "eval"))
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     return code, report, {c["name"]: c for c in report["checks"]}
 

@@ -160,13 +160,16 @@ def test_models_it_cannot_run_are_refused_with_a_reason(capsys):
 def test_decode_native_fp32_is_checked_and_off_without_fast():
     from omegaconf import OmegaConf
 
-    from decode.chains.build import backend_of
     from decode.engine.errors import DecodeError
+    from decode.settings import backend_of, decode_section
 
-    with pytest.raises(DecodeError, match="decode.native_fp32 must be one of auto, on, off"):
-        backend_of(OmegaConf.create({"decode": {"fast": True, "native_fp32": "yes"}}))
-    assert backend_of(OmegaConf.create({"decode": {"fast": False, "native_fp32": "on"}})).native_fp32 == "off"
-    assert backend_of(OmegaConf.create({"decode": {"fast": True}})).native_fp32 == "auto"
+    def backend(decode: dict):
+        return backend_of(decode_section(OmegaConf.create({"decode": decode})), torch.device("cpu"))
+
+    with pytest.raises(DecodeError, match="^decode.native_fp32 must be one of auto, on, off"):
+        backend({"fast": True, "native_fp32": "yes"})
+    assert backend({"fast": False, "native_fp32": "on"}).native_fp32 == "off"
+    assert backend({"fast": True}).native_fp32 == "auto"
 
 
 def test_the_autoregressive_reference_runs_the_configured_forward():

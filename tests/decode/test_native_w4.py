@@ -286,13 +286,17 @@ def test_a_native_w4_drafter_keeps_decoding_lossless(w4, tiny_source, draft, one
 def test_decode_native_is_checked_before_anything_loads():
     from omegaconf import OmegaConf
 
-    from decode.chains.build import configured_builder
     from decode.engine.errors import DecodeError
+    from decode.settings import decoding_of
 
-    with pytest.raises(DecodeError, match="decode.native must be one of auto, on, off"):
-        configured_builder(OmegaConf.create({"decode": {"fast": True, "native": "yes"}}), None, None)
-    with pytest.raises(DecodeError, match="decode.w4_activations must be one of int8, fp32"):
-        configured_builder(OmegaConf.create({"decode": {"fast": True, "w4_activations": "int4"}}), None, None)
+    def decoding(decode: dict):
+        return decoding_of(OmegaConf.create({"run_dir": "runs/x", "model": {"name": "m", "dtype": "float32"},
+                                             "decode": decode}))
+
+    with pytest.raises(DecodeError, match="^decode.native must be one of auto, on, off"):
+        decoding({"fast": True, "native": "yes"})
+    with pytest.raises(DecodeError, match="^decode.w4_activations must be one of int8, fp32"):
+        decoding({"fast": True, "w4_activations": "int4"})
 
 
 def test_an_eagle3_head_below_a_native_w4_level_keeps_decoding_lossless(w4, tiny_source, one_thread):  # noqa: F811

@@ -2,11 +2,13 @@
 synthetic calibrations; then a calibration of a real (tiny) chain."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
-from omegaconf import OmegaConf
 
 from decode.engine.planner import ChainModel, Shape, best, capped, first_passage, predict
 from decode.chains.plan import plan_chain
+from decode.settings import PlanSettings
 
 
 def test_first_passage_hands_up_the_buffer_that_first_reaches_mu():
@@ -84,9 +86,9 @@ def test_plan_chain_calibrates_a_real_chain_and_predicts_the_configured_values(o
         built.append(variant)
         return Chain([ModelLevel(level.name, models[level.model], level.mu, level.draft) for level in variant.levels])
 
-    cfg = OmegaConf.create({"mu": [1, 2, 4], "lengths": [1, 2, 4], "min_gain": 0.0, "trees": [], "costs": None,
-                            "ks": [1, 4, 8], "repeats": 1, "context": 32, "max_new_tokens": 12})
-    plan = plan_chain(spec, build, prompts(300, n=2), cfg, eos=None)
+    settings = PlanSettings(mu=(1, 2, 4), lengths=(1, 2, 4), min_gain=0.0, ks=(1, 4, 8), repeats=1, context=32,
+                            max_new_tokens=12)
+    plan = plan_chain(spec, build, prompts(300, n=2), settings, eos=None)
     assert plan["configured"]["knobs"] == {"mu": {"mid": 2}, "draft": {"mode": "chain", "length": 3}}
     # the spec is never changed: variants are new ones
     assert spec.knobs() == plan["configured"]["knobs"] and built[0] == spec
@@ -98,5 +100,5 @@ def test_plan_chain_calibrates_a_real_chain_and_predicts_the_configured_values(o
     assert set(plan["calibration"]["costs"]) == {"target", "mid"}
     assert all(c["source"] == "timed" and c["scale"] > 0 for c in plan["calibration"]["costs"].values())
     assert plan["planned"]["predicted"]["speedup"] > 0
-    cautious = plan_chain(spec, build, prompts(300, n=2), OmegaConf.merge(cfg, {"min_gain": 0.99}), eos=None)
+    cautious = plan_chain(spec, build, prompts(300, n=2), dataclasses.replace(settings, min_gain=0.99), eos=None)
     assert cautious["planned"] == cautious["configured"]  # not predicted 99% faster: keep the configured values

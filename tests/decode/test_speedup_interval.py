@@ -13,14 +13,14 @@ from omegaconf import OmegaConf
 
 from data.prompts import load_questions
 from decode.engine.levels import GenerationStats, LevelStats
-from decode.eval import checked_confidence, conclude
+from decode.eval import conclude
 from decode.evaluation import EvalError
 from decode.evaluation.aggregate import time_speedup as pooled_time_speedup
 from decode.evaluation.publish import gate
 from decode.evaluation.runner import Decoded, Record
 from decode.evaluation.speedup import Interval, IntervalError, at_confidence, holm, ratio, t_quantile, time_speedup
+from decode.settings import confidence_of, eval_of
 from infra.cli import EXIT_NOT_PUBLISHED
-from infra.settings import tracking_of
 from infra.tracking import Tracker
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -158,7 +158,7 @@ def test_t_quantiles_match_the_tables():
 @pytest.mark.parametrize("value", [0, 1, 1.5, "0.95", True, None])
 def test_a_confidence_outside_0_1_is_a_one_line_eval_error(value):
     with pytest.raises(EvalError, match=r"^eval.confidence must be a number strictly between 0 and 1"):
-        checked_confidence(value)
+        confidence_of(value, "eval", EvalError)
 
 
 # ----------------------------------------------------- through decode.eval.conclude: report.md and chain.json
@@ -183,11 +183,11 @@ def records(timed: list, drafted: bool) -> list[Record]:
 def conclude_synthetic(tmp_path, speed: float, capsys) -> tuple[int, dict, str]:
     levels = [{"kind": "model", "name": "target", "model": "target"},
               {"kind": "model", "name": "draft", "model": "draft"}]
-    cfg = eval_cfg(tmp_path, {"dualistic": levels})
+    settings = eval_of(eval_cfg(tmp_path, {"dualistic": levels}))
     ar, chain = paired_turns(speed, 0.05, default_turns(), seed=0)
     recs = {"ar": records(ar, False), "dualistic": records(chain, True)}
-    code = conclude(cfg, Decoded(recs, {"dualistic": levels}, len(ar)), lambda ids: pytest.fail("no divergence"),
-                    "hash", Tracker(tracking_of(cfg), "eval"))
+    code = conclude(settings, Decoded(recs, {"dualistic": levels}, len(ar)), lambda ids: pytest.fail("no divergence"),
+                    "hash", Tracker(settings.tracking, "eval"))
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     return code, report, capsys.readouterr().out
 
