@@ -13,8 +13,8 @@ import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from decode import backends
 from decode.backends import Backend
+from decode.backends.cpu.dense import GEMMS
 from decode.engine.chain import check_new_tokens
 from decode.engine.errors import DecodeError
 from decode.engine.sampling import Sampling
@@ -84,12 +84,11 @@ class Decoding:
 
 
 def gemm_choice(gemm: Any, device: torch.device) -> str | None:
-    """decode.gemm checked: which packed product dense fp32 linears use (decode.backends.cpu.dense.gemm_for); None
-    off the CPU (nothing is packed there)."""
-    try:
-        return backends.gemm_choice(gemm, device)
-    except (ValueError, RuntimeError) as err:  # an unknown name, or avx2 where it cannot run
-        raise DecodeError(f"decode.{err}") from None
+    """decode.gemm checked by name: which packed product dense fp32 linears use; None off the CPU (nothing is packed
+    there). Whether avx2 builds here is known once its kernels are built, when the target loads (load_target)."""
+    if gemm not in GEMMS:
+        raise DecodeError(f"decode.gemm must be one of {', '.join(GEMMS)}, got {gemm!r}")
+    return gemm if device.type == "cpu" else None
 
 
 def backend_of(d: DecodeSection, device: torch.device) -> Backend:
@@ -131,8 +130,6 @@ def decode_section(cfg: Any) -> DecodeSection:
     except OmegaConfBaseException as err:  # an interpolation in decode.prompt that does not resolve
         raise DecodeError(f"decode.prompt: cannot resolve it ({err.__class__.__name__}); pass text with prompt=\"...\" "
                           "or decode.prompt_file=PATH, which are taken literally") from None
-    for key in ("prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "threads"):
-        own[key] = own.get(key)  # typed where they are used: their checks name them better than a type would
     return parse(DecodeSection, own, "decode", DecodeError)
 
 

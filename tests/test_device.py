@@ -107,7 +107,7 @@ def stage_config(tmp_path: Path, *extra: str):
                                             f"data.source={tmp_path / 'no-data.json'}", *extra])
 
 
-@pytest.mark.parametrize("stage", ["train.eagle:train", "quantize.w4:run", "decode.costs:run"])
+@pytest.mark.parametrize("stage", ["train.eagle:train", "quantize.w4:run", "decode.settings:costs_of"])
 def test_stages_check_the_device_before_loading_a_model(no_cuda, stage, tmp_path):
     """The model named does not exist: the device error comes first."""
     import importlib

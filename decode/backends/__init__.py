@@ -126,14 +126,3 @@ def _fast_lm_head(head: nn.Module, new_runner: Callable[[], Runner]) -> nn.Modul
     from decode.backends.cpu.llama import NativeInt8Head
 
     return NativeInt8Head(head)
-
-
-def gemm_choice(gemm: str, device: torch.device) -> str | None:
-    """decode.gemm checked for a device: the packed product CPU models use, None off the CPU. ValueError/RuntimeError
-    for an unknown name or avx2 where it cannot run."""
-    if device.type != "cpu":
-        return None
-    from decode.backends.cpu.dense import gemm_for
-
-    gemm_for(torch.float32, gemm)
-    return gemm

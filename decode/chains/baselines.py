@@ -4,7 +4,7 @@ speedup is measured against, and the greedy reference for losslessness), and tra
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
@@ -33,12 +33,14 @@ def _truncate(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
 
 def autoregressive(
     target: PreTrainedModel | Prepared, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling = GREEDY,
-    eos_token_id: int | list[int] | None = None, runner: Runner | None = None,
+    eos_token_id: int | list[int] | None = None, runner: Runner | None = None, forced: Sequence[int] = (),
+    margins: list[tuple[float, list[int]]] | None = None,
 ) -> Generation:
     """One token per forward with a KV cache, sampling with the same logits processing as the chain; the target runs
     as a chain's target level does (a runner of the prepared target, its LM head): the reference is the chain's own
     forward. `runner`: one of the target's to reuse, reset first (a CUDA runner keeps its captured graphs); None: a
-    new one."""
+    new one. `forced`: tokens taken in place of the first choices; `margins`: a list to receive each position's
+    relative top-2 margin and top-2 tokens (greedy_margins)."""
     check_new_tokens(max_new_tokens)
     prepared = as_prepared(target)
     model, device = prepared.model, prepared.model.device
@@ -57,7 +59,14 @@ def autoregressive(
             if new:  # as in the chain, stats describe decoding steps; the prefill is time_to_first_token_s
                 stats.forward_calls += 1
                 stats.verify_time_s += synchronized_clock(device) - t0
-            token = int(logits.argmax()) if sampling.greedy else sample(probabilities(logits, sampling), gen)
+            if margins is not None:
+                top = torch.topk(logits.float(), 2)
+                a, b = top.values.tolist()
+                margins.append(((a - b) / max(abs(a), 1e-12), top.indices.tolist()))
+            if len(new) < len(forced):
+                token = forced[len(new)]
+            else:
+                token = int(logits.argmax()) if sampling.greedy else sample(probabilities(logits, sampling), gen)
             new.append(token)
             ids = [token]
             if len(new) == 1:
@@ -71,25 +80,13 @@ def greedy_margins(
     target: PreTrainedModel | Prepared, prompt_ids: list[int], forced: list[int], max_new_tokens: int,
     eos_token_id: int | list[int] | None = None,
 ) -> tuple[list[int], list[tuple[float, list[int]]]]:
-    """Greedy decoding as `autoregressive` runs it (a prefill, then one-token forwards on a runner of the prepared
-    target),
-    taking the `forced` tokens in place of its first choices; with each position's relative top-2 margin and top-2
-    tokens, read from the logits of the forward that chose the token there: the near-tie check's evidence comes
-    from the arithmetic that decided, not from another forward that may round differently."""
-    prepared = as_prepared(target)
-    eos, runner, head, model = _eos_set(eos_token_id), prepared.new_runner(), prepared.lm_head, prepared.model
-    tokens: list[int] = []
+    """Greedy decoding as `autoregressive` runs it, taking the `forced` tokens in place of its first choices; with
+    each position's relative top-2 margin and top-2 tokens, read from the logits of the forward that chose the token
+    there: the near-tie check's evidence comes from the arithmetic that decided, not from another forward that may
+    round differently."""
     margins: list[tuple[float, list[int]]] = []
-    ids = list(prompt_ids)
-    with torch.inference_mode():
-        while len(tokens) < max_new_tokens and not (tokens and tokens[-1] in eos):
-            hidden = runner.forward(torch.tensor([ids], device=model.device), None, None)
-            logits = softcapped(head(hidden[:, -1:]), model.config)[0, -1].float()
-            top = torch.topk(logits, 2)
-            a, b = top.values.tolist()
-            margins.append(((a - b) / max(abs(a), 1e-12), top.indices.tolist()))
-            tokens.append(forced[len(tokens)] if len(tokens) < len(forced) else int(logits.argmax()))
-            ids = [tokens[-1]]
+    tokens = autoregressive(target, prompt_ids, max_new_tokens, GREEDY, eos_token_id, forced=forced,
+                            margins=margins).tokens
     return tokens, margins
 
 

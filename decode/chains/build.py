@@ -18,7 +18,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from data.models import ModelSourceError, load_model, same_vocabulary
 from decode.backends import Backend
 from decode.backends.cpu import pack
-from decode.backends.cpu.dense import packed_with
+from decode.backends.cpu.dense import gemm_for, packed_with
 from decode.backends.cpu.int8 import quantize_lm_head
 from decode.engine.chain import Chain, read_features
 from decode.engine.errors import DecodeError
@@ -37,6 +37,11 @@ if TYPE_CHECKING:
 def load_target(decoding: Decoding) -> tuple[Prepared, PreTrainedTokenizerBase]:
     """The chain's target as configured: `model` in `dtype` on `device`, prepared by the run's backend (packed, and
     run natively per decode.native_fp32), which the AR reference and every chain share."""
+    if decoding.backend.gemm == "avx2":
+        try:
+            gemm_for(torch.float32, "avx2")  # builds the kernels on first use
+        except RuntimeError as err:  # avx2 where it cannot run
+            raise DecodeError(f"decode.{err}") from None
     target, tokenizer = load_model(decoding.model, decoding.dtype, decoding.device)
     try:
         return decoding.backend.prepare(target), tokenizer
@@ -257,9 +262,8 @@ def truncated_copy(model: PreTrainedModel, layers: int) -> PreTrainedModel:
         decoder.layers = full
     clone.get_decoder().layers = kept  # the same layer modules: weights are shared, not copied
     clone.config.num_hidden_layers = layers
-    for attr in ("layer_types",):
-        if getattr(clone.config, attr, None):
-            setattr(clone.config, attr, clone.config.layer_types[:layers])
+    if getattr(clone.config, "layer_types", None):
+        clone.config.layer_types = clone.config.layer_types[:layers]
     return clone.eval()
 
 

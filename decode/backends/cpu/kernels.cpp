@@ -1,6 +1,6 @@
 // CPU kernels for decoding with AVX2 + FMA (shared helpers: kernels.h), built on first use by
 // decode/backends/cpu/kernels.py into two extensions: the fp32 product and attention alone (kernels_module.cpp),
-// and inside the native decoder (llama_w4.cpp).
+// and inside the native decoder (decoder.cpp).
 //
 // `linear`: small-M fp32 products, y = x W^T (+ b), with W packed once into 8-column panels. Decoding forwards
 // multiply 1-16 rows by weights read from memory once per forward: the product must stream W at memory speed

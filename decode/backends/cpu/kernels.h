@@ -1,4 +1,4 @@
-// The helpers every CPU kernel shares (kernels.cpp: the packed fp32 product and attention; llama_w4.cpp: the native
+// The helpers every CPU kernel shares (kernels.cpp: the packed fp32 product and attention; decoder.cpp: the native
 // decoder and its quantized products), and kernels.cpp's entry points. Built on first use by
 // decode/backends/cpu/kernels.py (AVX2 + FMA; the native decoder adds AVX-512 where the CPU has it).
 //
