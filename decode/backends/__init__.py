@@ -10,7 +10,6 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
 from torch import nn
 from transformers import PreTrainedModel
 
