@@ -7,8 +7,9 @@ process, interleaved. Every ratio is to the configured target's 1-token forward,
 curve is what decides draft lengths, tree sizes and mu, and whether a level pays (Theorem 3.2).
 Beside the curve, one greedy decode of `decode.chain` on the same context splits a round's time into each level's
 forwards and the round overhead: what a round costs beside forwards (acceptance, drafting logic, cache crops,
-Python); and the target's 1-token forward against its weight-streaming floor (the bytes of its weights over the
-read bandwidth measured in the same process). Writes `decode.costs.out` (json).
+Python); and every level's T(1) against its own floor (the bytes its one-token forward streams, counted from the
+buffers it runs on, over the read bandwidth a STREAM-style kernel measures in the same process) and its T(k) / T(1).
+Writes `decode.costs.out` (json).
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from transformers import DynamicCache
 from infra.cli import check_writable, run_main
 from infra.device import configured_device, use_threads
 from infra.layout import RunLayout
-from infra.timing import Step, cached_forward, level_forward, median_ms, streaming_floor_ms
+from infra.timing import (CountedStep, Step, cache_bytes, cached_forward, floors, level_forward, median_ms,
+                          module_bytes, read_bandwidth)
 from decode.backends import Backend
 
 
@@ -44,7 +46,14 @@ def head_forward(head, lm_head: Any, context: list[int], features: torch.Tensor)
             hidden = head(ids[:, -k:], features[:, -k:], cache, compute_logits=False)[0]
             return head.logits(hidden, lm_head)
 
-    return step
+    return CountedStep(step, _head_bytes(head, lm_head) + cache_bytes(cache))
+
+
+def _head_bytes(head, lm_head: Any) -> int:
+    """The bytes of a head's one-token forward: its own modules (fc, layer, norms; the target's embedding is read a
+    row a token) and the LM head its logits run through (`lm_head`, else its own)."""
+    used = lm_head if lm_head is not None else head.lm_head
+    return module_bytes(head, skip=(used,)) + module_bytes(used)
 
 
 def context_ids(held_out: list, tokenizer, length: int) -> list[int]:
@@ -139,9 +148,7 @@ def steps_for(cfg: DictConfig) -> tuple[dict[str, Step], dict[str, str], dict]:
     steps = {"target eager": cached_forward(target, context)}
     notes = {"target eager": f"{cfg.model.dtype}, plain nn.Linear"}
     fast_target = _target_steps(cfg, context, steps, notes)
-    floor_ms, size, bandwidth = streaming_floor_ms(fast_target.model)
-    beside = {"floor": {"ms": floor_ms, "weight_bytes": size, "read_bytes_per_s": bandwidth},
-              "round": round_costs(cfg, fast_target, tokenizer, context)}
+    beside = {"bandwidth": _bandwidth(), "round": round_costs(cfg, fast_target, tokenizer, context)}
     artifacts, w4 = RunLayout.of(cfg), None
     w4_dir = artifacts.output("w4")
     if (w4_dir / "config.json").is_file():
@@ -188,6 +195,28 @@ def _head_steps(cfg: DictConfig, target: tuple, backend: Any, inputs: tuple, row
     return heads["head"].draft_vocab if "head" in heads else None
 
 
+def _bandwidth() -> Any:
+    """The read bandwidth of this process's threads: the C++ STREAM-style probe, else torch's sum (said)."""
+    from decode.backends.cpu.llama import stream_kernel
+
+    kernel, name = stream_kernel()
+    if kernel is None:
+        print(f"costs: no read-bandwidth kernel ({name}); measuring with torch's sum", file=sys.stderr)
+    return read_bandwidth(stream=(kernel, name))
+
+
+def _print_floors(ms: dict, steps: dict[str, Step], bandwidth: Any) -> dict:
+    """Each row's T(1) against its floor and its T(k) / T(1), one line a row; returns the rows (`floors`)."""
+    rows = floors(ms, steps, bandwidth)
+    print(f"\neach row's floor: the bytes its one-token forward streams / {bandwidth.bytes_per_s / 1e9:.1f} GB/s read "
+          f"({bandwidth.method})")
+    for name, row in rows.items():
+        ratios = " ".join(f"k={k} {r:.2f}" for k, r in sorted(row["t_k_over_t_1"].items()))
+        print(f"{name:<18}{row['bytes'] / 2**20:8.1f} MiB  floor {row['ms']:6.2f} ms  T(1)/floor {row['ratio']:5.2f}"
+              f"  T(k)/T(1) {ratios}")
+    return rows
+
+
 def _print_rounds(rounds: dict) -> None:
     """One line: a round's ms, split into each level's forwards and the overhead beside them."""
     forwards = ", ".join(f"{name} {ms:.1f}" for name, ms in rounds["forward_ms"].items())
@@ -213,11 +242,10 @@ def run(cfg: DictConfig) -> dict:
     result = {"device": str(configured_device(cfg)), "context": int(c.context), "threads": torch.get_num_threads(),
               "repeats": int(c.repeats), "notes": notes, "ms": ms,
               "ratio_to_target_1": {n: {k: v / base for k, v in per.items()} for n, per in ms.items()}}
-    floor = beside["floor"]
-    print(f"target T(1) {base:.1f} ms = {base / floor['ms']:.2f}x its weight-streaming floor: "
-          f"{floor['weight_bytes'] / 2**20:.0f} MiB of weights / {floor['read_bytes_per_s'] / 1e9:.1f} GB/s read "
-          f"= {floor['ms']:.1f} ms")
-    result["floor"] = dict(floor, ratio=base / floor["ms"])
+    result["floors"] = _print_floors(ms, steps, beside["bandwidth"])
+    target = result["floors"]["target"]
+    result["floor"] = {"ms": target["ms"], "weight_bytes": target["bytes"], "ratio": target["ratio"],
+                       "read_bytes_per_s": target["read_bytes_per_s"], "method": target["method"]}
     if beside["round"] is not None:
         _print_rounds(beside["round"])
         result["round"] = beside["round"]
