@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from data.models import DEFAULT_MODEL, load_model
-from decode.backends import prepare
+from decode.backends import Backend
 from decode.backends.cpu.llama import stream_kernel
 from decode.engine.levels import ModelLevel
 from infra.timing import floors, level_forward, median_ms, read_bandwidth, times_table
@@ -30,9 +30,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     hf, tokenizer = load_model(args.target, "float32")
-    native, _ = load_model(args.target, "float32")
-    prepare(hf, "avx2")
-    prepare(native, "avx2", "on")
+    hf = Backend("avx2").prepare(hf)
+    native = Backend("avx2", native_fp32="on").prepare(load_model(args.target, "float32")[0])
     text = tokenizer(Path("README.md").read_text()).input_ids * 8
     context = text[: args.context]
     steps = {"target packed (HF layers)": level_forward(ModelLevel("target", hf), context),
