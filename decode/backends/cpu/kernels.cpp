@@ -15,8 +15,8 @@
 //
 // `stream_sum`: the read-bandwidth probe (infra.timing.read_bandwidth times it), a buffer read once the way a
 // memory-bound forward streams its weights: every one of torch's threads sums one contiguous, cache-line aligned chunk
-// with the widest loads the build has (AVX-512 in the native decoder's build where the CPU has it, else AVX2) into 8
-// independent accumulators, so no load waits on an add.
+// with the widest loads the build has (AVX-512 in the native decoder's build where the CPU has it, else AVX2), four
+// streams at once into 8 independent accumulators, so no load waits on an add.
 //
 // Exactness: every output element of both is computed by one fixed sequence of operations that depends only
 // on its own row (a linear's output: one FMA chain over k = 0..K-1 from zero, bias after; an attention row:
@@ -276,12 +276,14 @@ static inline __m256 stream_zero() { return _mm256_setzero_ps(); }
 #endif
 
 // The sum of a contiguous float32 CPU tensor (64-byte aligned, as torch allocates), each lane and chunk summed in
-// float32: exact where those partial sums are (small integers).
+// float32: exact where those partial sums are (small integers). A thread reads its chunk as kStreams quarters side by
+// side, as the packed product reads several panels at once: one sequential stream per core leaves memory idle on some
+// hosts (its prefetcher runs too few lines ahead).
 double stream_sum(const torch::Tensor& data) {
   TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == torch::kFloat && data.is_contiguous() &&
               reinterpret_cast<uintptr_t>(data.data_ptr()) % 64 == 0,
               "stream_sum: a contiguous, 64-byte aligned float32 CPU tensor");
-  constexpr int64_t kAcc = 8, kLine = 16, kBlock = kAcc * kStreamLanes;  // floats: accumulators, a line, a step
+  constexpr int64_t kStreams = 4, kPer = 2, kLine = 16, kStep = kPer * kStreamLanes;  // a stream's floats per step
   const float* p = data.data_ptr<float>();
   const int64_t n = data.numel(), threads = at::get_num_threads();
   std::vector<double> partial(threads, 0.0);
@@ -289,21 +291,26 @@ double stream_sum(const torch::Tensor& data) {
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t begin = n * t / threads / kLine * kLine;
       const int64_t end = t + 1 == threads ? n : n * (t + 1) / threads / kLine * kLine;
-      StreamVec acc[kAcc];
+      const int64_t quarter = (end - begin) / kStreams / kStep * kStep;
+      StreamVec acc[kStreams][kPer];
 #pragma GCC unroll 8
-      for (int a = 0; a < kAcc; ++a) acc[a] = stream_zero();
-      int64_t i = begin;
-      for (; i + kBlock <= end; i += kBlock) {
+      for (int s = 0; s < kStreams; ++s)
 #pragma GCC unroll 8
-        for (int a = 0; a < kAcc; ++a) acc[a] = stream_add(acc[a], p + i + a * kStreamLanes);
+        for (int a = 0; a < kPer; ++a) acc[s][a] = stream_zero();
+      for (int64_t i = begin; i < begin + quarter; i += kStep) {
+#pragma GCC unroll 8
+        for (int s = 0; s < kStreams; ++s)
+#pragma GCC unroll 8
+          for (int a = 0; a < kPer; ++a) acc[s][a] = stream_add(acc[s][a], p + i + s * quarter + a * kStreamLanes);
       }
       double sum = 0.0;
-      for (; i < end; ++i) sum += p[i];
+      for (int64_t i = begin + kStreams * quarter; i < end; ++i) sum += p[i];
       alignas(64) float lanes[kStreamLanes];
-      for (int a = 0; a < kAcc; ++a) {
-        store(lanes, acc[a]);
-        for (int64_t l = 0; l < kStreamLanes; ++l) sum += lanes[l];
-      }
+      for (int s = 0; s < kStreams; ++s)
+        for (int a = 0; a < kPer; ++a) {
+          store(lanes, acc[s][a]);
+          for (int64_t l = 0; l < kStreamLanes; ++l) sum += lanes[l];
+        }
       partial[t] = sum;
     }
   });
