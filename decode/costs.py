@@ -7,8 +7,9 @@ process, interleaved. Every ratio is to the configured target's 1-token forward,
 curve is what decides draft lengths, tree sizes and mu, and whether a level pays (Theorem 3.2).
 Beside the curve, one greedy decode of `decode.chain` on the same context splits a round's time into each level's
 forwards and the round overhead: what a round costs beside forwards (acceptance, drafting logic, cache crops,
-Python); and the target's 1-token forward against its weight-streaming floor (the bytes of its weights over the
-read bandwidth measured in the same process). Writes `decode.costs.out` (json).
+Python); and every level's T(1) against its own floor (the bytes its one-token forward streams, counted from the
+buffers it runs on, over the read bandwidth a STREAM-style kernel measures in the same process) and its T(k) / T(1).
+Writes `decode.costs.out` (json).
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from decode.backends import Backend
 from decode.settings import CostsSettings, Decoding, costs_of
 from infra.cli import check_writable, run_main
 from infra.device import use_threads
-from infra.timing import Step, cached_forward, level_forward, median_ms, streaming_floor_ms
+from infra.timing import (Bandwidth, CountedStep, Step, cache_bytes, cached_forward, floors, level_forward, median_ms,
+                          module_bytes, read_bandwidth)
 
 
 def head_forward(head, lm_head: Any, context: list[int], features: torch.Tensor) -> Step:
@@ -44,7 +46,14 @@ def head_forward(head, lm_head: Any, context: list[int], features: torch.Tensor)
             hidden = head(ids[:, -k:], features[:, -k:], cache, compute_logits=False)[0]
             return head.logits(hidden, lm_head)
 
-    return step
+    return CountedStep(step, _head_bytes(head, lm_head) + cache_bytes(cache))
+
+
+def _head_bytes(head, lm_head: Any) -> int:
+    """The bytes of a head's one-token forward: its own modules (fc, layer, norms; the target's embedding is read a
+    row a token) and the LM head its logits run through (`lm_head`, else its own)."""
+    used = lm_head if lm_head is not None else head.lm_head
+    return module_bytes(head, skip=(used,)) + module_bytes(used)
 
 
 def context_ids(held_out: list, tokenizer, length: int) -> list[int]:
@@ -140,9 +149,7 @@ def steps_for(settings: CostsSettings) -> tuple[dict[str, Step], dict[str, str],
     steps = {"target eager": cached_forward(target, context)}
     notes = {"target eager": f"{decoding.dtype}, plain nn.Linear"}
     fast_target = _target_steps(decoding, context, steps, notes)
-    floor_ms, size, bandwidth = streaming_floor_ms(fast_target.model)
-    beside = {"floor": {"ms": floor_ms, "weight_bytes": size, "read_bytes_per_s": bandwidth},
-              "round": round_costs(settings, fast_target, tokenizer, context)}
+    beside = {"bandwidth": _bandwidth(), "round": round_costs(settings, fast_target, tokenizer, context)}
     w4, w4_dir = None, decoding.layout.output("w4")
     if (w4_dir / "config.json").is_file():
         w4 = backend.drafting(fast_target).prepare(load_model(str(w4_dir), decoding.dtype, device)[0])
@@ -188,6 +195,32 @@ def _head_steps(settings: CostsSettings, target: tuple, inputs: tuple, rows: tup
     return heads["head"].draft_vocab if "head" in heads else None
 
 
+def _bandwidth() -> Bandwidth:
+    """The read bandwidth of this process's threads: the C++ STREAM-style probe, else torch's sum (said)."""
+    from decode.backends.cpu.llama import stream_kernel
+
+    kernel, name = stream_kernel()
+    if kernel is None:
+        print(f"costs: no read-bandwidth kernel ({name}); measuring with torch's sum", file=sys.stderr)
+    return read_bandwidth(stream=(kernel, name))
+
+
+def _print_floors(ms: dict, steps: dict[str, Step], before: Bandwidth) -> dict:
+    """Each row's T(1) against its floor and its T(k) / T(1), one line a row; returns the rows (`floors`). The
+    bandwidth is the best of `before` and a second measurement now, after the timings: on shared cores one
+    measurement may land in a busy moment the forwards missed, and a floor must not be slower than they ran."""
+    after = _bandwidth()
+    bandwidth = Bandwidth(max(before.bytes_per_s, after.bytes_per_s), f"{after.method}, before and after the timings")
+    rows = floors(ms, steps, bandwidth)
+    print(f"\neach row's floor: the bytes its one-token forward streams / {bandwidth.bytes_per_s / 1e9:.1f} GB/s read "
+          f"({bandwidth.method})")
+    for name, row in rows.items():
+        ratios = " ".join(f"k={k} {r:.2f}" for k, r in sorted(row["t_k_over_t_1"].items()))
+        print(f"{name:<18}{row['bytes'] / 2**20:8.1f} MiB  floor {row['ms']:6.2f} ms  T(1)/floor {row['ratio']:5.2f}"
+              f"  T(k)/T(1) {ratios}")
+    return rows
+
+
 def _print_rounds(rounds: dict) -> None:
     """One line: a round's ms, split into each level's forwards and the overhead beside them."""
     forwards = ", ".join(f"{name} {ms:.1f}" for name, ms in rounds["forward_ms"].items())
@@ -213,11 +246,10 @@ def run(settings: CostsSettings) -> dict:
     result = {"device": str(settings.decoding.device), "context": c.context, "threads": torch.get_num_threads(),
               "repeats": c.repeats, "notes": notes, "ms": ms,
               "ratio_to_target_1": {n: {k: v / base for k, v in per.items()} for n, per in ms.items()}}
-    floor = beside["floor"]
-    print(f"target T(1) {base:.1f} ms = {base / floor['ms']:.2f}x its weight-streaming floor: "
-          f"{floor['weight_bytes'] / 2**20:.0f} MiB of weights / {floor['read_bytes_per_s'] / 1e9:.1f} GB/s read "
-          f"= {floor['ms']:.1f} ms")
-    result["floor"] = dict(floor, ratio=base / floor["ms"])
+    result["floors"] = _print_floors(ms, steps, beside["bandwidth"])
+    target = result["floors"]["target"]
+    result["floor"] = {"ms": target["ms"], "weight_bytes": target["bytes"], "ratio": target["ratio"],
+                       "read_bytes_per_s": target["read_bytes_per_s"], "method": target["method"]}
     if beside["round"] is not None:
         _print_rounds(beside["round"])
         result["round"] = beside["round"]

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
 
 from infra.device import synchronized_clock
 
@@ -25,7 +26,19 @@ def median_ms(steps: dict[str, Step], ks: list[int], repeats: int, warmup: int =
     return {name: {k: statistics.median(ts) for k, ts in per.items()} for name, per in times.items()}
 
 
-def cached_forward(model, context: list[int]) -> Step:
+@dataclass(frozen=True)
+class CountedStep:
+    """A step and the bytes its one-token forward streams, counted from the buffers it runs on once its context is
+    cached (weights, LM head, KV cache): what its floor is computed from (`floors`)."""
+
+    run: Step
+    streamed_bytes: int
+
+    def __call__(self, k: int) -> object:
+        return self.run(k)
+
+
+def cached_forward(model, context: list[int]) -> CountedStep:
     """A step for `median_ms`: one forward of k new tokens of a causal LM on top of a KV cache of `context`
     (computed once; each call first crops the cache back to it) with all k logits, as a verification does."""
     import torch
@@ -43,10 +56,10 @@ def cached_forward(model, context: list[int]) -> Step:
         with torch.inference_mode():
             return model(ids[:, -k:], past_key_values=cache, use_cache=True, logits_to_keep=k)
 
-    return step
+    return CountedStep(step, weight_bytes(model) + cache_bytes(cache))
 
 
-def level_forward(level, context: list[int]) -> Step:
+def level_forward(level, context: list[int]) -> CountedStep:
     """A step: one verification-shaped forward of k new tokens through a decode model level (its runner and LM
     head, as a chain runs it) after a cached context."""
     import torch
@@ -59,7 +72,7 @@ def level_forward(level, context: list[int]) -> Step:
         with torch.inference_mode():
             return level.forward(context + context[-k:], k, "verify")
 
-    return step
+    return CountedStep(step, level_bytes(level))
 
 
 def times_table(times: dict[str, dict[int, float]], base: str, label: str) -> list[str]:
@@ -74,32 +87,94 @@ def times_table(times: dict[str, dict[int, float]], base: str, label: str) -> li
     return lines
 
 
-def read_bandwidth(gib: float = 1.0, repeats: int = 7) -> float:
-    """Bytes per second of a plain large-array read (torch's sum over an array far larger than the caches), on the
-    threads torch runs with: what a memory-bound forward can stream at best."""
+class Bandwidth(NamedTuple):
+    """A read bandwidth and how it was measured."""
+
+    bytes_per_s: float
+    method: str
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 7,
+                   stream: tuple[Callable[[Any], float] | None, str] = (None, "")) -> Bandwidth:
+    """The bytes per second a memory-bound forward can stream at best, on the threads torch runs with, over an array
+    far larger than the caches. `stream`: (a kernel reading a float32 tensor once the way a good kernel does, all
+    threads and wide loads, e.g. decode.backends.cpu.llama.stream_kernel(); its name), timed best of `repeats` as
+    STREAM reports; without one, torch's sum, median of `repeats` (below what engines are seen to stream)."""
     import torch
 
-    data = torch.ones(int(gib * 2**30) // 4)
-    data.sum()
+    kernel, name = stream
+    data = torch.ones(int(gib * 2**30) // 4)  # written, so every page is mapped: no shared zero page to read
+    read = kernel or (lambda t: t.sum())
+    read(data)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        data.sum()
+        read(data)
         times.append(time.perf_counter() - start)
-    return data.numel() * 4 / statistics.median(times)
+    if kernel is None:
+        return Bandwidth(data.nbytes / statistics.median(times), f"torch.sum, median of {repeats}")
+    return Bandwidth(data.nbytes / min(times), f"{name}, best of {repeats}")
 
 
-def weight_bytes(model) -> int:
-    """The bytes a one-token forward of a causal LM streams: every parameter but the input embedding (one row of it
-    is read), the LM head counted once whether or not it is tied."""
-    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-    unique = {id(p): p for p in model.parameters()}
-    unique.pop(id(embedding), None)
-    unique[id(head)] = head
-    return sum(p.numel() * p.element_size() for p in unique.values())
+def module_bytes(module, skip: tuple = ()) -> int:
+    """The bytes one forward of `module` reads whole: a module that says what it streams (`streamed_bytes()`: a
+    packed weight's own buffers, not the original it keeps attached) counts that, any other its own parameters and
+    buffers; each module and tensor once, the modules in `skip` (and theirs) not at all."""
+    seen = {id(m) for m in skip}
+
+    def visit(sub) -> int:
+        if id(sub) in seen:
+            return 0
+        seen.add(id(sub))
+        if hasattr(sub, "streamed_bytes"):
+            return sub.streamed_bytes()
+        own = [t for t in (*sub.parameters(recurse=False), *sub.buffers(recurse=False)) if id(t) not in seen]
+        seen.update(id(t) for t in own)
+        return sum(t.nbytes for t in own) + sum(visit(child) for child in sub.children())
+
+    return visit(module)
 
 
-def streaming_floor_ms(model) -> tuple[float, int, float]:
-    """(ms, bytes, bytes per second): the weight-streaming floor of one forward, measured here and now."""
-    bandwidth, size = read_bandwidth(), weight_bytes(model)
-    return size / bandwidth * 1000, size, bandwidth
+def weight_bytes(model, lm_head=None) -> int:
+    """The bytes of the weights a one-token forward of a causal LM streams, as it runs them (packed where packed):
+    every module's but the input embedding's (one row of it is read), and the LM head (`lm_head`, else the model's
+    own) once, whether or not it is tied."""
+    embedding, own_head = model.get_input_embeddings(), model.get_output_embeddings()
+    return module_bytes(model, skip=(embedding, own_head)) + module_bytes(own_head if lm_head is None else lm_head)
+
+
+def cache_bytes(cache) -> int:
+    """The bytes of the keys and values a KV cache (transformers' Cache) holds for its cached positions: what the
+    next forward's attention reads."""
+    if cache is None:
+        return 0
+    length, total = cache.get_seq_length(), 0
+    for layer in getattr(cache, "layers", []):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if t is not None and t.dim() >= 2 and t.shape[-2]:
+                total += t.nbytes // t.shape[-2] * min(length, t.shape[-2])
+    return total
+
+
+def level_bytes(level) -> int:
+    """The bytes a one-token forward of a decode model level streams now: its runner's own count where it keeps one
+    (the native runner: the buffers it runs on and its KV cache), else its model's decoder weights and KV cache; and
+    its LM head as it runs (a vocabulary's rows, int8, packed)."""
+    runner = level.runner
+    if hasattr(runner, "streamed_bytes"):
+        return runner.streamed_bytes() + module_bytes(level.lm_head)
+    return weight_bytes(level.model, level.lm_head) + cache_bytes(getattr(runner, "cache", None))
+
+
+def floors(times: dict[str, dict[int, float]], steps: dict[str, Step], bandwidth: Bandwidth) -> dict[str, dict]:
+    """Per row of `median_ms`'s result whose step counts its bytes (`CountedStep`): its floor (those bytes over the
+    read bandwidth, in ms), T(1) / floor and T(k) / T(1) for each k (1: the row's smallest k)."""
+    rows = {}
+    for name, per in times.items():
+        size = getattr(steps[name], "streamed_bytes", None)
+        if size is None:
+            continue
+        ms, first = size / bandwidth.bytes_per_s * 1000, per[min(per)]
+        rows[name] = {"ms": ms, "bytes": size, "read_bytes_per_s": bandwidth.bytes_per_s, "method": bandwidth.method,
+                      "ratio": first / ms, "t_k_over_t_1": {k: t / first for k, t in per.items()}}
+    return rows

@@ -83,7 +83,7 @@ def forward_ms(runner, width: int, repeats: int, warmup: int = 5) -> float:
 def bandwidth(device: torch.device, repeats: int = 11) -> float:
     """Bytes per second of a large tensor sum on `device` (median)."""
     if device.type != "cuda":
-        return read_bandwidth(0.25)
+        return read_bandwidth(0.25).bytes_per_s
     data = torch.ones(2**30 // 4, device=device)  # 1 GiB, far beyond L2
     times = []
     for _ in range(repeats + 1):

@@ -1,12 +1,14 @@
-"""infra.timing's weight-streaming floor: the bytes a one-token forward must read, and the read bandwidth."""
+"""infra.timing's floors: the bytes a one-token forward streams (counted from the buffers it runs on), the read
+bandwidth, and each row's T(1) against its floor."""
 from __future__ import annotations
 
 import statistics
 import time
 
+import pytest
 import torch
 
-from infra.timing import read_bandwidth, streaming_floor_ms, weight_bytes
+from infra.timing import Bandwidth, CountedStep, floors, level_bytes, read_bandwidth, weight_bytes
 
 
 def _bytes(*tensors: torch.Tensor) -> int:
@@ -16,13 +18,13 @@ def _bytes(*tensors: torch.Tensor) -> int:
 def test_a_tied_lm_head_is_streamed_once(tiny_llama):
     """Tied: the embedding matrix is the LM head, read whole once (the embedding lookup reads one row)."""
     assert tiny_llama.get_input_embeddings().weight is tiny_llama.get_output_embeddings().weight
-    assert weight_bytes(tiny_llama) == _bytes(*tiny_llama.parameters())
+    assert weight_bytes(tiny_llama) == _bytes(*tiny_llama.parameters(), *tiny_llama.buffers())
 
 
 def test_an_untied_embedding_is_not_streamed(tiny_llama):
     tiny_llama.lm_head.weight = torch.nn.Parameter(tiny_llama.lm_head.weight.detach().clone())
     embedding = tiny_llama.get_input_embeddings().weight
-    assert weight_bytes(tiny_llama) == _bytes(*tiny_llama.parameters()) - _bytes(embedding)
+    assert weight_bytes(tiny_llama) == _bytes(*tiny_llama.parameters(), *tiny_llama.buffers()) - _bytes(embedding)
 
 
 def copy_read_rate(gib: float = 0.125, repeats: int = 3) -> float:
@@ -38,14 +40,51 @@ def copy_read_rate(gib: float = 0.125, repeats: int = 3) -> float:
     return src.numel() * 4 / statistics.median(times)
 
 
-def test_the_floor_is_the_weights_over_the_bandwidth(tiny_llama):
-    ms, size, bandwidth = streaming_floor_ms(tiny_llama)
-    assert size == weight_bytes(tiny_llama) and ms == size / bandwidth * 1000
+def test_each_floor_is_its_own_bytes_over_the_bandwidth():
+    times = {"big": {1: 30.0, 4: 45.0}, "small": {1: 2.0, 4: 2.5}, "uncounted": {1: 1.0, 4: 1.0}}
+    steps = {"big": CountedStep(print, 10**9), "small": CountedStep(print, 5 * 10**7), "uncounted": print}
+    rows = floors(times, steps, Bandwidth(2e10, "test"))
+    assert set(rows) == {"big", "small"}
+    assert rows["big"]["ms"] == 50.0 and rows["big"]["ratio"] == 0.6 and rows["big"]["t_k_over_t_1"] == {1: 1, 4: 1.5}
+    assert rows["small"]["ms"] == 2.5 and rows["small"]["ratio"] == 0.8 and rows["small"]["bytes"] == 5 * 10**7
+
+
+def _native_level(model, **compute):
+    from decode.backends import Backend
+    from decode.backends.cpu.llama import native_kernels
+    from decode.engine.levels import LevelCompute, ModelLevel
+
+    if native_kernels()[0] is None:
+        pytest.skip(f"the native kernels do not build here: {native_kernels()[1]}")
+    prepared = Backend("avx2", native_fp32="on").prepare(model)
+    return ModelLevel("target", prepared, compute=LevelCompute(**compute))
+
+
+@pytest.mark.cpu_kernels
+def test_a_native_level_streams_its_weights_its_lm_head_and_its_cache(tiny_llama):
+    """The native runner's count (the C++ decoder's own buffers) against the model's: the panels of widths that are
+    multiples of 8 hold exactly the weights, so the decoder layers' and final norm's parameters, the tied LM head once,
+    and the keys and values of the cached positions (2 KV heads of 16 per layer)."""
+    tiny_llama.lm_head.weight = torch.nn.Parameter(tiny_llama.lm_head.weight.detach().clone())
+    level, context = _native_level(tiny_llama), list(range(3, 40))
+    level.forward(context, 1, "verify")
+    layers = _bytes(*tiny_llama.model.layers.parameters(), tiny_llama.model.norm.weight)
+    cache = 2 * 2 * 2 * len(context) * 16 * 4  # keys and values, layers, KV heads, positions, head dim, fp32
+    assert level_bytes(level) == layers + _bytes(tiny_llama.lm_head.weight) + cache
+
+
+@pytest.mark.cpu_kernels
+def test_an_int8_lm_head_counts_its_rows_and_scales_not_the_weight_it_keeps(tiny_llama):
+    from decode.backends.cpu.int8 import Int8RowLinear
+
+    int8 = Int8RowLinear(tiny_llama.get_output_embeddings())
+    level, plain = _native_level(tiny_llama, lm_head=int8), _native_level(tiny_llama)
+    assert level_bytes(plain) - level_bytes(level) == _bytes(tiny_llama.lm_head.weight) - 512 * 64 - 512 * 2
 
 
 def test_the_read_bandwidth_agrees_with_a_copy_measured_beside_it():
     """A copy reads the same bytes while writing as many (and reading them first, for write-allocate), so a pure
     read streams between about as fast and three times as fast (1.5-1.8x on the 2-core EPYC); slack for noise.
     A wrong byte count (elements, bits), unit or timing parts them by 4x or more."""
-    ratios = [read_bandwidth(gib=0.125, repeats=3) / copy_read_rate() for _ in range(2)]
+    ratios = [read_bandwidth(gib=0.125, repeats=3).bytes_per_s / copy_read_rate() for _ in range(2)]
     assert 0.75 < sorted(ratios)[-1] and sorted(ratios)[0] < 4, ratios

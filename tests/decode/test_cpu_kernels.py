@@ -150,3 +150,35 @@ def test_packed_model_verifies_with_the_bits_of_one_token_forwards(kernel):
         assert torch.allclose(together, eager, atol=1e-4)
     unpack(model)
     assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("n", [1, 1000, 4099, 65536 + 17])
+def test_the_stream_probe_reads_every_element_once_on_any_thread_count(kernel, n):
+    """Small integers sum exactly in float32 lanes: a chunk read twice, skipped or cut wrong shows."""
+    data = (torch.arange(n) % 7).float()
+    threads = torch.get_num_threads()
+    try:
+        sums = []
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            sums.append(kernel.stream_sum(data))
+    finally:
+        torch.set_num_threads(threads)
+    assert sums == [float((torch.arange(n) % 7).sum())] * 3
+    with pytest.raises(RuntimeError, match="64-byte aligned float32"):
+        kernel.stream_sum(torch.ones(64)[1:])
+
+
+def test_the_stream_bandwidth_agrees_with_torch_sum_measured_beside_it(kernel):
+    """The probe and torch's sum read the same bytes; the probe at least as fast but not by orders of magnitude: a
+    wrong byte count, a cached or skipped read, or a unit slip parts them by 4x or more. Noisy shared cores: the best
+    of two pairs."""
+    from decode.backends.cpu.llama import stream_kernel
+    from infra.timing import read_bandwidth
+
+    ratios = []
+    for _ in range(2):
+        stream = read_bandwidth(gib=0.25, repeats=3, stream=stream_kernel())
+        ratios.append(stream.bytes_per_s / read_bandwidth(gib=0.25, repeats=3).bytes_per_s)
+        assert stream.method.startswith("stream_sum")
+    assert 0.8 < max(ratios) and min(ratios) < 3, ratios

@@ -191,6 +191,29 @@ def test_the_cache_capacity_is_checked(w4):
         runner.keep(torch.tensor([0, 6]))
 
 
+@pytest.mark.parametrize("activations", ["int8", "fp32"])
+def test_the_runner_counts_the_bytes_a_forward_streams_from_the_checkpoint(w4, activations):
+    """The runner's count (the C++ decoder's buffers) against the checkpoint's: 4-bit codes as stored (qweight), a
+    float32 scale per output and group (the stored 16-bit scales, widened), each product's group bounds (int64) and,
+    in act order, its input order (int64), the norms, and the keys and values of the cached positions."""
+    runner = NativeLlamaRunner(w4, 64, activations)
+    runner.forward(text(10), None, None)
+    config, count = w4.config, 0
+    for layer in w4.model.layers:
+        count += layer.input_layernorm.weight.nbytes + layer.post_attention_layernorm.weight.nbytes
+        a, m = layer.self_attn, layer.mlp
+        for product in ([a.q_proj, a.k_proj, a.v_proj], [a.o_proj], [m.gate_proj, m.up_proj], [m.down_proj]):
+            first = product[0]
+            count += sum(p.qweight.nbytes + 2 * p.scales.nbytes for p in product)
+            count += 8 * (len(range(0, first.in_features, first.group_size)) + 1)
+            if not torch.equal(first.ret_idx.long(), torch.arange(first.in_features)):
+                count += 8 * first.in_features
+    count += w4.model.norm.weight.nbytes
+    head_dim = config.hidden_size // config.num_attention_heads
+    count += 2 * config.num_hidden_layers * config.num_key_value_heads * 10 * head_dim * 4
+    assert runner.streamed_bytes() == count
+
+
 def test_unsupported_models_are_refused_with_a_reason(w4, tiny_llama):
     assert unsupported(w4) is None and unsupported(tiny_llama) is None  # W4, and fp32 (test_native_target.py)
     tiny_llama.to(torch.bfloat16)

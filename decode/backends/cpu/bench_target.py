@@ -1,7 +1,7 @@
 """Micro-benchmark of the fp32 target's forward: the packed HF layers against the native runner, each as a chain's
 target level runs it (runner and LM head), one forward of k new tokens on a cached context, interleaved in one
-process; and beside them the weight-streaming floor: the bytes of the weights a forward reads over the read
-bandwidth measured here, in the same process, on the same threads.
+process; and beside them each one's floor: the bytes its one-token forward streams (counted from the buffers it
+runs on) over the read bandwidth the STREAM-style probe measures here, in the same process, on the same threads.
 
     python -m decode.backends.cpu.bench_target [--context 256] [--ks 1 8] [--repeats 21] [--threads N]
 """
@@ -13,9 +13,10 @@ from pathlib import Path
 import torch
 
 from data.models import DEFAULT_MODEL, load_model
-from decode.backends import prepare
+from decode.backends import Backend
+from decode.backends.cpu.llama import stream_kernel
 from decode.engine.levels import ModelLevel
-from infra.timing import level_forward, median_ms, streaming_floor_ms, times_table
+from infra.timing import floors, level_forward, median_ms, read_bandwidth, times_table
 
 
 def main() -> None:
@@ -29,9 +30,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     hf, tokenizer = load_model(args.target, "float32")
-    native, _ = load_model(args.target, "float32")
-    prepare(hf, "avx2")
-    prepare(native, "avx2", "on")
+    hf = Backend("avx2").prepare(hf)
+    native = Backend("avx2", native_fp32="on").prepare(load_model(args.target, "float32")[0])
     text = tokenizer(Path("README.md").read_text()).input_ids * 8
     context = text[: args.context]
     steps = {"target packed (HF layers)": level_forward(ModelLevel("target", hf), context),
@@ -40,10 +40,10 @@ def main() -> None:
     print(f"median ms of one forward (LM head included), {args.context}-token context, {torch.get_num_threads()} "
           f"threads, CPU capability {torch.backends.cpu.get_cpu_capability()}")
     print("\n".join(times_table(times, "target packed (HF layers)", "HF")))
-    floor, size, bandwidth = streaming_floor_ms(native)
-    print(f"weight-streaming floor: {size / 2**20:.0f} MiB of weights / {bandwidth / 1e9:.1f} GB/s read = "
-          f"{floor:.1f} ms per forward; target native T({args.ks[0]}) = "
-          f"{times['target native'][args.ks[0]] / floor:.2f}x the floor")
+    bandwidth = read_bandwidth(stream=stream_kernel())
+    for name, row in floors(times, steps, bandwidth).items():
+        print(f"{name}: floor {row['bytes'] / 2**20:.0f} MiB / {bandwidth.bytes_per_s / 1e9:.1f} GB/s "
+              f"({bandwidth.method}) = {row['ms']:.1f} ms; T({args.ks[0]}) = {row['ratio']:.2f}x the floor")
 
 
 if __name__ == "__main__":

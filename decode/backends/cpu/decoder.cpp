@@ -104,6 +104,13 @@ struct Nibbles {  // GPTQ int4 (symmetric: zero point 8), one word per input
 struct PackedWeight {
   torch::Tensor words, scales, bounds, perm, bias;  // scales, bounds (fp32), perm, bias: undefined when none
   int64_t n;
+
+  // The bytes a product reads from it: every part, whole.
+  int64_t nbytes() const {
+    int64_t total = 0;
+    for (const auto* t : {&words, &scales, &bounds, &perm, &bias}) total += t->defined() ? t->nbytes() : 0;
+    return total;
+  }
 };
 
 // A PackedWeight's raw view for the tiles, taken once per product (a tensor's accessors cost more than a tile's setup).
@@ -506,6 +513,18 @@ class Decoder {
 
   int64_t head_dim() const { return head_dim_; }
 
+  // The bytes of the weights every forward reads whole, from the buffers it runs on: each layer's norms and packed
+  // weights, the final norm (the embedding, rotary tables and KV cache are the caller's to count: a row per token).
+  int64_t weight_bytes() const {
+    int64_t total = final_norm_.nbytes();
+    for (const auto& layer : layers_) {
+      total += layer.input_norm.nbytes() + layer.post_norm.nbytes() + layer.o.nbytes() + layer.down.nbytes();
+      for (const auto& w : layer.qkv) total += w.nbytes();
+      for (const auto& w : layer.gate_up) total += w.nbytes();
+    }
+    return total;
+  }
+
   // ids [T] long after `cached` cached positions, positions [T] long (rotary), mask: none (causal) or additive
   // float32 broadcastable to [1, heads, T, cached + T]. Returns the final-norm hidden states [T, hidden]. With
   // `aux_layers` (EAGLE-3), `aux` [T, aux_layers * hidden] float32 receives the states entering those layers.
@@ -614,13 +633,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init(&packed_weight), py::arg("words"), py::arg("n"), py::arg("scales") = py::none(),
            py::arg("bounds") = py::none(), py::arg("perm") = py::none(), py::arg("bias") = py::none())
       .def_readonly("words", &PackedWeight::words)
-      .def_readonly("n", &PackedWeight::n);
+      .def_readonly("n", &PackedWeight::n)
+      .def_property_readonly("nbytes", &PackedWeight::nbytes);
   m.def("packed_mm", &packed_mm, "x W^T (+ b) through a PackedWeight of either kind");
   m.def("lanes", [] { return kLanes; }, "outputs per panel (8: AVX2, 16: AVX-512)");
+  m.def("stream_sum", &stream_sum, "sum of a float32 buffer streamed by all threads (bandwidth probe)");
   py::class_<Decoder>(m, "Decoder")
       .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, double, int64_t>())
       .def("add_layer", &Decoder::add_layer)
       .def("head_dim", &Decoder::head_dim)
+      .def("weight_bytes", &Decoder::weight_bytes)
       .def("forward", &Decoder::forward, py::arg("ids"), py::arg("positions"), py::arg("mask"), py::arg("cached"),
            py::arg("keys"), py::arg("values"), py::arg("aux") = py::none(),
            py::arg("aux_layers") = std::vector<int64_t>{});

@@ -90,6 +90,12 @@ class PackedLinear(nn.Module):
             return out if out is not None else nn.functional.linear(x, self.weight, self.bias)
         return _packed_mm(x, self.packed, None if self.bias is None else self.bias.detach())
 
+    def streamed_bytes(self) -> int:
+        """The bytes a forward reads: the avx2 panels (padded to whole panels) or, oneDNN's being opaque, the weight's
+        own size; and the bias."""
+        weight = self.packed.data if isinstance(self.packed, Panels) else self.weight
+        return weight.nbytes + (0 if self.bias is None else self.bias.nbytes)
+
     def __deepcopy__(self, memo: dict) -> "PackedLinear":
         """Parameters are copied as usual; the packed weight (oneDNN's is an opaque tensor that cannot be
         copied) is shared with the copy, which is correct while weights stay frozen, as at inference.

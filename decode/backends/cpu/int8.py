@@ -21,6 +21,10 @@ class Int8RowLinear(nn.Module):
         self.qweight = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
         self.scales = scales.to(torch.bfloat16)
 
+    def streamed_bytes(self) -> int:
+        """The bytes a forward reads: the int8 rows and their scales (not the attached original weight)."""
+        return self.qweight.nbytes + self.scales.nbytes
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and x.requires_grad:
             return nn.functional.linear(x, self.weight)

@@ -13,6 +13,11 @@
 // bool/additive mask or causal. The rows of one K/V head share each chunk of 8 keys and values (read once, from L1
 // for all but the first row); a row scores a chunk's 8 keys at once, 8 independent FMA chains.
 //
+// `stream_sum`: the read-bandwidth probe (infra.timing.read_bandwidth times it), a buffer read once the way a
+// memory-bound forward streams its weights: every one of torch's threads sums one contiguous, cache-line aligned chunk
+// with the widest loads the build has (AVX-512 in the native decoder's build where the CPU has it, else AVX2), four
+// streams at once into 8 independent accumulators, so no load waits on an add.
+//
 // Exactness: every output element of both is computed by one fixed sequence of operations that depends only
 // on its own row (a linear's output: one FMA chain over k = 0..K-1 from zero, bias after; an attention row:
 // its scores, softmax and weighted sum), never on how many rows, tiles or threads compute it. With them a
@@ -256,6 +261,62 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
     }
   });
   return out;
+}
+
+#if defined(__AVX512F__)
+using StreamVec = __m512;
+constexpr int64_t kStreamLanes = 16;
+static inline __m512 stream_add(__m512 a, const float* p) { return _mm512_add_ps(a, _mm512_load_ps(p)); }
+static inline __m512 stream_zero() { return _mm512_setzero_ps(); }
+#else
+using StreamVec = __m256;
+constexpr int64_t kStreamLanes = 8;
+static inline __m256 stream_add(__m256 a, const float* p) { return _mm256_add_ps(a, _mm256_load_ps(p)); }
+static inline __m256 stream_zero() { return _mm256_setzero_ps(); }
+#endif
+
+// The sum of a contiguous float32 CPU tensor (64-byte aligned, as torch allocates), each lane and chunk summed in
+// float32: exact where those partial sums are (small integers). A thread reads its chunk as kStreams quarters side by
+// side, as the packed product reads several panels at once: one sequential stream per core leaves memory idle on some
+// hosts (its prefetcher runs too few lines ahead).
+double stream_sum(const torch::Tensor& data) {
+  TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == torch::kFloat && data.is_contiguous() &&
+              reinterpret_cast<uintptr_t>(data.data_ptr()) % 64 == 0,
+              "stream_sum: a contiguous, 64-byte aligned float32 CPU tensor");
+  constexpr int64_t kStreams = 4, kPer = 2, kLine = 16, kStep = kPer * kStreamLanes;  // a stream's floats per step
+  const float* p = data.data_ptr<float>();
+  const int64_t n = data.numel(), threads = at::get_num_threads();
+  std::vector<double> partial(threads, 0.0);
+  at::parallel_for(0, threads, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t begin = n * t / threads / kLine * kLine;
+      const int64_t end = t + 1 == threads ? n : n * (t + 1) / threads / kLine * kLine;
+      const int64_t quarter = (end - begin) / kStreams / kStep * kStep;
+      StreamVec acc[kStreams][kPer];
+#pragma GCC unroll 8
+      for (int s = 0; s < kStreams; ++s)
+#pragma GCC unroll 8
+        for (int a = 0; a < kPer; ++a) acc[s][a] = stream_zero();
+      for (int64_t i = begin; i < begin + quarter; i += kStep) {
+#pragma GCC unroll 8
+        for (int s = 0; s < kStreams; ++s)
+#pragma GCC unroll 8
+          for (int a = 0; a < kPer; ++a) acc[s][a] = stream_add(acc[s][a], p + i + s * quarter + a * kStreamLanes);
+      }
+      double sum = 0.0;
+      for (int64_t i = begin + kStreams * quarter; i < end; ++i) sum += p[i];
+      alignas(64) float lanes[kStreamLanes];
+      for (int s = 0; s < kStreams; ++s)
+        for (int a = 0; a < kPer; ++a) {
+          store(lanes, acc[s][a]);
+          for (int64_t l = 0; l < kStreamLanes; ++l) sum += lanes[l];
+        }
+      partial[t] = sum;
+    }
+  });
+  double total = 0.0;
+  for (const double s : partial) total += s;
+  return total;
 }
 
 }  // namespace polyspec

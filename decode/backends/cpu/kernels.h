@@ -136,6 +136,7 @@ torch::Tensor pack(const torch::Tensor& weight);
 void dense_linear(const float* x, int64_t M, const DensePanels& w, float* y, int64_t ldy);
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
                      const c10::optional<torch::Tensor>& bias);
+double stream_sum(const torch::Tensor& data);
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                      const c10::optional<torch::Tensor>& mask, double scale, bool causal);
 

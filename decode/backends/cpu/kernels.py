@@ -1,9 +1,9 @@
 """Build the project's C++ kernels for this machine, once: compiled with the machine's gcc on first use and
 cached under the project's cache dir, keyed by every source and header, the flags and the torch version.
 
-The C++ is headers plus sources: kernels.h (the helpers every kernel shares), kernels.cpp (the packed fp32 product
-and attention), kernels_module.cpp (their Python module) and decoder.cpp (the native decoder, its own module,
-linked with kernels.cpp)."""
+The C++ is headers plus sources: kernels.h (the helpers every kernel shares), kernels.cpp (the packed fp32 product,
+attention and the read-bandwidth probe), kernels_module.cpp (their Python module) and decoder.cpp (the native
+decoder, its own module, linked with kernels.cpp)."""
 from __future__ import annotations
 
 import functools

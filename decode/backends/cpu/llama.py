@@ -32,7 +32,7 @@ from transformers import PretrainedConfig
 
 from decode.backends.cpu.dense import PackedLinear, pack_weight
 from decode.backends.cpu.fusion import StackedProduct
-from decode.backends.cpu.kernels import HERE, build_extension
+from decode.backends.cpu.kernels import HERE, avx2_kernel, build_extension
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
 STATIC_ROPE = ("default", "linear", "llama3")  # rotary tables that depend on the position only
@@ -61,6 +61,16 @@ def native_kernels() -> tuple[Any | None, str]:
     wide = ["-mavx512f", "-mavx512bw", "-mavx512vnni"] if _has_avx512_vnni() else []
     return build_extension("polyspec_decoder", (HERE / "kernels.cpp", HERE / "decoder.cpp"),
                            ["-O3", "-mavx2", "-mfma", "-fopenmp", *wide])
+
+
+def stream_kernel() -> tuple[Callable[[torch.Tensor], float] | None, str]:
+    """(the read-bandwidth probe `stream_sum` of the widest build here, its name) for infra.timing.read_bandwidth, or
+    (None, why not): the native decoder's build (AVX-512 where the CPU has it), else decode.fast's AVX2 one."""
+    for kernels, build in ((native_kernels()[0], "native"), (avx2_kernel()[0], "avx2")):
+        if kernels is not None:
+            width = "avx512" if build == "native" and kernels.lanes() == 16 else "avx2"
+            return kernels.stream_sum, f"stream_sum {width}"
+    return None, avx2_kernel()[1]
 
 
 def _module(model: torch.nn.Module, layer: int, name: str) -> torch.nn.Module:
@@ -292,6 +302,12 @@ class NativeLlamaRunner:
         self.layers: list[int] = []
         self.captured: torch.Tensor | None = None
 
+    def streamed_bytes(self) -> int:
+        """The bytes a one-token forward reads now, from the buffers it runs on: the decoder's packed weights and norms
+        (its own count) and the keys and values cached so far (an embedding row and rotary row per token aside)."""
+        cached = self.keys.narrow(2, 0, self.length)
+        return self.native.weight_bytes() + 2 * cached.numel() * cached.element_size()
+
     def capture(self, layers: tuple[int, ...]) -> None:
         """Every later forward also leaves the states entering these layers in `captured` (EAGLE-3's aux states)."""
         self.layers = [int(i) for i in layers]
@@ -366,6 +382,10 @@ class NativeInt8Head(torch.nn.Module):
         words, scales = kernels.pack_int8(head.qweight, head.scales.float())
         self.packed = kernels.PackedWeight(words=words, scales=scales, bounds=torch.tensor([0, self.in_features]),
                                            n=self.out_features)
+
+    def streamed_bytes(self) -> int:
+        """The bytes a forward reads: the packed int8 rows and their scales."""
+        return self.packed.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float()
