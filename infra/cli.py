@@ -25,9 +25,10 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 
 def run_main(stage: Callable[[], Any]) -> NoReturn:
-    """Run a stage (its settings read from the config, then its work: `lambda: run(Settings.of(cfg))`) and exit with the table's code: the code the stage returns if it returns an
-    int (decode.eval: EXIT_NOT_PUBLISHED), else 0; `error: <message>` and 2 for a PolyspecError; its message
-    and 130 when interrupted. Anything else is a bug and propagates with its traceback (exit 1)."""
+    """Run a stage (its settings read from the config, then its work: `lambda: run(settings_of(cfg))`) and exit
+    with the table's code: the code the stage returns if it returns an int (decode.eval: EXIT_NOT_PUBLISHED), else
+    0; `error: <message>` and 2 for a PolyspecError; its message and 130 when interrupted. Anything else is a bug
+    and propagates with its traceback (exit 1)."""
     try:
         result = stage()
     except PolyspecError as err:
