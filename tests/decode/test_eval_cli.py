@@ -38,9 +38,10 @@ def test_bad_input_is_refused_before_any_work(tmp_path, override, message):
     from data.sharegpt import DataError
     from decode.evaluation import EvalError
     from decode.eval import run
+    from decode.settings import eval_of
 
     with pytest.raises((EvalError, DataError), match=re.escape(message)) as err:
-        run(compose(tmp_path, override))
+        run(eval_of(compose(tmp_path, override)))
     assert "\n" not in str(err.value)
     assert not any(tmp_path.iterdir())
 
