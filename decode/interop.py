@@ -32,20 +32,18 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from data.models import cache_dir, resolve_model_path
+from decode.consumers import InteropError
 from decode.consumers.serving import head_method
-from infra.cli import EXIT_CHECK_FAILED, PolyspecError, check_writable, flag, run_main
+from decode.settings import InteropChecks, InteropSection, InteropSettings, interop_of
+from infra.cli import EXIT_CHECK_FAILED, check_writable, run_main
 from infra.device import use_threads
-from infra.settings import layout_of
+from infra.layout import RunLayout
 
 VLLM_GROUP_SIZES = (-1, 32, 64, 128)  # what vLLM's CPU GPTQ kernel takes (and only if it divides every input width)
 ACCEPTANCE_FLOOR = 0.5  # (b): an engine's L must reach 1 + this x (polyspec's L - 1), and exceed 1
-
-
-class InteropError(PolyspecError, RuntimeError):
-    """Bad input to decode.interop; the message is one line, meant for the user."""
 
 
 # ---------------------------------------------------------------------------------------------- inputs
@@ -63,10 +61,10 @@ def bundle_levels(bundle: Path) -> list[dict[str, Any]]:
     return [{**level, "folder": bundle / level["bundled_as"] if level.get("bundled_as") else None} for level in levels]
 
 
-def head_folder(icfg: Any, levels: list[dict[str, Any]], bundle: Path) -> Path:
-    """interop.head, else the published chain's EAGLE head."""
+def head_folder(head: Path | None, levels: list[dict[str, Any]], bundle: Path) -> Path:
+    """interop.head (`head`), else the published chain's EAGLE head."""
     found = [level["folder"] for level in levels if level["config"].get("kind") == "eagle" and level["folder"]]
-    folder = Path(icfg.head) if icfg.head else (found[0] if found else None)
+    folder = head or (found[0] if found else None)
     if folder is None:
         raise InteropError(f"no head to check: {bundle} has no published chain with an EAGLE head; "
                            "pass interop.head=<folder>")
@@ -75,11 +73,10 @@ def head_folder(icfg: Any, levels: list[dict[str, Any]], bundle: Path) -> Path:
     return folder
 
 
-def w4_folder(cfg: DictConfig, levels: list[dict[str, Any]]) -> Path:
-    """interop.w4, else the published chain's quantized level, else the run's quantize.output."""
-    icfg = cfg.interop
+def w4_folder(w4: Path | None, levels: list[dict[str, Any]], layout: RunLayout) -> Path:
+    """interop.w4 (`w4`), else the published chain's quantized level, else the run's quantize.output."""
     found = [level["folder"] for level in levels if level["config"].get("kind", "model") == "model" and level["folder"]]
-    folder = Path(icfg.w4) if icfg.w4 else (found[0] if found else layout_of(cfg).output("w4"))
+    folder = w4 or (found[0] if found else layout.output("w4"))
     if not (folder / "config.json").exists():
         raise InteropError(f"no W4 model at {folder}: run python -m quantize.w4 or pass interop.w4=<folder>")
     return folder
@@ -105,47 +102,47 @@ def check_w4_layout(folder: Path) -> dict[str, Any]:
             "quantized_group_size", group)}
 
 
-def prompts_of(icfg: Any, tokenizer) -> list[list[int]]:
+def prompts_of(section: InteropSection, tokenizer) -> list[list[int]]:
     from data.prompts import load_questions
     from data.sharegpt import chat_prompt_ids
 
-    questions = load_questions(icfg.prompts, per_category=icfg.per_category)
+    questions = load_questions(section.prompts, per_category=section.per_category)
     return [chat_prompt_ids(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]
 
 
 # -------------------------------------------------------------------------------------------- polyspec
 
 
-def polyspec_side(cfg: DictConfig, head: Path, w4: Path | None, prompts: list[list[int]]) -> dict[str, Any]:
+def polyspec_side(settings: InteropSettings, head: Path, w4: Path | None, prompts: list[list[int]]) -> dict[str, Any]:
     """AR and the dualistic chain (chain draft of k tokens), interleaved per prompt; then polyspec's W4 level's
     teacher-forced agreement with AR's continuations (unless `w4` is None: check (c) is off)."""
     from data.models import load_model
     from decode.chains.baselines import autoregressive
-    from decode.chains.build import configured_chain, eos_of, load_target
+    from decode.chains.build import builder_for, eos_of, load_target
     from quantize.evaluation import teacher_forced_matches
 
-    icfg = cfg.interop
-    target, tokenizer = load_target(cfg)
+    section, decoding = settings.section, settings.decoding
+    target, tokenizer = load_target(decoding)
     eos = eos_of(target.model, tokenizer)
     levels = [{"kind": "model", "name": "target", "model": "target"},
               {"kind": "eagle", "name": "head", "path": str(head.resolve()), "features": "nearest",
-               "draft": {"mode": "chain", "length": int(icfg.num_speculative_tokens)}}]
-    chain = configured_chain(cfg, levels, target, tokenizer)
+               "draft": {"mode": "chain", "length": section.num_speculative_tokens}}]
+    chain = builder_for(decoding, target, tokenizer).build(decoding.parse_chain(levels))
     decoders = {"ar": lambda p, n: autoregressive(target, p, n, eos_token_id=eos),
                 "chain": lambda p, n: chain.generate(p, n, eos_token_id=eos)}
     runs: dict[str, list] = {name: [] for name in decoders}
     for name, decode in decoders.items():
-        decode(prompts[0], int(icfg.warmup_tokens))
+        decode(prompts[0], section.warmup_tokens)
     for prompt in prompts:
         for name, decode in decoders.items():
-            runs[name].append(decode(prompt, int(icfg.max_new_tokens)))
+            runs[name].append(decode(prompt, section.max_new_tokens))
     result = {name: {"tokens": [g.tokens for g in gens], "seconds": [g.stats.wall_time_s for g in gens]}
               for name, gens in runs.items()}
     rounds = [n for g in runs["chain"] for n in g.stats.levels[0].acceptance_lengths]
     result["chain"]["acceptance_length"] = sum(rounds) / max(len(rounds), 1)
     result["chain"]["levels"] = levels
     if w4 is not None:
-        w4_model = load_model(str(w4), dtype=cfg.model.dtype)[0]
+        w4_model = load_model(str(w4), dtype=decoding.dtype)[0]
         result["w4_teacher_forced"] = [teacher_forced_matches(w4_model, p, t)
                                        for p, t in zip(prompts, result["ar"]["tokens"])]
     return result
@@ -154,15 +151,15 @@ def polyspec_side(cfg: DictConfig, head: Path, w4: Path | None, prompts: list[li
 # ------------------------------------------------------------------------------------------------ vLLM
 
 
-def vllm_jobs(icfg: Any, target: str, head: Path, w4: Path | None, prompts: list[list[int]],
+def vllm_jobs(section: InteropSection, target: str, head: Path, w4: Path | None, prompts: list[list[int]],
               ar_tokens: list[list[int]]) -> dict[str, dict]:
     """One job per engine: vLLM's AR, n-gram and head-drafted decoding of the target, and its W4 model (where
     check (c) is on)."""
-    k = int(icfg.num_speculative_tokens)
-    llm = {"model": target, "dtype": icfg.dtype, "max_model_len": int(icfg.max_model_len), "enforce_eager": True,
+    k = section.num_speculative_tokens
+    llm = {"model": target, "dtype": section.dtype, "max_model_len": section.max_model_len, "enforce_eager": True,
            "seed": 0, "disable_log_stats": False}
-    decode = {"prompts": prompts, "max_tokens": int(icfg.max_new_tokens), "warmup_tokens": int(icfg.warmup_tokens)}
-    ngram = {"method": "ngram", "num_speculative_tokens": k, **OmegaConf.to_container(icfg.ngram, resolve=True)}
+    decode = {"prompts": prompts, "max_tokens": section.max_new_tokens, "warmup_tokens": section.warmup_tokens}
+    ngram = {"method": "ngram", "num_speculative_tokens": k, **section.ngram}
     jobs = {
         "ar": {"llm": llm, **decode},
         "ngram": {"llm": llm | {"speculative_config": ngram}, **decode},
@@ -171,7 +168,7 @@ def vllm_jobs(icfg: Any, target: str, head: Path, w4: Path | None, prompts: list
                                                        "num_speculative_tokens": k}}, **decode},  # eagle or eagle3
     }
     if w4 is not None:
-        jobs["w4"] = {"llm": llm | {"model": str(w4.resolve()), "dtype": icfg.w4_dtype}, **decode,
+        jobs["w4"] = {"llm": llm | {"model": str(w4.resolve()), "dtype": section.w4_dtype}, **decode,
                       "teacher_forced": [[p, t] for p, t in zip(prompts, ar_tokens)]}
     return jobs
 
@@ -222,18 +219,19 @@ def check(name: str, passed: bool | None, detail: str) -> dict[str, Any]:
     return {"name": name, "passed": passed, "detail": detail}
 
 
-def acceptance_check(icfg: Any, name: str, engine: str, theirs: float, poly: dict[str, Any]) -> dict[str, Any]:
+def acceptance_check(wanted: InteropChecks, name: str, engine: str, theirs: float,
+                     poly: dict[str, Any]) -> dict[str, Any]:
     """(b): an engine's mean acceptance length with the head vs polyspec's for the same chain draft of k tokens:
     within the tolerance, and above 1 by a real margin (ACCEPTANCE_FLOOR), since a tolerance alone passes an
     engine that accepts nothing (L 1) whenever polyspec's L is within it of 1."""
-    ours, tol = poly["chain"]["acceptance_length"], float(icfg.checks.acceptance_tolerance)
+    ours, tol = poly["chain"]["acceptance_length"], wanted.acceptance_tolerance
     ratio, floor = theirs / ours, 1 + ACCEPTANCE_FLOOR * (ours - 1)
     passed = abs(ratio - 1) <= tol and theirs >= floor and theirs > 1
     return check(name, passed, f"{engine} L {theirs:.3f} vs polyspec L {ours:.3f} (ratio {ratio:.3f}, tolerance "
                                f"{tol:.0%}; must exceed 1 and reach {floor:.3f})")
 
 
-def vllm_head_checks(icfg: Any, vllm: dict[str, dict], poly: dict[str, Any]) -> list[dict[str, Any]]:
+def vllm_head_checks(wanted: InteropChecks, vllm: dict[str, dict], poly: dict[str, Any]) -> list[dict[str, Any]]:
     """(a) and (b) in vLLM."""
     ar, eagle = vllm["ar"], vllm["eagle"]
     if "error" in ar or "error" in eagle:
@@ -241,12 +239,13 @@ def vllm_head_checks(icfg: Any, vllm: dict[str, dict], poly: dict[str, Any]) -> 
     same = sum(a == b for a, b in zip(ar["tokens"], eagle["tokens"]))
     found = [check("head_lossless", same == len(ar["tokens"]),
                    f"{same}/{len(ar['tokens'])} prompts identical with and without the head")]
-    if not flag(icfg.checks, "acceptance", error=InteropError):
+    if not wanted.acceptance:
         return found + [check("acceptance", None, "skipped (interop.checks.acceptance=false)")]
-    return found + [acceptance_check(icfg, "acceptance", "vLLM", vllm_acceptance_length(eagle), poly)]
+    return found + [acceptance_check(wanted, "acceptance", "vLLM", vllm_acceptance_length(eagle), poly)]
 
 
-def llamacpp_head_checks(icfg: Any, head: dict[str, Any] | None, poly: dict[str, Any]) -> list[dict[str, Any]]:
+def llamacpp_head_checks(wanted: InteropChecks, head: dict[str, Any] | None,
+                         poly: dict[str, Any]) -> list[dict[str, Any]]:
     """(a) and (b) in llama.cpp, for an EAGLE-3 head (llama.cpp drafts with no other kind of head)."""
     if head is None:
         return []
@@ -255,12 +254,13 @@ def llamacpp_head_checks(icfg: Any, head: dict[str, Any] | None, poly: dict[str,
     found = [check("llamacpp_head_lossless", head["identical"] == head["prompts"],
                    f"llama.cpp drafting with the converted head ({Path(head['gguf']).name}): {head['identical']}/"
                    f"{head['prompts']} outputs equal its AR")]
-    if not flag(icfg.checks, "acceptance", error=InteropError):
+    if not wanted.acceptance:
         return found + [check("llamacpp_acceptance", None, "skipped (interop.checks.acceptance=false)")]
-    return found + [acceptance_check(icfg, "llamacpp_acceptance", "llama.cpp", head["acceptance_length"], poly)]
+    return found + [acceptance_check(wanted, "llamacpp_acceptance", "llama.cpp", head["acceptance_length"], poly)]
 
 
-def w4_check(icfg: Any, w4: dict[str, Any] | None, poly: dict[str, Any], llama: dict[str, Any] | None) -> dict:
+def w4_check(wanted: InteropChecks, w4: dict[str, Any] | None, poly: dict[str, Any],
+             llama: dict[str, Any] | None) -> dict[str, Any]:
     """(c): vLLM loads the W4 model and agrees as polyspec's W4 level does; in llama.cpp (`llama`) where vLLM
     cannot run it."""
     if w4 is None:
@@ -272,20 +272,20 @@ def w4_check(icfg: Any, w4: dict[str, Any] | None, poly: dict[str, Any], llama: 
     if "error" in w4:
         return check("w4_loads", False, f"vLLM failed on the W4 model: {w4['error']}")
     ours, theirs = agreement(poly["w4_teacher_forced"]), agreement(w4["teacher_forced"])
-    tol = float(icfg.checks.agreement_tolerance)
+    tol = wanted.agreement_tolerance
     return check("w4_loads", abs(theirs - ours) <= tol,
                  f"teacher-forced greedy agreement with the target: vLLM W4 {theirs:.3f} vs polyspec W4 {ours:.3f} "
                  f"(tolerance {tol})")
 
 
-def checks(icfg: Any, vllm: dict[str, dict], poly: dict[str, Any],
+def checks(wanted: InteropChecks, vllm: dict[str, dict], poly: dict[str, Any],
            llama: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """(a) output with the head = without, (b) acceptance length vs polyspec's, in vLLM and (an EAGLE-3 head,
     `llama["head"]`) in llama.cpp; (c) the W4 model loads and agrees (in llama.cpp, `llama["w4"]`, where vLLM
     cannot run it)."""
     llama = llama or {}
-    return [*vllm_head_checks(icfg, vllm, poly), *llamacpp_head_checks(icfg, llama.get("head"), poly),
-            w4_check(icfg, vllm.get("w4"), poly, llama.get("w4"))]
+    return [*vllm_head_checks(wanted, vllm, poly), *llamacpp_head_checks(wanted, llama.get("head"), poly),
+            w4_check(wanted, vllm.get("w4"), poly, llama.get("w4"))]
 
 
 def table(vllm: dict[str, dict], poly: dict[str, Any], k: int) -> list[dict[str, Any]]:
@@ -347,51 +347,37 @@ def render(rows: list[dict[str, Any]], found: list[dict[str, Any]], prompts: int
 # ---------------------------------------------------------------------------------------------- the app
 
 
-def validate(icfg: Any) -> None:
-    for key, least in (("num_speculative_tokens", 1), ("max_new_tokens", 1), ("warmup_tokens", 0), ("threads", 1),
-                       ("per_category", 1)):
-        value = icfg.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise InteropError(f"interop.{key} must be an integer >= {least}, got {value!r}")
-    flag(icfg.checks, "acceptance", error=InteropError)
-    flag(icfg.checks, "w4", error=InteropError)
-    if not (isinstance(icfg.get("llamacpp", False), bool) or icfg.llamacpp == "auto"):
-        raise InteropError(f"interop.llamacpp must be auto, true or false, got {icfg.llamacpp!r}")
-    check_writable(icfg.out, "interop.out", kind="file", error=InteropError)
-
-
-def inputs(cfg: DictConfig) -> tuple[Path, Path | None, dict[str, Any] | None, str]:
-    """The head, the W4 model (None with interop.checks.w4=false) and its layout, the target's folder; checked
-    before anything is installed or loaded."""
-    icfg = cfg.interop
-    validate(icfg)
-    bundle = Path(icfg.bundle or cfg.eval.publish.dir)
-    levels = bundle_levels(bundle)
-    head = head_folder(icfg, levels, bundle)
-    w4 = w4_folder(cfg, levels) if icfg.checks.w4 else None
+def inputs(settings: InteropSettings) -> tuple[Path, Path | None, dict[str, Any] | None, str]:
+    """The head, the W4 model (None with interop.checks.w4=false) and its layout, the target's folder; checked,
+    with the output's folder, before anything is installed or loaded."""
+    section = settings.section
+    check_writable(section.out, "interop.out", kind="file", error=InteropError)
+    levels = bundle_levels(settings.bundle)
+    head = head_folder(section.head, levels, settings.bundle)
+    w4 = w4_folder(section.w4, levels, settings.decoding.layout) if section.checks.w4 else None
     layout = check_w4_layout(w4) if w4 is not None else None
-    target = resolve_model_path(cfg.model.name)
+    model = settings.decoding.model
+    target = resolve_model_path(model)
     if not Path(target).is_dir():
-        raise InteropError(f"model.name={cfg.model.name}: vLLM needs the target as a local folder")
+        raise InteropError(f"model.name={model}: vLLM needs the target as a local folder")
     return head, w4, layout, target
 
 
-def vllm_side(cfg: DictConfig, python: Path, venv: Path, jobs: dict[str, dict]) -> dict[str, dict]:
+def vllm_side(section: InteropSection, python: Path, venv: Path, jobs: dict[str, dict]) -> dict[str, dict]:
     """Every job in its own vLLM engine; the W4 job is not applicable where vLLM's CPU build has no W4 kernel."""
     from decode.consumers.vllm_venv import w4_kernel_missing
 
-    icfg = cfg.interop
-    log = Path(icfg.out).with_name("vllm.log")
+    log = section.out.with_name("vllm.log")
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("")
-    vllm = {name: run_engine(python, venv, name, job, int(icfg.threads), log) for name, job in jobs.items()
+    vllm = {name: run_engine(python, venv, name, job, section.threads, log) for name, job in jobs.items()
             if name != "w4" or not w4_kernel_missing()}
     if "w4" in jobs:
         vllm.setdefault("w4", {"name": "w4", "not_applicable": w4_kernel_missing()})
     return vllm
 
 
-def llamacpp_side(cfg: DictConfig, vllm: dict[str, dict], paths: tuple[Path, Path | None, str],
+def llamacpp_side(settings: InteropSettings, vllm: dict[str, dict], paths: tuple[Path, Path | None, str],
                   texts: list[str], python: Path) -> dict[str, Any]:
     """llama.cpp's checks (None each where llama.cpp is off): the W4 level as its draft model where vLLM cannot run
     it, and an EAGLE-3 head converted by llama.cpp's converter (run by `python`, the vLLM venv's)."""
@@ -400,55 +386,56 @@ def llamacpp_side(cfg: DictConfig, vllm: dict[str, dict], paths: tuple[Path, Pat
     head, w4, target = paths
     found: dict[str, Any] = {"w4": None, "head": None}
     if w4 is not None and "not_applicable" in vllm.get("w4", {}):
-        found["w4"] = w4_draft_check(cfg, w4, texts)
+        found["w4"] = w4_draft_check(settings, w4, texts)
     if head_method({}, str(head)) == "eagle3":
-        found["head"] = eagle3_head_check(cfg, head, Path(target), texts, python)
+        found["head"] = eagle3_head_check(settings, head, Path(target), texts, python)
     return found
 
 
-def report(cfg: DictConfig, found: list[dict[str, Any]], rows: list[dict[str, Any]], record: dict[str, Any]) -> None:
-    icfg = cfg.interop
+def report(settings: InteropSettings, found: list[dict[str, Any]], rows: list[dict[str, Any]],
+           record: dict[str, Any]) -> None:
+    section = settings.section
     prompts = len(record["polyspec"]["ar"]["tokens"])
-    print(f"\n{prompts} prompts, {icfg.max_new_tokens} new tokens, greedy, single stream, {icfg.threads} threads "
-          f"({platform.processor() or platform.machine()}); vLLM: {icfg.dtype} target, {icfg.w4_dtype} W4")
+    print(f"\n{prompts} prompts, {section.max_new_tokens} new tokens, greedy, single stream, {section.threads} threads "
+          f"({platform.processor() or platform.machine()}); vLLM: {section.dtype} target, {section.w4_dtype} W4")
     print(render(rows, found, prompts))
     print(f"vLLM's AR output = polyspec's AR output on {record['vllm_ar_equals_polyspec_ar']}/{prompts} prompts "
-          f"({icfg.dtype} vs {cfg.model.dtype}; informational)")
+          f"({section.dtype} vs {settings.decoding.dtype}; informational)")
 
 
-def run(cfg: DictConfig) -> int:
+def run(settings: InteropSettings) -> int:
     from data.models import load_tokenizer
     from decode.consumers.vllm_venv import ensure_venv
     from infra.tracking import write_json_atomic
 
-    icfg = cfg.interop
-    head, w4, layout, target = inputs(cfg)
-    venv = Path(icfg.venv).expanduser() if icfg.venv else cache_dir() / "vllm-venv"
+    section = settings.section
+    head, w4, layout, target = inputs(settings)
+    venv = section.venv or cache_dir() / "vllm-venv"
     python = ensure_venv(venv)
-    use_threads(icfg.threads, "interop.threads")
+    use_threads(section.threads, "interop.threads")
     tokenizer = load_tokenizer(target)
-    prompts = prompts_of(icfg, tokenizer)
-    poly = polyspec_side(cfg, head, w4, prompts)
-    vllm = vllm_side(cfg, python, venv, vllm_jobs(icfg, target, head, w4, prompts, poly["ar"]["tokens"]))
+    prompts = prompts_of(section, tokenizer)
+    poly = polyspec_side(settings, head, w4, prompts)
+    vllm = vllm_side(section, python, venv, vllm_jobs(section, target, head, w4, prompts, poly["ar"]["tokens"]))
     texts = [tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
-    llama = llamacpp_side(cfg, vllm, (head, w4, target), texts, python)
-    k = int(icfg.num_speculative_tokens)
-    found, rows = checks(icfg, vllm, poly, llama), table(vllm, poly, k) + llamacpp_rows(llama["head"], k)
+    llama = llamacpp_side(settings, vllm, (head, w4, target), texts, python)
+    k = section.num_speculative_tokens
+    found, rows = checks(section.checks, vllm, poly, llama), table(vllm, poly, k) + llamacpp_rows(llama["head"], k)
     same = ("failed" if "error" in vllm["ar"]
             else sum(a == b for a, b in zip(vllm["ar"]["tokens"], poly["ar"]["tokens"])))
     record = {"created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "target": target, "head": str(head),
-              "w4": str(w4) if w4 else None, "w4_layout": layout, "config": OmegaConf.to_container(icfg, resolve=True),
+              "w4": str(w4) if w4 else None, "w4_layout": layout, "config": settings.config,
               "checks": found, "table": rows, "vllm_ar_equals_polyspec_ar": same, "polyspec": poly, "vllm": vllm,
               "llamacpp_w4": llama["w4"], "llamacpp_head": llama["head"]}
-    report(cfg, found, rows, record)
-    write_json_atomic(icfg.out, record)
-    print(f"written {icfg.out}")
+    report(settings, found, rows, record)
+    write_json_atomic(section.out, record)
+    print(f"written {section.out}")
     return EXIT_CHECK_FAILED if any(c["passed"] is False for c in found) else 0
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run_main(lambda: run(cfg))
+    run_main(lambda: run(interop_of(cfg)))
 
 
 if __name__ == "__main__":

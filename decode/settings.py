@@ -408,3 +408,68 @@ def costs_of(cfg: Any) -> CostsSettings:
     section = parse(CostsSection, plain(cfg.decode.costs), "decode.costs", DecodeError)
     return CostsSettings(decoding_of(cfg), section, checked(str, cfg.data.source, "data.source"),
                          checked(float, cfg.data.held_out_fraction, "data.held_out_fraction"))
+
+
+@dataclass(frozen=True)
+class InteropChecks:
+    """interop.checks: whether (b) and (c) run, and how close the engines must come to polyspec."""
+
+    acceptance: bool = True
+    w4: bool = True
+    acceptance_tolerance: float = 0.10
+    agreement_tolerance: float = 0.05
+
+
+@dataclass(frozen=True)
+class InteropSection:
+    """interop.* (conf/interop/default.yaml says what each is)."""
+
+    out: Path
+    venv: Path | None = None
+    bundle: Path | None = None
+    head: Path | None = None
+    w4: Path | None = None
+    num_speculative_tokens: int = 3
+    prompts: str | None = None
+    per_category: int = 1
+    max_new_tokens: int = 64
+    warmup_tokens: int = 8
+    threads: int = 2
+    max_model_len: int = 1024
+    dtype: str = "float32"
+    w4_dtype: str = "bfloat16"
+    ngram: dict[str, int] = field(default_factory=lambda: {"prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    llamacpp: bool | Literal["auto"] = False
+    checks: InteropChecks = InteropChecks()
+
+
+@dataclass(frozen=True)
+class InteropSettings:
+    """decode.interop's run: the decoding polyspec's side shares with the other apps, interop.*, the bundle whose
+    head and W4 level are checked (interop.bundle, else eval.publish.dir)."""
+
+    decoding: Decoding
+    section: InteropSection
+    bundle: Path
+    config: dict[str, Any]  # interop.* as plain data, recorded in interop.json
+
+
+def interop_of(cfg: Any) -> InteropSettings:
+    """decode.interop's settings, checked before anything is installed or loaded; the counts and switches are
+    refused with the messages users know from the command line."""
+    from decode.consumers import InteropError
+    from infra.cli import flag
+
+    raw = plain(cfg.interop)
+    for key, least in (("num_speculative_tokens", 1), ("max_new_tokens", 1), ("warmup_tokens", 0), ("threads", 1),
+                       ("per_category", 1)):
+        value = raw.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise InteropError(f"interop.{key} must be an integer >= {least}, got {value!r}")
+    for key in ("acceptance", "w4"):
+        flag(cfg.interop.checks, key, error=InteropError)
+    if not (isinstance(raw.get("llamacpp", False), bool) or raw["llamacpp"] == "auto"):
+        raise InteropError(f"interop.llamacpp must be auto, true or false, got {raw['llamacpp']!r}")
+    section = parse(InteropSection, raw, "interop", InteropError)
+    bundle = section.bundle or checked(Path, plain(cfg.eval.publish.dir), "eval.publish.dir", InteropError)
+    return InteropSettings(decoding_of(cfg), section, bundle, raw)

@@ -15,12 +15,16 @@ import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from decode.engine.levels import Generation
 from decode.consumers.llamacpp import (
     LlamaCppError, LlamaOutput, Speculation, decode, default_folder, ensure_built, is_ready, same_greedy,
 )
+from infra.layout import RunLayout
+
+if TYPE_CHECKING:
+    from decode.settings import Decoding, InteropSection, InteropSettings, LlamaCppBench
 
 AR = "llamacpp_ar"
 
@@ -63,71 +67,72 @@ def usable(enabled: Any, model: str, dtype: str, key: str) -> bool:
     return True
 
 
-def w4_draft(cfg: Any, w4_folder: Path | None, target: Path) -> tuple[Path, str]:
+def w4_draft(model: str, w4_folder: Path | None, target: Path) -> tuple[Path, str]:
     """The W4 level's Q4_0 GGUF and a note; where the run has no W4 checkpoint that exports exactly, the bundled
-    Q4_1 GGUF stands in and the note says why."""
+    Q4_1 GGUF of `model` stands in and the note says why."""
     from decode.consumers.llamacpp_gguf import GgufExportError, w4_gguf
 
     try:
         return w4_gguf(w4_folder, target), f"W4 Q4_0 GGUF from {w4_folder}"
     except GgufExportError as err:
-        return _bundled_draft(str(cfg.model.name)), f"stand-in: the bundled Q4_1 GGUF ({err})"
+        return _bundled_draft(model), f"stand-in: the bundled Q4_1 GGUF ({err})"
 
 
-def peer_from_config(cfg: Any, threads: int) -> LlamaPeer | None:
-    """decode.bench.llamacpp as a peer, or None where it is off or cannot run (see usable)."""
-    from decode.consumers.llamacpp_gguf import target_gguf
-
-    lcfg, model = cfg.decode.bench.get("llamacpp"), str(cfg.model.name)
-    if lcfg is None or not usable(lcfg.enabled, model, str(cfg.model.dtype), "decode.bench.llamacpp.enabled"):
+def bench_peer(decoding: Decoding, llamacpp: LlamaCppBench | None, threads: int) -> LlamaPeer | None:
+    """decode.bench.llamacpp as a peer of `decoding`'s target, or None where it is off or cannot run (see usable)."""
+    if llamacpp is None or not usable(llamacpp.enabled, decoding.model, decoding.dtype,
+                                      "decode.bench.llamacpp.enabled"):
         return None
     tools = ensure_built()
-    target = target_gguf(model.removeprefix("bundled:"))
-    draft, draft_note = w4_draft(cfg, _w4_folder(cfg), target)
-    ngram = {str(k): int(v) for k, v in lcfg.ngram.items() if k != "kind"}
+    target = _target(decoding.model)
+    draft, draft_note = w4_draft(decoding.model, _w4_folder(decoding.layout), target)
+    kind = str(llamacpp.ngram["kind"])
+    ngram = {str(k): int(v) for k, v in llamacpp.ngram.items() if k != "kind"}
     engines = {AR: Speculation(),
-               "llamacpp_w4": Speculation("draft-simple", draft=draft, draft_max=int(lcfg.draft_max)),
-               "llamacpp_ngram": Speculation(str(lcfg.ngram.kind), ngram=tuple(sorted(ngram.items())))}
-    notes = {AR: f"llama.cpp, {target.name} alone", "llamacpp_w4": f"k {lcfg.draft_max}, {draft_note}",
-             "llamacpp_ngram": f"{lcfg.ngram.kind} {ngram}"}
+               "llamacpp_w4": Speculation("draft-simple", draft=draft, draft_max=llamacpp.draft_max),
+               "llamacpp_ngram": Speculation(kind, ngram=tuple(sorted(ngram.items())))}
+    notes = {AR: f"llama.cpp, {target.name} alone", "llamacpp_w4": f"k {llamacpp.draft_max}, {draft_note}",
+             "llamacpp_ngram": f"{kind} {ngram}"}
     return LlamaPeer(tools, target, threads, engines, notes)
 
 
-def _checked_peer(cfg: Any, name: str, speculation: Speculation, prompts: list[str]) -> tuple[LlamaPeer, int]:
+def _checked_peer(section: InteropSection, target: Path, name: str, speculation: Speculation,
+                  prompts: list[str]) -> tuple[LlamaPeer, int]:
     """llama.cpp's AR and `speculation` on decode.interop's prompts (after a warm-up), and on how many of them the
     two outputs are the same."""
-    icfg = cfg.interop
-    peer = LlamaPeer(ensure_built(), _target(cfg), int(icfg.threads), {AR: Speculation(), name: speculation}, {})
-    peer.decode_all(prompts[0], int(icfg.warmup_tokens), keep=False)
+    peer = LlamaPeer(ensure_built(), target, section.threads, {AR: Speculation(), name: speculation}, {})
+    peer.decode_all(prompts[0], section.warmup_tokens, keep=False)
     for prompt in prompts:
-        peer.decode_all(prompt, int(icfg.max_new_tokens))
+        peer.decode_all(prompt, section.max_new_tokens)
     return peer, sum(same_greedy(a, b, peer.new_tokens) for a, b in zip(peer.runs[AR], peer.runs[name]))
 
 
-def _target(cfg: Any) -> Path:
+def _target(model: str) -> Path:
+    """The F32 GGUF of the bundled target `model`."""
     from decode.consumers.llamacpp_gguf import target_gguf
 
-    return target_gguf(str(cfg.model.name).removeprefix("bundled:"))
+    return target_gguf(model.removeprefix("bundled:"))
 
 
-def _enabled(cfg: Any) -> bool:
-    return usable(cfg.interop.get("llamacpp", False), str(cfg.model.name), str(cfg.model.dtype), "interop.llamacpp")
+def _enabled(settings: InteropSettings) -> bool:
+    return usable(settings.section.llamacpp, settings.decoding.model, settings.decoding.dtype, "interop.llamacpp")
 
 
-def w4_draft_check(cfg: Any, w4_folder: Path, prompts: list[str]) -> dict[str, Any] | None:
+def w4_draft_check(settings: InteropSettings, w4_folder: Path, prompts: list[str]) -> dict[str, Any] | None:
     """decode.interop's check (c) in llama.cpp, for where vLLM cannot run the W4 model: the W4 level as a Q4_0
     GGUF drafts for the F32 target (k = interop.num_speculative_tokens); passed when it loads and every output
     equals llama.cpp's own AR. None where llama.cpp is off (interop.llamacpp)."""
     from decode.consumers.llamacpp_gguf import GgufExportError, w4_gguf
 
-    if not _enabled(cfg):
+    if not _enabled(settings):
         return None
+    target = _target(settings.decoding.model)
     try:
-        draft = w4_gguf(w4_folder, _target(cfg))
+        draft = w4_gguf(w4_folder, target)
     except GgufExportError as err:
         return {"passed": False, "detail": f"llama.cpp: {err}"}
-    k = int(cfg.interop.num_speculative_tokens)
-    peer, same = _checked_peer(cfg, "w4", Speculation("draft-simple", draft, k), prompts)
+    k = settings.section.num_speculative_tokens
+    peer, same = _checked_peer(settings.section, target, "w4", Speculation("draft-simple", draft, k), prompts)
     acceptance = _acceptance(peer.runs["w4"])
     accepted = f"{acceptance:.0%} of drafted tokens accepted" if acceptance is not None else "no token drafted"
     detail = (f"llama.cpp loads {draft.name} as the draft model (k {k}): {same}/{len(prompts)} outputs equal its "
@@ -136,35 +141,38 @@ def w4_draft_check(cfg: Any, w4_folder: Path, prompts: list[str]) -> dict[str, A
             "runs": {name: [vars(o) for o in outs] for name, outs in peer.runs.items()}}
 
 
-def eagle3_head_check(cfg: Any, head: Path, target: Path, prompts: list[str], python: Path) -> dict[str, Any] | None:
+def eagle3_head_check(settings: InteropSettings, head: Path, target: Path, prompts: list[str],
+                      python: Path) -> dict[str, Any] | None:
     """decode.interop's head checks in llama.cpp: the EAGLE-3 head folder, converted by llama.cpp's own converter
     (run by `python`), drafts k tokens a step for the F32 target (`draft-eagle3`). Returns the outputs equal to
     llama.cpp's AR and its acceptance length, 1 + k x accepted / drafted (a chain of k drafted every step); None
     where llama.cpp is off."""
     from decode.consumers.llamacpp import convert_eagle3
 
-    if not _enabled(cfg):
+    if not _enabled(settings):
         return None
-    out = Path(cfg.interop.out).with_name("head.eagle3.gguf")
+    section = settings.section
+    out = section.out.with_name("head.eagle3.gguf")
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         gguf_head = convert_eagle3(head, target, out, python)
     except LlamaCppError as err:
         return {"error": str(err)}
-    k = int(cfg.interop.num_speculative_tokens)
-    peer, same = _checked_peer(cfg, "eagle3", Speculation("draft-eagle3", gguf_head, k), prompts)
+    k = section.num_speculative_tokens
+    peer, same = _checked_peer(section, _target(settings.decoding.model), "eagle3",
+                               Speculation("draft-eagle3", gguf_head, k), prompts)
     acceptance = _acceptance(peer.runs["eagle3"])
     return {"gguf": str(gguf_head), "identical": same, "prompts": len(prompts), "acceptance": acceptance,
             "acceptance_length": 1 + k * (acceptance or 0.0),
             "runs": {name: [vars(o) for o in outs] for name, outs in peer.runs.items()}}
 
 
-def _w4_folder(cfg: Any) -> Path | None:
+def _w4_folder(layout: RunLayout) -> Path | None:
+    """The run's quantize.output, or None where the config sets none."""
     from infra.errors import ConfigError
-    from infra.settings import layout_of
 
     try:
-        return layout_of(cfg).output("w4")
+        return layout.output("w4")
     except ConfigError:
         return None
 

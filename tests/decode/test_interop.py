@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from decode.interop import InteropError, check_w4_layout
+from decode.consumers import InteropError
 from decode.consumers.serving import TWO_LEVELS, serve_section
+from decode.interop import check_w4_layout
+from decode.settings import InteropChecks
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -119,8 +121,8 @@ def test_a_w4_vllm_cannot_run_here_is_not_applicable_not_a_pass(monkeypatch):
     runs = {"tokens": [[1, 2]], "seconds": [1.0]}
     vllm = {"ar": runs, "ngram": runs, "eagle": runs,
             "w4": {"name": "w4", "not_applicable": "no W4 kernel on this CPU"}}
-    icfg = type("Cfg", (), {"checks": {"acceptance": False}})()
-    found = {c["name"]: c for c in interop.checks(icfg, vllm, {"chain": {"acceptance_length": 1.0}})}
+    poly = {"chain": {"acceptance_length": 1.0}}
+    found = {c["name"]: c for c in interop.checks(InteropChecks(acceptance=False), vllm, poly)}
     assert found["w4_loads"]["passed"] is None and found["w4_loads"]["detail"].startswith("not applicable: no W4")
     row = next(r for r in interop.table(vllm, {"ar": runs, "chain": runs | {"acceptance_length": 1.0}}, 3)
                if r["method"] == "W4 AR")
@@ -130,21 +132,19 @@ def test_a_w4_vllm_cannot_run_here_is_not_applicable_not_a_pass(monkeypatch):
 def test_acceptance_check_fails_an_engine_that_accepts_nothing():
     """(b) with polyspec's L 1.08: a tolerance of 10% alone would pass an engine at L 1 (ratio 0.93); the floor
     1 + 0.5 x 0.08 fails it, in vLLM's check and in llama.cpp's, and passes an engine that accepts as polyspec does."""
-    from omegaconf import OmegaConf
-
     from decode import interop
 
-    icfg = OmegaConf.create({"checks": {"acceptance": True, "acceptance_tolerance": 0.10, "w4": False}})
+    wanted = InteropChecks(acceptance=True, acceptance_tolerance=0.10, w4=False)
     poly = {"chain": {"acceptance_length": 1.08}}
     nothing = {"tokens": [[1, 2]], "spec": {"num_drafts": 40, "num_accepted_tokens": 0}}
     head = {"gguf": "/r/h.eagle3.gguf", "identical": 1, "prompts": 1, "acceptance_length": 1.0}
-    found = {c["name"]: c for c in interop.checks(icfg, {"ar": nothing, "eagle": nothing}, poly, {"head": head})}
+    found = {c["name"]: c for c in interop.checks(wanted, {"ar": nothing, "eagle": nothing}, poly, {"head": head})}
     assert found["head_lossless"]["passed"] and found["llamacpp_head_lossless"]["passed"]
     for name in ("acceptance", "llamacpp_acceptance"):
         assert found[name]["passed"] is False and "must exceed 1 and reach 1.040" in found[name]["detail"]
-    assert interop.acceptance_check(icfg, "b", "vLLM", 1.07, poly)["passed"] is True
-    assert interop.acceptance_check(icfg, "b", "vLLM", 1.03, poly)["passed"] is False  # within 10%, under the floor
-    assert interop.acceptance_check(icfg, "b", "vLLM", 1.0, {"chain": {"acceptance_length": 1.0}})["passed"] is False
+    assert interop.acceptance_check(wanted, "b", "vLLM", 1.07, poly)["passed"] is True
+    assert interop.acceptance_check(wanted, "b", "vLLM", 1.03, poly)["passed"] is False  # within 10%, under the floor
+    assert interop.acceptance_check(wanted, "b", "vLLM", 1.0, {"chain": {"acceptance_length": 1.0}})["passed"] is False
 
 
 def test_the_w4_kernel_is_missing_only_on_a_cpu_without_avx512(monkeypatch, tmp_path):

@@ -7,11 +7,13 @@ import shlex
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 
 from decode.consumers import llamacpp
 from decode.consumers.llamacpp import LlamaCppError, Speculation, parse_output, serve_commands
-from decode.consumers.llamacpp_peer import peer_from_config
+from decode.consumers.llamacpp_peer import bench_peer
+from decode.evaluation.publish import Publication
+from decode.settings import InteropChecks, LlamaCppBench, decoding_of
+from infra.layout import RunLayout
 
 PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
 REPORT = """main: target: loaded
@@ -122,35 +124,48 @@ def test_forced_avx2_paths_build_an_avx2_only_llamacpp_of_their_own(monkeypatch)
     assert forced == llamacpp.isa_options() and {"-DGGML_AVX2=ON", "-DGGML_AVX512=OFF"} <= set(forced)
 
 
-def peer_config(enabled, model="bundled:smollm2-135m-instruct", dtype="float32"):
-    return OmegaConf.create({"model": {"name": model, "dtype": dtype}, "run_dir": "/nonexistent",
-                             "decode": {"bench": {"llamacpp": {"enabled": enabled, "draft_max": 4,
-                                                               "ngram": {"kind": "ngram-simple", "size-n": 3}}}}})
+def decoding(model="bundled:smollm2-135m-instruct", dtype="float32"):
+    from hydra import compose, initialize
+
+    with initialize(version_base="1.3", config_path="../../conf"):
+        cfg = compose("config", overrides=[f"model.name={model}", f"model.dtype={dtype}", "run_dir=/nonexistent",
+                                           "decode.gemm=onednn"])  # no kernel to build: the peer packs nothing
+    return decoding_of(cfg)
+
+
+def peer_settings(enabled):
+    return LlamaCppBench(enabled, 4, {"kind": "ngram-simple", "size-n": 3})
 
 
 def test_the_peer_is_off_by_switch_or_where_it_cannot_run(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("POLYSPEC_CACHE", str(tmp_path))  # nothing built there
-    assert peer_from_config(peer_config(False), 2) is None
+    bundled = decoding()
+    assert bench_peer(bundled, peer_settings(False), 2) is None
+    assert bench_peer(bundled, None, 2) is None  # no decode.bench.llamacpp section
     assert capsys.readouterr().err == ""
-    assert peer_from_config(peer_config(True, model="/some/hf/folder"), 2) is None
+    assert bench_peer(decoding(model="/some/hf/folder"), peer_settings(True), 2) is None
     assert "bundled fp32 target only" in capsys.readouterr().err
-    assert peer_from_config(peer_config("auto"), 2) is None
+    assert bench_peer(bundled, peer_settings("auto"), 2) is None
     said = capsys.readouterr().err.strip().splitlines()
     assert len(said) == 1 and "not built" in said[0] and "enabled=true" in said[0]
     with pytest.raises(LlamaCppError, match="must be auto, true or false"):
-        peer_from_config(peer_config("yes"), 2)
+        bench_peer(bundled, peer_settings("yes"), 2)
+
+
+def publication(tmp_path, model):
+    return Publication(model, "float32", "default", RunLayout(tmp_path / "run"), tmp_path / "p")
 
 
 def test_the_bundle_serves_llamacpp_only_where_it_can(tmp_path):
     from decode.evaluation.publish import llamacpp_serve
 
-    cfg = OmegaConf.create({"model": {"name": str(tmp_path / "hf")}, "eval": {"publish": {"dir": str(tmp_path / "p")}}})
+    where = publication(tmp_path, str(tmp_path / "hf"))
     target = {"config": {"kind": "model", "model": "target"}}
     w4 = {"config": {"kind": "model", "model": "w4"}, "bundled_as": "levels/w4", "source": str(tmp_path / "w4")}
     head = {"config": {"kind": "eagle", "path": "eagle"}, "bundled_as": "levels/head", "source": str(tmp_path / "h")}
-    section, gguf = llamacpp_serve(cfg, [target, head])
+    section, gguf = llamacpp_serve(where, [target, head])
     assert gguf is None and section == {"not_served": "llama.cpp: the chain has no quantized model level"}
-    section, gguf = llamacpp_serve(cfg, [target, w4, head])
+    section, gguf = llamacpp_serve(where, [target, w4, head])
     assert gguf is None and "is not a bundled GGUF" in section["not_served"]
 
 
@@ -162,12 +177,11 @@ def test_the_bundle_gives_llamacpp_commands_for_an_eagle3_head(tmp_path, monkeyp
 
     monkeypatch.setattr(llamacpp_gguf, "target_gguf", lambda name: tmp_path / f"{name}-F32.gguf")
     monkeypatch.setattr(models, "resolve_model_path", lambda name: str(tmp_path / "hf"))
-    cfg = OmegaConf.create({"model": {"name": "bundled:smollm2-135m-instruct"},
-                            "eval": {"publish": {"dir": str(tmp_path / "p")}}})
+    where = publication(tmp_path, "bundled:smollm2-135m-instruct")
     target = {"config": {"kind": "model", "model": "target"}}
     head3 = {"config": {"kind": "eagle", "path": "eagle", "method": "eagle3", "draft": {"mode": "chain", "length": 3}},
              "bundled_as": "levels/head", "source": str(tmp_path / "h")}
-    found = llamacpp_eagle3_serve(cfg, [target, head3])
+    found = llamacpp_eagle3_serve(where, [target, head3])
     convert, server = shlex.split(found["convert"]), shlex.split(found["llama_server"])
     bundled = str(tmp_path / "p" / "levels" / "head")
     assert convert[1:3] == ["convert_hf_to_gguf.py", bundled] and "--target-model-dir" in convert
@@ -175,8 +189,8 @@ def test_the_bundle_gives_llamacpp_commands_for_an_eagle3_head(tmp_path, monkeyp
     assert server[server.index("-md") + 1] == convert[convert.index("--outfile") + 1] == bundled + ".eagle3.gguf"
     assert server[server.index("--spec-draft-n-max") + 1] == "3"
     head2 = {**head3, "config": {**head3["config"], "method": "eagle"}}
-    assert llamacpp_eagle3_serve(cfg, [target, head2]) is None  # llama.cpp has no EAGLE-1/2 drafter
-    other = OmegaConf.merge(cfg, {"model": {"name": str(tmp_path / "hf")}})
+    assert llamacpp_eagle3_serve(where, [target, head2]) is None  # llama.cpp has no EAGLE-1/2 drafter
+    other = publication(tmp_path, str(tmp_path / "hf"))
     assert "not a bundled GGUF" in llamacpp_eagle3_serve(other, [target, head3])["not_served"]
 
 
@@ -193,42 +207,42 @@ def test_a_bundle_entry_may_be_a_file(tmp_path):
 def test_interop_check_c_is_made_in_llamacpp_where_vllm_cannot_run_w4():
     from decode.interop import checks
 
-    icfg = OmegaConf.create({"checks": {"acceptance": False, "agreement_tolerance": 0.05}})
+    wanted = InteropChecks(acceptance=False, agreement_tolerance=0.05)
     runs = {"tokens": [[1, 2]]}
     missing = "vLLM's CPU W4A16 kernel needs AVX-512 and this CPU has AVX2 only"
     vllm = {"ar": runs, "eagle": runs, "w4": {"not_applicable": missing}}
     llama = {"passed": True,
              "detail": "llama.cpp loads w4.Q4_0.gguf as the draft model (k 3): 1/1 outputs equal its AR"}
-    (w4,) = [c for c in checks(icfg, vllm, {}, {"w4": llama}) if c["name"] == "w4_loads"]
+    (w4,) = [c for c in checks(wanted, vllm, {}, {"w4": llama}) if c["name"] == "w4_loads"]
     assert w4["passed"] is True and "AVX2 only" in w4["detail"] and "1/1 outputs equal its AR" in w4["detail"]
-    (w4,) = [c for c in checks(icfg, vllm, {}, {"w4": llama | {"passed": False}}) if c["name"] == "w4_loads"]
+    (w4,) = [c for c in checks(wanted, vllm, {}, {"w4": llama | {"passed": False}}) if c["name"] == "w4_loads"]
     assert w4["passed"] is False
-    (w4,) = [c for c in checks(icfg, vllm, {}) if c["name"] == "w4_loads"]
+    (w4,) = [c for c in checks(wanted, vllm, {}) if c["name"] == "w4_loads"]
     assert w4["passed"] is None and "llama.cpp is off" in w4["detail"]
     failed = vllm | {"w4": {"error": "AttributeError: '_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16'"}}
-    (w4,) = [c for c in checks(icfg, failed, {}, {"w4": llama}) if c["name"] == "w4_loads"]
+    (w4,) = [c for c in checks(wanted, failed, {}, {"w4": llama}) if c["name"] == "w4_loads"]
     assert w4["passed"] is False  # vLLM failing where it should run is a failure, whatever llama.cpp says
 
 
 def test_interop_checks_an_eagle3_head_in_llamacpp_as_in_vllm():
     from decode.interop import checks, llamacpp_rows
 
-    icfg = OmegaConf.create({"checks": {"acceptance": True, "acceptance_tolerance": 0.10, "w4": False}})
+    wanted = InteropChecks(acceptance=True, acceptance_tolerance=0.10, w4=False)
     runs = {"tokens": [[1, 2]], "spec": {"num_drafts": 10, "num_accepted_tokens": 4}}
     vllm, poly = {"ar": runs, "eagle": runs}, {"chain": {"acceptance_length": 1.4}}
     out = {"new_tokens": 8, "prompt_s": 0.1, "decode_s": 0.3}
     head = {"gguf": "/r/head.eagle3.gguf", "identical": 2, "prompts": 2, "acceptance_length": 1.45,
             "runs": {"llamacpp_ar": [out, out], "eagle3": [out | {"decode_s": 0.1}] * 2}}
-    found = {c["name"]: c for c in checks(icfg, vllm, poly, {"head": head})}
+    found = {c["name"]: c for c in checks(wanted, vllm, poly, {"head": head})}
     assert found["head_lossless"]["passed"] and found["acceptance"]["passed"]  # vLLM: L 1.4 = polyspec's
     assert found["llamacpp_head_lossless"]["passed"] and "2/2 outputs equal its AR" in found["llamacpp_head_lossless"][
         "detail"]
     assert found["llamacpp_acceptance"]["passed"] and "llama.cpp L 1.450" in found["llamacpp_acceptance"]["detail"]
     assert found["w4_loads"]["passed"] is None  # interop.checks.w4=false
     worse_head = head | {"identical": 1, "acceptance_length": 1.0}
-    worse = {c["name"]: c for c in checks(icfg, vllm, poly, {"head": worse_head})}
+    worse = {c["name"]: c for c in checks(wanted, vllm, poly, {"head": worse_head})}
     assert worse["llamacpp_head_lossless"]["passed"] is False and worse["llamacpp_acceptance"]["passed"] is False
-    failed = {c["name"]: c for c in checks(icfg, vllm, poly, {"head": {"error": "convert_hf_to_gguf.py failed"}})}
+    failed = {c["name"]: c for c in checks(wanted, vllm, poly, {"head": {"error": "convert_hf_to_gguf.py failed"}})}
     assert failed["llamacpp_head_lossless"]["passed"] is False and "llamacpp_acceptance" not in failed
     ar_row, head_row = llamacpp_rows(head, 3)
     assert ar_row["tokens_per_s"] == 20.0 and head_row["x_ar"] == 2.0 and head_row["L"] == 1.45
