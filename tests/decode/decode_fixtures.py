@@ -7,6 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from decode.chains.baselines import autoregressive, greedy_margins
+from decode.engine.chain import Chain
 from decode.engine.runner import Prepared, as_prepared
 
 
@@ -78,3 +79,29 @@ def greedy_equal(target, prompt: list[int], got: list[int], tol: float = 1e-4) -
     ref = autoregressive(target, prompt, len(got)).tokens
     reason, ties = compare_greedy(prompt, got, ref, lambda p, forced, n: greedy_margins(target, p, forced, n), tol)
     return reason is None, len(ties)
+
+
+Block = tuple[int, list[int], list[int]]  # (middle level's index, the context it proposed after, the tokens)
+
+
+def handed_up(chain: Chain) -> list[Block]:
+    """From now on, every block of tokens a middle level of `chain` hands up to the level above, as it hands it up
+    (a spy on the chain's own proposal path, Chain._propose)."""
+    blocks: list[Block] = []
+    propose, last = chain._propose, len(chain.levels) - 1
+
+    def spy(i, ctx, *rest):
+        proposal = propose(i, ctx, *rest)
+        if 0 < i < last and proposal.tokens:
+            blocks.append((i, list(ctx), list(proposal.tokens)))
+        return proposal
+
+    chain._propose = spy
+    return blocks
+
+
+def self_consistent(blocks: list[Block], models: dict[int, Prepared | LlamaForCausalLM]) -> bool:
+    """With greedy decoding a middle level is lossless with respect to itself: every block it hands up is its own
+    greedy continuation of the context (greedy_equal with that level's model, `models[i]`, as the target). The
+    target's check cannot see a middle level's error, which the target corrects; this check does."""
+    return all(greedy_equal(models[i], ctx, tokens)[0] for i, ctx, tokens in blocks)

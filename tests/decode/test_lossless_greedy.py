@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decode_fixtures import greedy_equal, native, noisy_copy, packed, prompts, tiny_model
+from decode_fixtures import greedy_equal, handed_up, native, noisy_copy, packed, prompts, self_consistent, tiny_model
 
 from decode.chains.build import build_chain
 from decode.engine.chain import Chain
@@ -71,8 +71,11 @@ def test_a_rollback_off_by_one_in_the_native_runner_is_caught_not_excused(monkey
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_chain_greedy_equals_target_greedy(models, shape):
+    """The output is the target's; and every middle level hands up only its own greedy tokens (self_consistent),
+    which the target's check cannot see: the target corrects a middle level's wrong proposal."""
     target = models[0]
     chain = Chain(SHAPES[shape](*models))
+    blocks = handed_up(chain)
     ties, accepted = 0, 0
     for prompt in prompts(VOCAB):
         generation = chain.generate(prompt, 40)
@@ -83,6 +86,32 @@ def test_chain_greedy_equals_target_greedy(models, shape):
         assert len(generation.tokens) == 40
     assert ties <= 1, f"{shape}: {ties} near-ties in 3 prompts; fp32 tiny models should almost never tie"
     assert accepted > 0, f"{shape}: the target never accepted a proposed token; the test exercises nothing"
+    if len(chain.levels) > 2:  # in every shape the middle levels run models[1], then models[2]
+        assert blocks and self_consistent(blocks, {1: models[1], 2: models[2]}), (
+            f"{shape}: a middle level handed up tokens that are not its own greedy continuation")
+
+
+def test_a_middle_level_handing_up_one_token_too_many_is_caught(monkeypatch):
+    """Planted: a middle level hands up, after the tokens it verified, one more: the next token the level below
+    drafts, unverified. The target rejects what is wrong in it, so the output stays the target's and greedy_equal
+    passes; the middle level's own check, self_consistent (in test_chain_greedy_equals_target_greedy), fails."""
+    target = tiny_model(seed=0, vocab=VOCAB)
+    t, m, d = (native(x) for x in (target, noisy_copy(target, 0.03, seed=1), noisy_copy(target, 0.1, seed=2)))
+    propose = Chain._propose
+
+    def planted(self, i, ctx, stop, eos, sampling, gen):
+        proposal = propose(self, i, ctx, stop, eos, sampling, gen)
+        if 0 < i < len(self.levels) - 1:
+            proposal.tokens.extend(propose(self, i + 1, ctx + proposal.tokens, stop, eos, sampling, gen).tokens[:1])
+        return proposal
+
+    chain = Chain(SHAPES["3 levels, mu 4"](t, m, d))
+    monkeypatch.setattr(Chain, "_propose", planted)
+    blocks = handed_up(chain)
+    outputs = [(prompt, chain.generate(prompt, 40).tokens) for prompt in prompts(VOCAB)]
+    monkeypatch.undo()
+    assert all(greedy_equal(t, prompt, tokens)[0] for prompt, tokens in outputs)
+    assert not self_consistent(blocks, {1: m})
 
 
 EAGLE = {
