@@ -6,7 +6,7 @@ import copy
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from decode.chains.baselines import autoregressive, greedy_margins
+from decode.chains.baselines import autoregressive
 from decode.engine.chain import Chain
 from decode.engine.runner import Prepared, as_prepared
 
@@ -73,7 +73,9 @@ def greedy_equal(target, prompt: list[int], got: list[int], tol: float = 1e-4) -
     """Compare a chain's greedy tokens with the target's plain greedy decoding (KV-cached AR), as the eval does
     (decode.evaluation.checks.compare_greedy): a divergence passes only at a near-tie of the target's top-2 logits
     in the forward that chose AR's token (relative margin within tol), and the comparison goes on past it against
-    AR re-decoded with the chain's token. Returns (ok, ties seen)."""
+    AR re-decoded with the chain's token. Returns (ok, ties seen). Both are looked up when called, as the eval does,
+    so that a planted bug in either reaches this check too."""
+    from decode.chains.baselines import greedy_margins
     from decode.evaluation.checks import compare_greedy
 
     ref = autoregressive(target, prompt, len(got)).tokens

@@ -69,6 +69,48 @@ def test_a_rollback_off_by_one_in_the_native_runner_is_caught_not_excused(monkey
     assert not all(greedy_equal(t, prompt, tokens)[0] for prompt, tokens in outputs)
 
 
+def clear_margin_swap(target) -> tuple[list[int], list[int], float]:
+    """(prompt, tokens, margin): AR's greedy tokens with one swapped for the target's runner-up where its relative
+    top-2 margin is clear (> 1e-2, 100x the tolerance), then AR's own continuation of that swap."""
+    from decode.chains.baselines import greedy_margins
+
+    prompt = prompts(VOCAB, 1, seed=13)[0]
+    tokens, margins = greedy_margins(target, prompt, [], 24)
+    pos = next(i for i, (margin, _) in enumerate(margins) if margin > 1e-2)
+    margin, (_, runner_up) = margins[pos]
+    return prompt, greedy_margins(target, prompt, tokens[:pos] + [runner_up], 24)[0], margin
+
+
+def assert_no_near_tie(target, prompt: list[int], swapped: list[int], margin: float) -> None:
+    """greedy_equal fails a swap at a clear margin; with a tolerance above that margin it excuses the same swap as
+    one tie and the rest compares equal: the excuse turns on the margin AR's forward saw, nothing else."""
+    assert greedy_equal(target, prompt, swapped) == (False, 0), f"a divergence at margin {margin:.2e} was excused"
+    assert greedy_equal(target, prompt, swapped, tol=2 * margin) == (True, 1)
+
+
+def test_greedy_equal_fails_a_divergence_at_a_clear_margin(models):
+    assert_no_near_tie(models[0], *clear_margin_swap(models[0]))
+
+
+def test_a_near_tie_excuse_applied_to_a_clear_margin_is_caught(monkeypatch):
+    """Planted: greedy_margins reports every top-2 margin a million times too small (a margin in the wrong units),
+    so the lossless check takes any divergence at the target's top-2 for a near-tie. The suite's check,
+    assert_no_near_tie (test_greedy_equal_fails_a_divergence_at_a_clear_margin), fails."""
+    from decode.chains import baselines
+
+    target = native(tiny_model(seed=0, vocab=VOCAB))
+    swap = clear_margin_swap(target)
+    margins = baselines.greedy_margins
+
+    def planted(*args, **kwargs):
+        tokens, found = margins(*args, **kwargs)
+        return tokens, [(margin * 1e-6, top2) for margin, top2 in found]
+
+    monkeypatch.setattr(baselines, "greedy_margins", planted)
+    with pytest.raises(AssertionError, match="was excused"):
+        assert_no_near_tie(target, *swap)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_chain_greedy_equals_target_greedy(models, shape):
     """The output is the target's; and every middle level hands up only its own greedy tokens (self_consistent),
