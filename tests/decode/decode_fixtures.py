@@ -1,4 +1,4 @@
-"""Tiny random models and the greedy-equality check shared by the decode tests (not a test module)."""
+"""Tiny random models shared by the decode tests (not a test module); the checks are in tests/lossless_fixtures.py."""
 from __future__ import annotations
 
 import copy
@@ -6,8 +6,6 @@ import copy
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from decode.chains.baselines import autoregressive
-from decode.engine.chain import Chain
 from decode.engine.runner import Prepared, as_prepared
 
 
@@ -67,43 +65,3 @@ def prompts(vocab: int, n: int = 3, seed: int = 0) -> list[list[int]]:
         body = torch.randint(0, vocab, (6 + 5 * i,), generator=gen).tolist()
         out.append(body + body[:4] + body)  # repeats give prompt lookup something to find
     return out
-
-
-def greedy_equal(target, prompt: list[int], got: list[int], tol: float = 1e-4) -> tuple[bool, int]:
-    """Compare a chain's greedy tokens with the target's plain greedy decoding (KV-cached AR), as the eval does
-    (decode.evaluation.checks.compare_greedy): a divergence passes only at a near-tie of the target's top-2 logits
-    in the forward that chose AR's token (relative margin within tol), and the comparison goes on past it against
-    AR re-decoded with the chain's token. Returns (ok, ties seen). Both are looked up when called, as the eval does,
-    so that a planted bug in either reaches this check too."""
-    from decode.chains.baselines import greedy_margins
-    from decode.evaluation.checks import compare_greedy
-
-    ref = autoregressive(target, prompt, len(got)).tokens
-    reason, ties = compare_greedy(prompt, got, ref, lambda p, forced, n: greedy_margins(target, p, forced, n), tol)
-    return reason is None, len(ties)
-
-
-Block = tuple[int, list[int], list[int]]  # (middle level's index, the context it proposed after, the tokens)
-
-
-def handed_up(chain: Chain) -> list[Block]:
-    """From now on, every block of tokens a middle level of `chain` hands up to the level above, as it hands it up
-    (a spy on the chain's own proposal path, Chain._propose)."""
-    blocks: list[Block] = []
-    propose, last = chain._propose, len(chain.levels) - 1
-
-    def spy(i, ctx, *rest):
-        proposal = propose(i, ctx, *rest)
-        if 0 < i < last and proposal.tokens:
-            blocks.append((i, list(ctx), list(proposal.tokens)))
-        return proposal
-
-    chain._propose = spy
-    return blocks
-
-
-def self_consistent(blocks: list[Block], models: dict[int, Prepared | LlamaForCausalLM]) -> bool:
-    """With greedy decoding a middle level is lossless with respect to itself: every block it hands up is its own
-    greedy continuation of the context (greedy_equal with that level's model, `models[i]`, as the target). The
-    target's check cannot see a middle level's error, which the target corrects; this check does."""
-    return all(greedy_equal(models[i], ctx, tokens)[0] for i, ctx, tokens in blocks)

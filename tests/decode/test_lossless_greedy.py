@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decode_fixtures import greedy_equal, handed_up, native, noisy_copy, packed, prompts, self_consistent, tiny_model
+from decode_fixtures import native, noisy_copy, packed, prompts, tiny_model
+from lossless_fixtures import greedy_equal, handed_up, self_consistent
 
 from decode.chains.build import build_chain
 from decode.engine.chain import Chain

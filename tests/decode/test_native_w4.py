@@ -268,7 +268,7 @@ def test_the_bundled_w4_model_agrees_with_gptqmodel_on_real_text(tmp_path):
                          ids=["chain", "tree"])
 def test_a_native_w4_drafter_keeps_decoding_lossless(w4, tiny_source, draft, one_thread):  # noqa: F811
     """target <- W4 (native runner): the greedy tokens are the target's own."""
-    from decode_fixtures import greedy_equal
+    from lossless_fixtures import greedy_equal
 
     from decode.backends import Backend
     from decode.engine.chain import Chain
@@ -288,7 +288,8 @@ def w4_invariants(w4, tiny_source, draft: dict) -> tuple[bool, bool, bool]:
     output is the target's, every block the W4 level hands up is W4's own greedy continuation, W4 <- drafter decodes
     exactly as W4 alone). A middle level's error does not reach the output (the target corrects it): only the last
     two see it."""
-    from decode_fixtures import greedy_equal, handed_up, noisy_copy, self_consistent
+    from decode_fixtures import noisy_copy
+    from lossless_fixtures import greedy_equal, handed_up, self_consistent
 
     from decode.backends import Backend
     from decode.engine.chain import Chain
@@ -351,7 +352,7 @@ def test_decode_native_is_checked_before_anything_loads():
 def test_an_eagle3_head_below_a_native_w4_level_keeps_decoding_lossless(w4, tiny_source, one_thread):  # noqa: F811
     """target <- W4 (native runner, mu 2) <- EAGLE-3 head: the W4 level hands down the aux states its native forward
     captured, and the greedy tokens are the target's own."""
-    from decode_fixtures import greedy_equal
+    from lossless_fixtures import greedy_equal
 
     from decode.backends import Backend
     from decode.engine.chain import Chain, read_features
