@@ -1,6 +1,7 @@
 """The main job on the real default (bundled SmolLM2 + ShareGPT), shrunk to minutes: every stage runs,
-reads the previous stage's output from one run directory, and a re-run skips what is done; then a real vLLM
-(decode.interop, its venv installed if missing) loads what the pipeline made."""
+reads the previous stage's output from one run directory, and a re-run skips what is done; the W4 model and head it
+made decode losslessly on the default decoding path; then a real vLLM (decode.interop, its venv installed if missing)
+loads what the pipeline made."""
 from __future__ import annotations
 
 import json
@@ -10,8 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from lossless_fixtures import chi_square_pvalue, greedy_equal, handed_up, self_consistent
 
 from decode.consumers.vllm_venv import w4_kernel_missing
+from decode.engine.chain import Chain
+from decode.engine.levels import EagleLevel, ModelLevel
+from decode.engine.runner import Prepared
+from decode.engine.sampling import Sampling
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,6 +53,7 @@ def test_pipeline_runs_every_stage_and_resumes(tmp_path):
     assert (run_dir / "eagle" / "model.safetensors").exists(), log[-3000:]
     assert (run_dir / "w4" / "config.json").exists(), log[-3000:]
     assert_lossless_and_exit_matches(run_dir, first)
+    assert_default_path_lossless(run_dir)
     head_mtime = (run_dir / "eagle" / "model.safetensors").stat().st_mtime
     w4_mtime = (run_dir / "w4" / "config.json").stat().st_mtime
     second = _run_pipeline(run_dir, prompts)
@@ -94,3 +102,99 @@ def check_in_vllm(run_dir: Path, prompts: Path) -> None:
     assert record["w4_layout"]["desc_act"] is False and record["w4_layout"]["group_size"] == 64, record["w4_layout"]
     assert all(row["tokens_per_s"] > 0 for row in record["table"]
                if not row.get("error", "").startswith("not applicable")), record["table"]
+
+
+QUESTIONS = ("Name two uses of a hash table.", "Write one sentence about the sea.")
+HEAD_TREE = {"mode": "tree", "depth": 2, "top_k": 4, "total_tokens": 6}
+SHAPES = {  # the W4 level's mu (None: no W4 level), the head's draft
+    "target <- head, tree": (None, HEAD_TREE),
+    "target <- W4 <- head, chain": (2, {"length": 3}),
+    "target <- W4 <- head, tree": (1, HEAD_TREE),
+}
+
+
+def default_path(run_dir: Path) -> tuple[Prepared, Prepared, torch.nn.Module, torch.nn.Module | None, object]:
+    """The pipeline's artifacts as decode.fast's defaults run them (decode.gemm auto, native_fp32 and native auto,
+    int8 W4 activations), without a config: the fp32 target and the W4 model prepared by the backend, the W4 level's
+    LM head on int8 rows (as the polybasic chain has it), the head with its draft-vocabulary LM head."""
+    from data.models import DEFAULT_MODEL, load_model
+    from decode.backends import Backend
+    from decode.backends.cpu.int8 import quantize_lm_head
+    from decode.backends.cpu.llama import NativeLlamaRunner, native_kernels
+    from decode.engine.head3 import load_head
+
+    backend = Backend("auto", native_fp32="auto", native_w4="auto", activations="int8")
+    model, tokenizer = load_model(DEFAULT_MODEL, "float32")
+    w4 = load_model(str(run_dir / "w4"))[0]
+    assert quantize_lm_head(w4)
+    target, middle = backend.prepare(model), backend.prepare(w4)
+    if native_kernels()[0] is not None:  # the default path is the native one wherever it builds
+        assert all(isinstance(m.new_runner(), NativeLlamaRunner) for m in (target, middle))
+    head = load_head(run_dir / "eagle", model, tokenizer).eval()
+    return target, middle, head, backend.prepare_head(head), tokenizer
+
+
+def default_chain(levels: tuple, shape: str) -> Chain:
+    """One of SHAPES on the default path's pieces; the head reads the nearest model level's features first."""
+    from decode.engine.chain import read_features
+
+    target, middle, head, head_lm, _ = levels
+    mu, head_draft = SHAPES[shape]
+    above = [ModelLevel("target", target).keeping(True)]
+    if mu is not None:
+        above.append(ModelLevel("w4", middle, mu=mu).keeping(True))
+    features = read_features(above[::-1], head.feature_size, torch.float32)
+    return Chain([*above, EagleLevel("head", head, features, head_draft, head_lm)])
+
+
+def assert_default_path_lossless(run_dir: Path) -> None:
+    """The pipeline's own W4 model and head on the default decoding path (default_path), greedy: every shape's output
+    is the target's AR output, and the W4 level hands up only its own greedy tokens (lossless with respect to
+    itself: the target would hide its errors); sampling: target <- W4 <- head's second new token is distributed as
+    the target's own. Loaded on the default threads (GPTQModel's load is far slower on one), decoded on one: on 2
+    shared cores that runs several times faster, and the native runner's rows are exact whatever the thread count."""
+    levels, threads = default_path(run_dir), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        decode_on_the_default_path(levels)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def decode_on_the_default_path(levels: tuple) -> None:
+    from data.sharegpt import chat_prompt_ids
+
+    target, middle, tokenizer = levels[0], levels[1], levels[4]
+    prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    for shape in SHAPES:
+        chain = default_chain(levels, shape)
+        blocks = handed_up(chain)
+        for prompt in prompts:
+            tokens = chain.generate(prompt, 16, eos_token_id=tokenizer.eos_token_id).tokens
+            assert greedy_equal(target, prompt, tokens)[0], f"{shape}: the output is not the target's: {tokens}"
+        assert chain.levels[1].stats.forward_calls > 0, f"{shape}: the level below the target never ran"
+        if len(chain.levels) == 3:
+            assert blocks and self_consistent(blocks, {1: middle}), f"{shape}: W4 handed up tokens not its own"
+    p = second_token_pvalue(default_chain(levels, "target <- W4 <- head, tree"), target.model, prompts[0])
+    assert p > 1e-3, f"target <- W4 <- head samples its second new token unlike the target (chi-square p={p:.2e})"
+
+
+def second_token_pvalue(chain: Chain, target: torch.nn.Module, prompt: list[int], samples: int = 60) -> float:
+    """Chi-square p-value of the chain's second new token at temperature 1 (seeds 0..samples-1; the first comes
+    from the target's prefill alone, the second is the first the chain speculates) against its exact distribution
+    under the target, given a first token among the target's most likely (99.9% of the mass, at most 32)."""
+    from decode.engine.sampling import probabilities
+
+    sampling = Sampling(temperature=1.0)
+    with torch.inference_mode():
+        p1 = probabilities(target(torch.tensor([prompt])).logits[0, -1], sampling)
+        top = p1.topk(32)
+        firsts = top.indices[: int((top.values.cumsum(0) < 0.999).sum()) + 1]
+        p2 = probabilities(target(torch.tensor([prompt + [a] for a in firsts.tolist()])).logits[:, -1], sampling)
+    expected = (p1[firsts, None] * p2).sum(0) / p1[firsts].sum()
+    counts, allowed = torch.zeros_like(expected), set(firsts.tolist())
+    for seed in range(samples):
+        first, second = chain.generate(prompt, 2, Sampling(1.0, seed=seed)).tokens
+        if first in allowed:
+            counts[second] += 1
+    return chi_square_pvalue(counts, expected)

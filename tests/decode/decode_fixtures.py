@@ -1,4 +1,4 @@
-"""Tiny random models and the greedy-equality check shared by the decode tests (not a test module)."""
+"""Tiny random models shared by the decode tests (not a test module); the checks are in tests/lossless_fixtures.py."""
 from __future__ import annotations
 
 import copy
@@ -6,7 +6,6 @@ import copy
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from decode.chains.baselines import autoregressive, greedy_margins
 from decode.engine.runner import Prepared, as_prepared
 
 
@@ -66,15 +65,3 @@ def prompts(vocab: int, n: int = 3, seed: int = 0) -> list[list[int]]:
         body = torch.randint(0, vocab, (6 + 5 * i,), generator=gen).tolist()
         out.append(body + body[:4] + body)  # repeats give prompt lookup something to find
     return out
-
-
-def greedy_equal(target, prompt: list[int], got: list[int], tol: float = 1e-4) -> tuple[bool, int]:
-    """Compare a chain's greedy tokens with the target's plain greedy decoding (KV-cached AR), as the eval does
-    (decode.evaluation.checks.compare_greedy): a divergence passes only at a near-tie of the target's top-2 logits
-    in the forward that chose AR's token (relative margin within tol), and the comparison goes on past it against
-    AR re-decoded with the chain's token. Returns (ok, ties seen)."""
-    from decode.evaluation.checks import compare_greedy
-
-    ref = autoregressive(target, prompt, len(got)).tokens
-    reason, ties = compare_greedy(prompt, got, ref, lambda p, forced, n: greedy_margins(target, p, forced, n), tol)
-    return reason is None, len(ties)

@@ -6,7 +6,8 @@ import copy
 
 import pytest
 import torch
-from decode_fixtures import greedy_equal, noisy_copy, prompts, tiny_model
+from decode_fixtures import noisy_copy, prompts, tiny_model
+from lossless_fixtures import greedy_equal
 from test_sampling_distribution import SAMPLING, VOCAB as SAMPLING_VOCAB, chain_counts, chi_square_pvalue, exact_joint
 
 from infra.device import resolve_device

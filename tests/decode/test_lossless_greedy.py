@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decode_fixtures import greedy_equal, native, noisy_copy, packed, prompts, tiny_model
+from decode_fixtures import native, noisy_copy, packed, prompts, tiny_model
+from lossless_fixtures import greedy_equal, handed_up, self_consistent
 
 from decode.chains.build import build_chain
 from decode.engine.chain import Chain
@@ -69,10 +70,55 @@ def test_a_rollback_off_by_one_in_the_native_runner_is_caught_not_excused(monkey
     assert not all(greedy_equal(t, prompt, tokens)[0] for prompt, tokens in outputs)
 
 
+def clear_margin_swap(target) -> tuple[list[int], list[int], float]:
+    """(prompt, tokens, margin): AR's greedy tokens with one swapped for the target's runner-up where its relative
+    top-2 margin is clear (> 1e-2, 100x the tolerance), then AR's own continuation of that swap."""
+    from decode.chains.baselines import greedy_margins
+
+    prompt = prompts(VOCAB, 1, seed=13)[0]
+    tokens, margins = greedy_margins(target, prompt, [], 24)
+    pos = next(i for i, (margin, _) in enumerate(margins) if margin > 1e-2)
+    margin, (_, runner_up) = margins[pos]
+    return prompt, greedy_margins(target, prompt, tokens[:pos] + [runner_up], 24)[0], margin
+
+
+def assert_no_near_tie(target, prompt: list[int], swapped: list[int], margin: float) -> None:
+    """greedy_equal fails a swap at a clear margin; with a tolerance above that margin it excuses the same swap as
+    one tie and the rest compares equal: the excuse turns on the margin AR's forward saw, nothing else."""
+    assert greedy_equal(target, prompt, swapped) == (False, 0), f"a divergence at margin {margin:.2e} was excused"
+    assert greedy_equal(target, prompt, swapped, tol=2 * margin) == (True, 1)
+
+
+def test_greedy_equal_fails_a_divergence_at_a_clear_margin(models):
+    assert_no_near_tie(models[0], *clear_margin_swap(models[0]))
+
+
+def test_a_near_tie_excuse_applied_to_a_clear_margin_is_caught(monkeypatch):
+    """Planted: greedy_margins reports every top-2 margin a million times too small (a margin in the wrong units),
+    so the lossless check takes any divergence at the target's top-2 for a near-tie. The suite's check,
+    assert_no_near_tie (test_greedy_equal_fails_a_divergence_at_a_clear_margin), fails."""
+    from decode.chains import baselines
+
+    target = native(tiny_model(seed=0, vocab=VOCAB))
+    swap = clear_margin_swap(target)
+    margins = baselines.greedy_margins
+
+    def planted(*args, **kwargs):
+        tokens, found = margins(*args, **kwargs)
+        return tokens, [(margin * 1e-6, top2) for margin, top2 in found]
+
+    monkeypatch.setattr(baselines, "greedy_margins", planted)
+    with pytest.raises(AssertionError, match="was excused"):
+        assert_no_near_tie(target, *swap)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_chain_greedy_equals_target_greedy(models, shape):
+    """The output is the target's; and every middle level hands up only its own greedy tokens (self_consistent),
+    which the target's check cannot see: the target corrects a middle level's wrong proposal."""
     target = models[0]
     chain = Chain(SHAPES[shape](*models))
+    blocks = handed_up(chain)
     ties, accepted = 0, 0
     for prompt in prompts(VOCAB):
         generation = chain.generate(prompt, 40)
@@ -83,6 +129,32 @@ def test_chain_greedy_equals_target_greedy(models, shape):
         assert len(generation.tokens) == 40
     assert ties <= 1, f"{shape}: {ties} near-ties in 3 prompts; fp32 tiny models should almost never tie"
     assert accepted > 0, f"{shape}: the target never accepted a proposed token; the test exercises nothing"
+    if len(chain.levels) > 2:  # in every shape the middle levels run models[1], then models[2]
+        assert blocks and self_consistent(blocks, {1: models[1], 2: models[2]}), (
+            f"{shape}: a middle level handed up tokens that are not its own greedy continuation")
+
+
+def test_a_middle_level_handing_up_one_token_too_many_is_caught(monkeypatch):
+    """Planted: a middle level hands up, after the tokens it verified, one more: the next token the level below
+    drafts, unverified. The target rejects what is wrong in it, so the output stays the target's and greedy_equal
+    passes; the middle level's own check, self_consistent (in test_chain_greedy_equals_target_greedy), fails."""
+    target = tiny_model(seed=0, vocab=VOCAB)
+    t, m, d = (native(x) for x in (target, noisy_copy(target, 0.03, seed=1), noisy_copy(target, 0.1, seed=2)))
+    propose = Chain._propose
+
+    def planted(self, i, ctx, stop, eos, sampling, gen):
+        proposal = propose(self, i, ctx, stop, eos, sampling, gen)
+        if 0 < i < len(self.levels) - 1:
+            proposal.tokens.extend(propose(self, i + 1, ctx + proposal.tokens, stop, eos, sampling, gen).tokens[:1])
+        return proposal
+
+    chain = Chain(SHAPES["3 levels, mu 4"](t, m, d))
+    monkeypatch.setattr(Chain, "_propose", planted)
+    blocks = handed_up(chain)
+    outputs = [(prompt, chain.generate(prompt, 40).tokens) for prompt in prompts(VOCAB)]
+    monkeypatch.undo()
+    assert all(greedy_equal(t, prompt, tokens)[0] for prompt, tokens in outputs)
+    assert not self_consistent(blocks, {1: m})
 
 
 EAGLE = {

@@ -291,7 +291,7 @@ def test_the_bundled_w4_model_agrees_with_gptqmodel_on_real_text(tmp_path):
                          ids=["chain", "tree"])
 def test_a_native_w4_drafter_keeps_decoding_lossless(w4, tiny_source, draft, one_thread):  # noqa: F811
     """target <- W4 (native runner): the greedy tokens are the target's own."""
-    from decode_fixtures import greedy_equal
+    from lossless_fixtures import greedy_equal
 
     from decode.backends import Backend
     from decode.engine.chain import Chain
@@ -304,6 +304,60 @@ def test_a_native_w4_drafter_keeps_decoding_lossless(w4, tiny_source, draft, one
         prompt = text(12, seed=10 + seed)[0].tolist()
         ok, _ = greedy_equal(target, prompt, chain.generate(prompt, 30).tokens)
         assert ok
+
+
+def w4_invariants(w4, tiny_source, draft: dict) -> tuple[bool, bool, bool]:
+    """target <- W4 (native runner, mu 2) <- a noisy copy of the target, and W4 <- that drafter, on 2 prompts: (the
+    output is the target's, every block the W4 level hands up is W4's own greedy continuation, W4 <- drafter decodes
+    exactly as W4 alone). A middle level's error does not reach the output (the target corrects it): only the last
+    two see it."""
+    from decode_fixtures import noisy_copy
+    from lossless_fixtures import greedy_equal, handed_up, self_consistent
+
+    from decode.backends import Backend
+    from decode.engine.chain import Chain
+    from decode.engine.levels import ModelLevel
+
+    target = LlamaForCausalLM.from_pretrained(tiny_source).eval()
+    middle, drafter = Backend(native_w4="on").prepare(w4), noisy_copy(target, 0.1, seed=3)
+    three = Chain([ModelLevel("t", target), ModelLevel("w4", middle, mu=2), ModelLevel("d", drafter, draft=draft)])
+    two = Chain([ModelLevel("w4", middle), ModelLevel("d", drafter, draft=draft)])
+    assert isinstance(three.levels[1].runner, NativeLlamaRunner) and isinstance(two.levels[0].runner, NativeLlamaRunner)
+    blocks, lossless, w4_alone = handed_up(three), True, True
+    for seed in range(2):
+        prompt = text(12, seed=30 + seed)[0].tolist()
+        lossless &= greedy_equal(target, prompt, three.generate(prompt, 30).tokens)[0]
+        w4_alone &= greedy_equal(middle, prompt, two.generate(prompt, 30).tokens)[0]
+    assert blocks and three.levels[1].stats.accepted > 0, "the W4 level verified nothing: the test exercises nothing"
+    return lossless, self_consistent(blocks, {1: middle}), w4_alone
+
+
+W4_DRAFTS = {"chain": {"length": 4}, "tree": {"mode": "tree", "depth": 3, "top_k": 2, "total_tokens": 6}}
+
+
+@pytest.mark.parametrize("draft", W4_DRAFTS)
+def test_a_native_w4_level_is_lossless_with_respect_to_itself(w4, tiny_source, draft, one_thread):  # noqa: F811
+    assert w4_invariants(w4, tiny_source, W4_DRAFTS[draft]) == (True, True, True)
+
+
+@pytest.mark.parametrize("draft", W4_DRAFTS)
+def test_a_wrong_row_in_the_native_w4_verify_is_caught(w4, tiny_source, draft, monkeypatch, one_thread):  # noqa: F811
+    """Planted: the native runner's forward of several tokens on a W4 model returns the last position's states at
+    the second-to-last position too: in a verification, the row that checks the last drafted token is the next
+    position's, a wrong logit row and mostly a wrong argmax. A prefill reads only its last row, so W4's own
+    one-token AR reference is untouched. The target corrects the W4 level, so the output stays the target's; both
+    of W4's own checks in test_a_native_w4_level_is_lossless_with_respect_to_itself fail: a block it hands up is
+    not its greedy continuation, and W4 <- drafter parts from W4 alone."""
+    forward = NativeLlamaRunner.forward
+
+    def planted(self, ids, mask=None, positions=None):
+        hidden = forward(self, ids, mask, positions)
+        if ids.shape[-1] > 1 and getattr(self.config, "quantization_config", None):
+            hidden[:, -2] = hidden[:, -1]
+        return hidden
+
+    monkeypatch.setattr(NativeLlamaRunner, "forward", planted)
+    assert w4_invariants(w4, tiny_source, W4_DRAFTS[draft]) == (True, False, False)
 
 
 def test_decode_native_is_checked_before_anything_loads():
@@ -325,7 +379,7 @@ def test_decode_native_is_checked_before_anything_loads():
 def test_an_eagle3_head_below_a_native_w4_level_keeps_decoding_lossless(w4, tiny_source, one_thread):  # noqa: F811
     """target <- W4 (native runner, mu 2) <- EAGLE-3 head: the W4 level hands down the aux states its native forward
     captured, and the greedy tokens are the target's own."""
-    from decode_fixtures import greedy_equal
+    from lossless_fixtures import greedy_equal
 
     from decode.backends import Backend
     from decode.engine.chain import Chain, read_features

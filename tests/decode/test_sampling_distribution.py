@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from decode_fixtures import native, noisy_copy, packed, tiny_model
+from lossless_fixtures import chi_square_pvalue
 
 import decode.engine.sampling
 from decode.engine.chain import Chain
@@ -32,18 +33,6 @@ def exact_joint(target) -> torch.Tensor:
         pairs = torch.tensor([PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)])
         p3 = probabilities(target(pairs).logits[:, -1], SAMPLING).view(VOCAB, VOCAB, VOCAB)
     return (p1[:, None, None] * p2[:, :, None] * p3).sum(0)
-
-
-def chi_square_pvalue(counts: torch.Tensor, expected_p: torch.Tensor) -> float:
-    """Pearson chi-square against exact probabilities; cells with expected count < 5 are pooled."""
-    expected = expected_p.flatten().double() * counts.sum()
-    counts = counts.flatten().double()
-    small = expected < 5
-    obs = torch.cat([counts[~small], counts[small].sum()[None]]) if small.any() else counts
-    exp = torch.cat([expected[~small], expected[small].sum()[None]]) if small.any() else expected
-    stat = float(((obs - exp) ** 2 / exp).sum())
-    dof = len(obs) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)))
 
 
 def chain_counts(chain: Chain) -> torch.Tensor:

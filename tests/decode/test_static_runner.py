@@ -16,7 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from decode_fixtures import greedy_equal, noisy_copy, prompts, tiny_model
+from decode_fixtures import noisy_copy, prompts, tiny_model
+from lossless_fixtures import greedy_equal
 
 import decode.backends.cuda.runner as static
 from decode import backends
