@@ -86,19 +86,6 @@ def builder_for(decoding: Decoding, target: Prepared, tokenizer: PreTrainedToken
     return ChainBuilder(target, tokenizer, decoding.layout, LevelSettings(decoding.dtype, decoding.backend))
 
 
-def build_chain(
-    levels: list[dict],
-    target_model: PreTrainedModel | Prepared,
-    tokenizer: PreTrainedTokenizerBase | None,
-    artifacts: RunLayout | None = None,
-    gemm: str | None = None,
-    draft_defaults: dict | None = None,
-) -> Chain:
-    """A chain from a level list (conf/decode/chain.yaml's form; engine.spec.LevelSpec documents the keys)."""
-    builder = ChainBuilder(target_model, tokenizer, artifacts, LevelSettings(backend=Backend(gemm)))
-    return builder.build(ChainSpec.parse(levels, draft_defaults))
-
-
 @dataclass(frozen=True)
 class LevelSettings:
     """How the levels a builder loads run: `dtype` their default dtype, `backend` how they run (the target is

@@ -65,3 +65,15 @@ def prompts(vocab: int, n: int = 3, seed: int = 0) -> list[list[int]]:
         body = torch.randint(0, vocab, (6 + 5 * i,), generator=gen).tolist()
         out.append(body + body[:4] + body)  # repeats give prompt lookup something to find
     return out
+
+
+def build_chain(levels: list[dict], target, tokenizer, artifacts=None, gemm: str | None = None,
+                draft_defaults: dict | None = None):
+    """A chain from a level list (conf/decode/chain.yaml's form; decode.engine.spec.LevelSpec documents the keys),
+    through the ChainBuilder the apps use, on a backend that packs with `gemm` (None: nothing packed)."""
+    from decode.backends import Backend
+    from decode.chains.build import ChainBuilder, LevelSettings
+    from decode.engine.spec import ChainSpec
+
+    builder = ChainBuilder(target, tokenizer, artifacts, LevelSettings(backend=Backend(gemm)))
+    return builder.build(ChainSpec.parse(levels, draft_defaults))

@@ -13,7 +13,8 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
-from decode.chains.build import build_chain, builder_for
+from decode.chains.build import builder_for
+from decode_fixtures import build_chain
 from decode.settings import decoding_of
 from decode.engine.chain import read_features
 from decode.engine.errors import DecodeError

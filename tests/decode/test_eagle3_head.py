@@ -194,7 +194,7 @@ def test_published_eagle3_head_is_served_with_method_eagle3(tmp_path):
 
 
 def test_chain_config_builds_an_eagle3_level_and_checks_the_aux_layers(tmp_path):
-    from decode.chains.build import build_chain
+    from decode_fixtures import build_chain
     from decode.engine.errors import DecodeError
 
     target = target6()

@@ -12,7 +12,7 @@ from test_sampling_distribution import SAMPLING, VOCAB as SAMPLING_VOCAB, chain_
 
 from infra.device import resolve_device
 from infra.errors import ConfigError
-from decode.chains.build import build_chain
+from decode_fixtures import build_chain
 from decode.engine.chain import Chain
 from decode.engine.levels import ModelLevel
 

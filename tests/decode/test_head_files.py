@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from infra.layout import RunLayout
 from data.models import weights_hash
-from decode.chains.build import build_chain
+from decode_fixtures import build_chain
 from decode.engine.errors import DecodeError
 from decode.engine.head import EagleHead, HeadError
 

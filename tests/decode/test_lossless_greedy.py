@@ -10,7 +10,7 @@ import torch
 from decode_fixtures import native, noisy_copy, packed, prompts, tiny_model
 from lossless_fixtures import greedy_equal, handed_up, self_consistent
 
-from decode.chains.build import build_chain
+from decode_fixtures import build_chain
 from decode.engine.chain import Chain
 from decode.engine.levels import EagleLevel, ModelLevel, NgramLevel
 from decode.engine.runner import as_prepared

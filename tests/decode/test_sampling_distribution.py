@@ -59,7 +59,7 @@ def models(request):
 def draft_vocab_chain(models, draft: dict, method: str = "eagle") -> Chain:
     """target <- EAGLE head (EAGLE-2's or EAGLE-3's: `method`) that can propose only 4 of the 8 tokens: the others
     come only from residuals."""
-    from decode.chains.build import build_chain
+    from decode_fixtures import build_chain
     from decode.engine.head import EagleHead
     from decode.engine.head3 import Eagle3Head
 
@@ -127,7 +127,7 @@ def test_broken_acceptance_rule_is_caught(models, monkeypatch, chain):
 
 
 def test_sampling_is_reproducible_per_seed_for_every_level_kind(models):
-    from decode.chains.build import build_chain
+    from decode_fixtures import build_chain
 
     target = models[0]
     tree = {"mode": "tree", "depth": 3, "top_k": 2, "total_tokens": 6}

@@ -129,7 +129,7 @@ def test_chains_through_it_are_token_identical_to_ar(model, drafter):
 def test_built_eagle_chains_on_it_are_token_identical_to_ar(model, monkeypatch, method):
     """The builder's chains with every model level on the static runner (as on CUDA): an EAGLE head (EAGLE-3: the
     aux states the runner captures) drafting trees below a middle level that keeps features."""
-    from decode.chains.build import build_chain
+    from decode_fixtures import build_chain
 
     monkeypatch.setattr(backends.Backend, "_runner_factory", lambda self, m: functools.partial(StaticRunner, m))
     levels = [{"kind": "model"}, {"kind": "model", "model": "target", "layers": 3, "mu": 2},
@@ -211,7 +211,7 @@ def test_graph_replay_is_the_eager_forward_at_every_width(model, dtype, tol):
 def test_greedy_decoding_through_the_graphs_is_cuda_ars(model, dtype, tol):
     """Against AR on HFRunner on the same GPU in the same dtype, and the chain the builder makes there (its target on
     the static runner); a divergence passes only at a near-tie of the target's top-2 logits (decode_fixtures)."""
-    from decode.chains.build import build_chain
+    from decode_fixtures import build_chain
 
     on_gpu = copy.deepcopy(model).to("cuda", dtype)
     prepared = backends.Backend().prepare(on_gpu)  # CUDA: the static runner
