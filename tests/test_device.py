@@ -105,14 +105,19 @@ def stage_config(tmp_path: Path, *extra: str):
                                             f"data.source={tmp_path / 'no-data.json'}", *extra])
 
 
-@pytest.mark.parametrize("stage", ["train.eagle:train", "quantize.w4:run", "decode.costs:run"])
-def test_stages_check_the_device_before_loading_a_model(no_cuda, stage, tmp_path):
-    """The model named does not exist: the device error comes first."""
+@pytest.mark.parametrize("stage, door", [("train.eagle:train", "train.settings:of"),
+                                         ("quantize.w4:run", "quantize.settings:w4_of"), ("decode.costs:run", None)])
+def test_stages_check_the_device_before_loading_a_model(no_cuda, stage, door, tmp_path):
+    """The model named does not exist: the device error comes first (from the stage's settings door, if it has one)."""
     import importlib
 
-    module, function = stage.split(":")
+    def function(name: str):
+        module, attribute = name.split(":")
+        return getattr(importlib.import_module(module), attribute)
+
+    read = function(door) if door else (lambda cfg: cfg)
     with pytest.raises(ConfigError, match=r"^device=cuda:1: CUDA is not available"):
-        getattr(importlib.import_module(module), function)(stage_config(tmp_path, "device=cuda:1"))
+        function(stage)(read(stage_config(tmp_path, "device=cuda:1")))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
