@@ -15,8 +15,9 @@ step i's loss is -sum p log q against the verifier's distribution p renormalised
 positions whose verifier argmax lies in that vocabulary, weighted 0.8^i. Its store and checkpoints live beside
 EAGLE-2's (eagle3_features, eagle3_checkpoints), so the two never evict each other.
 
-`EagleRecipe` holds one run's state (setup, train, evaluate, save); data, held-out evaluation, checkpoints and the
-plot live in train/examples.py, train/evaluation.py, train/checkpoints.py and train/plot.py.
+`EagleRecipe` holds one run's state (setup, train, evaluate, save) over its frozen settings (train/settings.py, read
+once from the config by `main`); data, held-out evaluation, checkpoints and the plot live in train/examples.py,
+train/evaluation.py, train/checkpoints.py and train/plot.py.
 
 Always runs through `deepspeed.initialize`: plain `python -m train.eagle` is a one-process group (gloo on the CPU,
 NCCL on a GPU: `device`, conf/config.yaml); `torchrun --nproc_per_node=2 -m train.eagle` is data-parallel (each
