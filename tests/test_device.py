@@ -59,14 +59,15 @@ def test_cuda_picks_this_ranks_gpu(two_gpus, monkeypatch):
 
 
 def test_torchrun_rank_must_train_on_its_own_gpu(two_gpus, monkeypatch):
+    from infra.settings import device_of
     from train.distributed import backend_for, training_device
     from train.errors import TrainError
 
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert training_device(OmegaConf.create({"device": "cuda"})) == torch.device("cuda", 1)
-    with pytest.raises(TrainError, match="under torchrun use device=cuda or device=auto"):
-        training_device(OmegaConf.create({"device": "cuda:0"}))
+    assert training_device(device_of(OmegaConf.create({"device": "cuda"}))) == torch.device("cuda", 1)
+    with pytest.raises(TrainError, match="^device=cuda:0: under torchrun use device=cuda or device=auto"):
+        training_device(device_of(OmegaConf.create({"device": "cuda:0"})))
     assert backend_for(torch.device("cuda", 1)) == "nccl" and backend_for(torch.device("cpu")) == "gloo"
 
 
