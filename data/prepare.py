@@ -10,15 +10,16 @@ from omegaconf import DictConfig
 
 from data.models import load_model
 from data.prompts import load_questions
+from data.settings import PrepareSettings, prepare_of
 from data.sharegpt import chat_prompt_ids, load_split, load_tokenized
 from infra.cli import run_main
 
 
-def prepare(cfg: DictConfig) -> dict[str, int]:
-    split = load_split(cfg.data)  # inputs first: a bad file is refused before the model loads
-    questions = load_questions(cfg.eval.get("prompts"))
-    model, tokenizer = load_model(cfg.model.name, cfg.model.dtype)
-    train, held_out = load_tokenized(cfg.data, tokenizer, split)
+def prepare(settings: PrepareSettings) -> dict[str, int]:
+    split = load_split(settings.data)  # inputs first: a bad file is refused before the model loads
+    questions = load_questions(settings.prompts)
+    model, tokenizer = load_model(settings.model.name, settings.model.dtype)
+    train, held_out = load_tokenized(settings.data, tokenizer, split)
     prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": questions[0].turns[0]}])
     reply = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):]
     counts = {
@@ -36,7 +37,7 @@ def prepare(cfg: DictConfig) -> dict[str, int]:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run_main(lambda: prepare(cfg))
+    run_main(lambda: prepare(prepare_of(cfg)))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from data.records import (  # noqa: F401  (DataError, decode_records, is_sharegp
     SURROGATE, Buffer, DataError, LineReader, RecordReader, check_input_file, decode_records, file_chunks,
     is_sharegpt_record, reader_for,
 )
+from data.settings import DataSettings
 
 ROLES = {
     "human": "user", "user": "user",
@@ -257,24 +258,24 @@ def split_conversations(convs: list[Conversation],
     return train, held_out
 
 
-def load_split(data_cfg: Any) -> tuple[list[Conversation], list[Conversation]]:
-    """Train and held-out conversations of `data_cfg.source`: stages call it before loading any model, so an
+def load_split(data: DataSettings) -> tuple[list[Conversation], list[Conversation]]:
+    """Train and held-out conversations of `data.source`: stages call it before loading any model, so an
     unusable source is refused in seconds, not after minutes of loading."""
-    return split_conversations(load_conversations(data_cfg.source), data_cfg.held_out_fraction)
+    return split_conversations(load_conversations(data.source), data.held_out_fraction)
 
 
-def load_tokenized(data_cfg: Any, tokenizer: PreTrainedTokenizerBase,
+def load_tokenized(data: DataSettings, tokenizer: PreTrainedTokenizerBase,
                    split: tuple[list[Conversation], list[Conversation]] | None = None,
                    ) -> tuple[list[TokenizedConversation], list[TokenizedConversation]]:
     """Train and held-out splits (`split`, from load_split, or loaded now), tokenized; conversations with no
     assistant token left are dropped.
 
-    `data_cfg.max_conversations` caps the train split (held-out is never capped by it).
+    `data.max_conversations` caps the train split (held-out is never capped by it).
     """
-    train, held_out = split or load_split(data_cfg)
-    train = train[: data_cfg.max_conversations] if data_cfg.get("max_conversations") else train
+    train, held_out = split or load_split(data)
+    train = train[: data.max_conversations] if data.max_conversations else train
 
-    train_tok = [tokenize_conversation(tokenizer, c, data_cfg.max_len) for c in train]
-    held_out_tok = [tokenize_conversation(tokenizer, c, data_cfg.max_len) for c in held_out]
-    warn_truncated(train_tok + held_out_tok, data_cfg.max_len, stacklevel=3)
+    train_tok = [tokenize_conversation(tokenizer, c, data.max_len) for c in train]
+    held_out_tok = [tokenize_conversation(tokenizer, c, data.max_len) for c in held_out]
+    warn_truncated(train_tok + held_out_tok, data.max_len, stacklevel=3)
     return [t for t in train_tok if any(t.loss_mask)], [t for t in held_out_tok if any(t.loss_mask)]

@@ -10,13 +10,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from infra.timing import cached_forward, median_ms
 from data.sharegpt import Conversation, TokenizedConversation, chat_prompt_ids, tokenize_conversation
 from quantize.errors import QuantizeError
+from quantize.settings import W4Evaluation
 
 
 @torch.no_grad()
@@ -80,10 +80,10 @@ def folder_mb(path: str | Path) -> float:
 
 def evaluate(
     target: PreTrainedModel, w4: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, held_out: list[Conversation],
-    ecfg: DictConfig,
+    settings: W4Evaluation,
 ) -> dict[str, Any]:
-    ppl_convs = [t for t in (tokenize_conversation(tokenizer, c, ecfg.ppl_max_len)
-                             for c in held_out[: ecfg.ppl_conversations]) if any(t.loss_mask)]
+    ppl_convs = [t for t in (tokenize_conversation(tokenizer, c, settings.ppl_max_len)
+                             for c in held_out[: settings.ppl_conversations]) if any(t.loss_mask)]
     if not ppl_convs:
         raise QuantizeError("the held-out split has no conversation with an assistant reply; "
                             "raise data.held_out_fraction")
@@ -94,25 +94,25 @@ def evaluate(
     metrics["ppl_ratio"] = metrics["ppl_w4"] / metrics["ppl_target"]
 
     prompts = [p for p in (chat_prompt_ids(tokenizer, c.messages()[:1]) for c in held_out)
-               if len(p) <= ecfg.max_prompt_len]
+               if len(p) <= settings.max_prompt_len]
     matches: list[bool] = []
     lengths: list[int] = []
-    for prompt in tqdm(prompts[: ecfg.agreement_prompts], desc="greedy agreement", leave=False):
-        continuation = greedy_continuation(target, prompt, ecfg.continuation_tokens, tokenizer.eos_token_id)
+    for prompt in tqdm(prompts[: settings.agreement_prompts], desc="greedy agreement", leave=False):
+        continuation = greedy_continuation(target, prompt, settings.continuation_tokens, tokenizer.eos_token_id)
         m = teacher_forced_matches(w4, prompt, continuation)
         matches += m
-        lengths += acceptance_lengths(m, ecfg.draft_depth)
+        lengths += acceptance_lengths(m, settings.draft_depth)
     metrics["greedy_agreement"] = sum(matches) / max(len(matches), 1)
     metrics["acceptance_length_m1_m2"] = statistics.mean(lengths) if lengths else float("nan")
     metrics["acceptance_rounds"] = len(lengths)
-    metrics["draft_depth"] = ecfg.draft_depth
+    metrics["draft_depth"] = settings.draft_depth
 
-    context = [i for t in ppl_convs for i in t.input_ids][: ecfg.timing_context]
-    ms = forward_ms({"target": target, "w4": w4}, context, list(ecfg.timing_tokens), ecfg.timing_repeats)
+    context = [i for t in ppl_convs for i in t.input_ids][: settings.timing_context]
+    ms = forward_ms({"target": target, "w4": w4}, context, list(settings.timing_tokens), settings.timing_repeats)
     for name, per in ms.items():
         for n, value in per.items():
             metrics[f"forward_ms_{name}_{n}tok"] = value
-    metrics["timing_context"], metrics["timing_tokens"] = len(context), list(ecfg.timing_tokens)
+    metrics["timing_context"], metrics["timing_tokens"] = len(context), list(settings.timing_tokens)
     return metrics
 
 

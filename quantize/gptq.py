@@ -7,11 +7,11 @@ import random
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
 from data.sharegpt import Conversation, tokenize_conversation
 from quantize.errors import QuantizeError
+from quantize.settings import Quantization
 
 
 def calibration_samples(
@@ -33,13 +33,13 @@ def calibration_samples(
     )
 
 
-def cpu_recipe(qcfg: DictConfig) -> None:
-    """The 2-core recipe (docs/design.md, "Libraries the defaults rest on"): GPTQModel's CPU worker pool sized to
-    the cores. Set before it is built."""
-    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(qcfg.cpu_workers or os.cpu_count() or 1))
+def cpu_recipe(cpu_workers: int | None) -> None:
+    """The 2-core recipe (docs/design.md, "Libraries the defaults rest on"): GPTQModel's CPU worker pool of
+    `cpu_workers` (None: one per core). Set before it is built."""
+    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(cpu_workers or os.cpu_count() or 1))
 
 
-def gptq_quantize(src: str, dst: Path, qcfg: DictConfig, calibration: list[list[int]], device: str = "cpu") -> None:
+def gptq_quantize(src: str, dst: Path, q: Quantization, calibration: list[list[int]], device: str = "cpu") -> None:
     """Run GPTQModel on `src` on `device` (its CPU path, or its GPU path on cuda[:N]) and save the checkpoint into
     `dst` (which must not exist yet); the checkpoint format is the same either way."""
     from gptqmodel import GPTQModel, QuantizeConfig
@@ -48,12 +48,12 @@ def gptq_quantize(src: str, dst: Path, qcfg: DictConfig, calibration: list[list[
     # its per-module log, else written to ./logs (pinned 7.6.0)
     loop_processor._PROJECT_LOG_DIR = dst.parent / "gptq_logs"
     config = QuantizeConfig(
-        bits=qcfg.bits, group_size=qcfg.group_size, sym=qcfg.sym, desc_act=qcfg.desc_act,
-        act_group_aware=qcfg.act_group_aware and not qcfg.desc_act, damp_percent=qcfg.damp_percent,
-        damp_auto_increment=qcfg.damp_auto_increment, mse=qcfg.mse, true_sequential=qcfg.true_sequential,
+        bits=q.bits, group_size=q.group_size, sym=q.sym, desc_act=q.desc_act,
+        act_group_aware=q.act_group_aware and not q.desc_act, damp_percent=q.damp_percent,
+        damp_auto_increment=q.damp_auto_increment, mse=q.mse, true_sequential=q.true_sequential,
         offload_to_disk=False,  # disk offload: much slower here
     )
-    model = GPTQModel.load(src, config, device=device, dtype=getattr(torch, qcfg.calibration.dtype))
+    model = GPTQModel.load(src, config, device=device, dtype=getattr(torch, q.calibration.dtype))
     model.quantize([{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in calibration],
-                   batch_size=qcfg.calibration.batch_size)
+                   batch_size=q.calibration.batch_size)
     model.save(str(dst))

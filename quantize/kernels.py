@@ -17,10 +17,10 @@ from transformers import AutoModelForCausalLM, GPTQConfig, PreTrainedModel
 from data.models import load_model, load_tokenizer, resolve_model_path
 from data.sharegpt import load_split, tokenize_conversation
 from infra.cli import run_main
-from infra.settings import layout_of
 from infra.tracking import write_json_atomic
 from quantize.errors import QuantizeError
 from quantize.evaluation import forward_ms
+from quantize.settings import KernelsSettings, kernels_of
 
 # (label, backend or None for transformers' own choice, dtype of the non-quantized parts)
 W4_VARIANTS = [
@@ -44,21 +44,20 @@ def kernel_kind(model: PreTrainedModel) -> str:
     return ", ".join(sorted(kinds)) or "none"
 
 
-def run(cfg: DictConfig) -> dict[str, dict[str, float | str]]:
-    layout = layout_of(cfg)
+def run(settings: KernelsSettings) -> dict[str, dict[str, float | str]]:
+    layout, timing = settings.layout, settings.timing
     w4_path = layout.output("w4")
     if not (w4_path / "config.json").exists():
         raise QuantizeError(f"{w4_path}: no W4 checkpoint; run python -m quantize.w4 first")
-    _, held_out = load_split(cfg.data)  # the data before any model: a bad source is refused in seconds
-    src = resolve_model_path(cfg.model.name)
+    _, held_out = load_split(settings.data)  # the data before any model: a bad source is refused in seconds
+    src = resolve_model_path(settings.model.name)
     tokenizer = load_tokenizer(src)
-    ecfg = cfg.quantize.eval
     context: list[int] = []
     for conv in held_out:
-        context += tokenize_conversation(tokenizer, conv, ecfg.timing_context).input_ids
-        if len(context) >= ecfg.timing_context:
+        context += tokenize_conversation(tokenizer, conv, timing.timing_context).input_ids
+        if len(context) >= timing.timing_context:
             break
-    context = context[: ecfg.timing_context]
+    context = context[: timing.timing_context]
 
     models: dict[str, PreTrainedModel] = {
         "target fp32": load_model(src, dtype="float32")[0],
@@ -79,10 +78,10 @@ def run(cfg: DictConfig) -> dict[str, dict[str, float | str]]:
             runnable[name] = model
         except Exception as err:
             print(f"{name}: forward fails ({err.__class__.__name__}: {(str(err).splitlines() or [''])[0][:120]})")
-    ks = list(ecfg.timing_tokens)
-    ms = forward_ms(runnable, context, ks, ecfg.timing_repeats)
+    ks = list(timing.timing_tokens)
+    ms = forward_ms(runnable, context, ks, timing.timing_repeats)
     base = ms["target fp32"]
-    print(f"\nmedian ms per forward, {len(context)}-token KV cache, {ecfg.timing_repeats} repeats, interleaved")
+    print(f"\nmedian ms per forward, {len(context)}-token KV cache, {timing.timing_repeats} repeats, interleaved")
     versus = "vs fp32 (" + "/".join(map(str, ks)) + ")"
     print(f"{'model':40s}" + "".join(f"{f'{k} tok':>9s}" for k in ks) + f"{versus:>16s}  kernel")
     for name, per in ms.items():
@@ -95,7 +94,7 @@ def run(cfg: DictConfig) -> dict[str, dict[str, float | str]]:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run_main(lambda: run(cfg))
+    run_main(lambda: run(kernels_of(cfg)))
 
 
 if __name__ == "__main__":

@@ -11,22 +11,26 @@ import json
 import os
 import shutil
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+import torch
+from omegaconf import DictConfig
 from transformers import PreTrainedModel
 
 from data.models import load_model, load_tokenizer, resolve_model_path, weights_hash
 from data.sharegpt import load_split
-from infra.cli import check_writable, flag, run_main
-from infra.settings import device_of, layout_of, tracking_of
+from data.settings import ModelSettings
+from infra.cli import check_writable, run_main
+from infra.layout import RunLayout
 from infra.tracking import replace_dir
 from quantize.checkpoint import existing_is_valid, regroup_checkpoint, static_groups, write_metadata
 from quantize.errors import QuantizeError
 from quantize.evaluation import evaluate, folder_mb, report
 from quantize.gptq import calibration_samples, cpu_recipe, gptq_quantize
+from quantize.settings import Quantization, W4Settings, w4_of
 
 
 def source_model_path(spec: str) -> str:
@@ -55,81 +59,76 @@ def remove_stale_temps(out: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def validated_output(qcfg: DictConfig, cfg: DictConfig) -> tuple[Path, bool]:
-    """(the output folder, skip_if_valid), every flag and the folder checked before anything loads."""
-    overwrite = flag(qcfg, "overwrite", error=QuantizeError)  # strictly true/false: 'false' would be truthy
-    skip_if_valid = flag(qcfg, "skip_if_valid", error=QuantizeError)
-    for key in ("sym", "desc_act", "act_group_aware", "true_sequential"):
-        flag(qcfg, key, error=QuantizeError)
-    out = layout_of(cfg).output("w4")
-    check_output(out, overwrite or skip_if_valid)
+def validated_output(q: Quantization, layout: RunLayout) -> Path:
+    """The output folder, checked before anything loads: not there unless it may be replaced or kept, writable."""
+    out = layout.output("w4")
+    check_output(out, q.overwrite or q.skip_if_valid)
     check_writable(out, "quantize.output", error=QuantizeError)  # fail now, not after minutes of GPTQ
-    return out, skip_if_valid
+    return out
 
 
-def provenance(cfg: DictConfig, target: PreTrainedModel) -> dict[str, Any]:
+def provenance(q: Quantization, source_model: str, target: PreTrainedModel) -> dict[str, Any]:
     """What a finished output must match to be kept: the source weights and the settings that shape the model."""
-    settings = OmegaConf.to_container(cfg.quantize, resolve=True)
     ignored = ("output", "overwrite", "skip_if_valid", "eval", "cpu_workers")
-    settings = {k: v for k, v in settings.items() if k not in ignored}
-    return {"source_model": cfg.model.name, "source_weights_hash": weights_hash(target), "settings": settings}
+    settings = {k: v for k, v in asdict(q).items() if k not in ignored}
+    return {"source_model": source_model, "source_weights_hash": weights_hash(target), "settings": settings}
 
 
-def quantize_into(tmp: Path, src: str, calibration: list[list[int]], meta: dict[str, Any], cfg: DictConfig) -> float:
+def quantize_into(tmp: Path, src: str, calibration: list[list[int]], meta: dict[str, Any], q: Quantization,
+                  device: torch.device) -> float:
     """GPTQ into `tmp`, its groups re-encoded for the CPU kernels and its metadata written; seconds GPTQ took."""
-    qcfg = cfg.quantize
-    cpu_recipe(qcfg)
+    cpu_recipe(q.cpu_workers)
     start = time.perf_counter()
-    gptq_quantize(src, tmp, qcfg, calibration, str(device_of(cfg)))
+    gptq_quantize(src, tmp, q, calibration, str(device))
     quantize_s = time.perf_counter() - start
-    groups = regroup_checkpoint(tmp, qcfg.group_size, qcfg.bits)
+    groups = regroup_checkpoint(tmp, q.group_size, q.bits)
     groups["static_g_idx"] = static_groups(tmp, groups["stored_group_size"])
-    if not qcfg.desc_act and not groups["static_g_idx"]:
+    if not q.desc_act and not groups["static_g_idx"]:
         raise QuantizeError("desc_act=false produced a permuted g_idx: loaders that assume static groups (vLLM) "
                             "would misread it")
     meta["groups"] = groups
-    print(f"w4: group size {qcfg.group_size}: {groups['description']}")
+    print(f"w4: group size {q.group_size}: {groups['description']}")
     write_metadata(tmp, meta, groups["stored_group_size"])
     return quantize_s
 
 
-def measured(tmp: Path, src: str, target: PreTrainedModel, held_out: list, cfg: DictConfig) -> dict[str, Any]:
+def measured(tmp: Path, src: str, target: PreTrainedModel, held_out: list, q: Quantization, model: ModelSettings,
+             device: torch.device) -> dict[str, Any]:
     """The W4 model in `tmp` evaluated against the target, with the numbers of how it was made."""
-    w4, _ = load_model(str(tmp), dtype=cfg.model.dtype, device=device_of(cfg))
-    metrics = evaluate(target, w4, load_tokenizer(src), held_out, cfg.quantize.eval)
+    w4, _ = load_model(str(tmp), dtype=model.dtype, device=device)
+    metrics = evaluate(target, w4, load_tokenizer(src), held_out, q.eval)
     groups = json.loads((tmp / "config.json").read_text())["quantization_config"]["meta"]["polyspec"]["groups"]
-    return metrics | {"device": str(device_of(cfg)), "size_mb_target": folder_mb(src),
+    return metrics | {"device": str(device), "size_mb_target": folder_mb(src),
                       "size_mb_w4": folder_mb(tmp), "group_handling": groups["description"],
-                      "stored_group_size": groups["stored_group_size"], "quantized_group_size": cfg.quantize.group_size}
+                      "stored_group_size": groups["stored_group_size"], "quantized_group_size": q.group_size}
 
 
-def run(cfg: DictConfig) -> Path:
+def run(settings: W4Settings) -> Path:
     from infra.tracking import Tracker, write_json_atomic
 
-    qcfg = cfg.quantize
-    out, skip_if_valid = validated_output(qcfg, cfg)
-    device = device_of(cfg)
-    train, held_out = load_split(cfg.data)  # the data before any model: a bad source is refused in seconds
-    src = source_model_path(cfg.model.name)
+    q, device = settings.quantize, settings.device
+    out = validated_output(q, settings.layout)
+    train, held_out = load_split(settings.data)  # the data before any model: a bad source is refused in seconds
+    src = source_model_path(settings.model.name)
     tokenizer = load_tokenizer(src)
-    target, _ = load_model(src, dtype=cfg.model.dtype, device=device)
-    meta = provenance(cfg, target)
-    if skip_if_valid and out.exists():
+    target, _ = load_model(src, dtype=settings.model.dtype, device=device)
+    meta = provenance(q, settings.model.name, target)
+    if q.skip_if_valid and out.exists():
         if existing_is_valid(out, meta):
             print(f"w4: {out} is a finished quantization of the same model and settings; skipping")
             return out
-        check_output(out, flag(qcfg, "overwrite", error=QuantizeError))
-    c = qcfg.calibration
-    calibration = calibration_samples(train, tokenizer, c.samples, c.min_len, c.max_len, cfg.seed)
+        check_output(out, q.overwrite)
+    c = q.calibration
+    calibration = calibration_samples(train, tokenizer, c.samples, c.min_len, c.max_len, settings.seed)
     tokens = sum(map(len, calibration))
     print(f"w4: {len(calibration)} calibration samples, {tokens} tokens (mean {tokens / len(calibration):.0f})")
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    tracker = Tracker(tracking_of(cfg), "quantize")
+    tracker = Tracker(settings.tracking, "quantize")
     try:
-        quantize_s = quantize_into(tmp, src, calibration, meta, cfg)
-        metrics = measured(tmp, src, target, held_out, cfg) | {
+        quantize_s = quantize_into(tmp, src, calibration, meta, q, device)
+        metrics = measured(tmp, src, target, held_out, q, settings.model, device) | {
             "quantize_s": quantize_s, "calibration_samples": len(calibration), "calibration_tokens": tokens}
         write_json_atomic(tmp / "metrics.json", metrics)
         replace_dir(tmp, out)
@@ -145,7 +144,7 @@ def run(cfg: DictConfig) -> Path:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run_main(lambda: run(cfg))
+    run_main(lambda: run(w4_of(cfg)))
 
 
 if __name__ == "__main__":

@@ -59,14 +59,15 @@ def test_cuda_picks_this_ranks_gpu(two_gpus, monkeypatch):
 
 
 def test_torchrun_rank_must_train_on_its_own_gpu(two_gpus, monkeypatch):
+    from infra.settings import device_of
     from train.distributed import backend_for, training_device
     from train.errors import TrainError
 
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert training_device(OmegaConf.create({"device": "cuda"})) == torch.device("cuda", 1)
-    with pytest.raises(TrainError, match="under torchrun use device=cuda or device=auto"):
-        training_device(OmegaConf.create({"device": "cuda:0"}))
+    assert training_device(device_of(OmegaConf.create({"device": "cuda"}))) == torch.device("cuda", 1)
+    with pytest.raises(TrainError, match="^device=cuda:0: under torchrun use device=cuda or device=auto"):
+        training_device(device_of(OmegaConf.create({"device": "cuda:0"})))
     assert backend_for(torch.device("cuda", 1)) == "nccl" and backend_for(torch.device("cpu")) == "gloo"
 
 
@@ -107,12 +108,12 @@ def stage_config(tmp_path: Path, *extra: str):
                                             f"data.source={tmp_path / 'no-data.json'}", *extra])
 
 
-@pytest.mark.parametrize("stage", ["train.eagle:train", "quantize.w4:run", "decode.settings:costs_of"])
-def test_stages_check_the_device_before_loading_a_model(no_cuda, stage, tmp_path):
-    """The model named does not exist: the device error comes first."""
+@pytest.mark.parametrize("door", ["train.settings:of", "quantize.settings:w4_of", "decode.settings:costs_of"])
+def test_stages_check_the_device_before_loading_a_model(no_cuda, door, tmp_path):
+    """The model named does not exist: the device error comes first, from the stage's settings door."""
     import importlib
 
-    module, function = stage.split(":")
+    module, function = door.split(":")
     with pytest.raises(ConfigError, match=r"^device=cuda:1: CUDA is not available"):
         getattr(importlib.import_module(module), function)(stage_config(tmp_path, "device=cuda:1"))
 

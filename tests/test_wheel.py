@@ -22,9 +22,10 @@ def run(args: list[str], **kwargs) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_the_wheel_installs_and_decodes_a_chain_on_the_native_runner(tiny_source, chat_file, tmp_path):
+    from quantize.settings import w4_of
     from quantize.w4 import run as quantize
 
-    w4 = quantize(stage_config(tiny_source, chat_file, tmp_path / "run"))
+    w4 = quantize(w4_of(stage_config(tiny_source, chat_file, tmp_path / "run")))
     run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "dist"),
          str(REPO)], cwd=tmp_path)
     venv = tmp_path / "venv"

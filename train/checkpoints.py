@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 
 from train.distributed import collective_device
 from train.errors import TrainError
+from train.settings import TrainSettings
 
 CHECKPOINT_TAG = re.compile(r"step\d{7}")
 
@@ -31,13 +31,13 @@ class Progress:
     last: dict[str, float] = field(default_factory=dict)  # the last step's training metrics
 
 
-def checkpoint_fingerprint(cfg: DictConfig, world: int) -> dict[str, Any]:
+def checkpoint_fingerprint(settings: TrainSettings, world: int) -> dict[str, Any]:
     """What must not change between a checkpoint and its resumption (else the data order or schedule differ)."""
-    t = cfg.train
+    t = settings.train
     keys = ("feature_source", "max_conversations", "max_len", "epochs", "max_steps", "lr", "warmup_steps",
             "min_lr_ratio", "draft_vocab", "init", "store_dtype", "unroll")
-    return {**{k: t[k] for k in keys}, "global_batch": t.micro_batch * t.grad_accum * world, "seed": cfg.seed,
-            "data_source": cfg.data.source, "model": cfg.model.name}
+    return {**{k: getattr(t, k) for k in keys}, "global_batch": t.micro_batch * t.grad_accum * world,
+            "seed": settings.seed, "data_source": settings.data.source, "model": settings.model.name}
 
 
 def save_checkpoint(engine: Any, ckpt_dir: Path, step: int, client_state: dict, keep: int, rank: int) -> None:
@@ -90,11 +90,12 @@ def weights_only_loading(engine: Any) -> None:
     engine.checkpoint_engine.load = load
 
 
-def resume_progress(engine: Any, cfg: DictConfig, ckpt_dir: Path, world: int, total_steps: int, rank: int) -> Progress:
+def resume_progress(engine: Any, settings: TrainSettings, ckpt_dir: Path, world: int, total_steps: int,
+                    rank: int) -> Progress:
     """The progress of the last checkpoint (train.resume=true and one exists), else a fresh start. Only
     this stage's own checkpoint folders (stepNNNNNNN inside the checkpoint folder) are read, weights-only."""
-    if not cfg.train.resume or not (ckpt_dir / "latest").is_file():
-        if cfg.train.resume and rank == 0:
+    if not settings.train.resume or not (ckpt_dir / "latest").is_file():
+        if settings.train.resume and rank == 0:
             print(f"train.resume=true but no checkpoint in {ckpt_dir}; starting at step 0")
         return Progress()
     tag = (ckpt_dir / "latest").read_text().strip()
@@ -109,7 +110,7 @@ def resume_progress(engine: Any, cfg: DictConfig, ckpt_dir: Path, world: int, to
                          f"({err.__class__.__name__}: {str(err).splitlines()[0][:200]})") from None
     if client is None:
         raise TrainError(f"{ckpt_dir / tag}: unreadable checkpoint")
-    fingerprint = checkpoint_fingerprint(cfg, world)
+    fingerprint = checkpoint_fingerprint(settings, world)
     if client["fingerprint"] != fingerprint:
         changed = sorted(k for k in fingerprint if client["fingerprint"].get(k) != fingerprint[k])
         raise TrainError(f"{ckpt_dir / tag}: written with a different training setup ({', '.join(changed)} changed); "

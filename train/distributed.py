@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
-from infra.settings import device_of
 from train.errors import TrainError
 
 
@@ -21,12 +18,11 @@ class Share:
     world: int = 1
 
 
-def training_device(cfg: Any) -> torch.device:
-    """This process's device. Under torchrun each rank trains on its LOCAL_RANK's GPU (DeepSpeed places the head
-    there), so `cuda:N` naming another GPU is refused; a single process may name any GPU."""
-    device = device_of(cfg)
+def training_device(device: torch.device) -> torch.device:
+    """This process's device, the run's `device` checked. Under torchrun each rank trains on its LOCAL_RANK's GPU
+    (DeepSpeed places the head there), so `cuda:N` naming another GPU is refused; a single process may name any GPU."""
     if device.type == "cuda" and "RANK" in os.environ and device.index != int(os.environ.get("LOCAL_RANK", 0)):
-        raise TrainError(f"device={cfg.device}: under torchrun use device=cuda or device=auto "
+        raise TrainError(f"device={device}: under torchrun use device=cuda or device=auto "
                          f"(rank {os.environ['RANK']} trains on its LOCAL_RANK's GPU, "
                          f"cuda:{os.environ.get('LOCAL_RANK', 0)})")
     return device

@@ -15,8 +15,9 @@ step i's loss is -sum p log q against the verifier's distribution p renormalised
 positions whose verifier argmax lies in that vocabulary, weighted 0.8^i. Its store and checkpoints live beside
 EAGLE-2's (eagle3_features, eagle3_checkpoints), so the two never evict each other.
 
-`EagleRecipe` holds one run's state (setup, train, evaluate, save); data, held-out evaluation, checkpoints and the
-plot live in train/examples.py, train/evaluation.py, train/checkpoints.py and train/plot.py.
+`EagleRecipe` holds one run's state (setup, train, evaluate, save) over its frozen settings (train/settings.py, read
+once from the config by `main`); data, held-out evaluation, checkpoints and the plot live in train/examples.py,
+train/evaluation.py, train/checkpoints.py and train/plot.py.
 
 Always runs through `deepspeed.initialize`: plain `python -m train.eagle` is a one-process group (gloo on the CPU,
 NCCL on a GPU: `device`, conf/config.yaml); `torchrun --nproc_per_node=2 -m train.eagle` is data-parallel (each
@@ -40,17 +41,17 @@ import hydra
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from data.models import load_model, same_vocabulary, weights_hash
+from data.settings import ModelSettings
 from data.sharegpt import load_split
 from decode.engine.head import FORMAT_VERSION, DraftHead, EagleHead, TrainingRecord, vocabulary_rows
 from decode.engine.head3 import Eagle3Head, check_aux_layers, default_aux_layers
-from infra.cli import flag, run_main
+from infra.cli import run_main
 from infra.layout import RunLayout
-from infra.settings import layout_of, tracking_of
 from infra.tracking import Tracker
 from train import store
 from train.checkpoints import Progress, StopFlag, checkpoint_fingerprint, resume_progress, save_checkpoint
@@ -59,53 +60,8 @@ from train.errors import TrainError, TrainingInterrupted
 from train.evaluation import EvalSequence, evaluate, evaluate_on_rank0, prepare_eval, unroll
 from train.examples import draft_vocabulary, load_examples, pad, step_micro_batches
 from train.plot import learning_curve_png
+from train.settings import RUN_CONTROL_KEYS, EagleTraining, TrainSettings, of
 from train.store import FeatureSource
-
-METHODS = ("eagle", "eagle3")  # vLLM's names: EAGLE-1/2 and EAGLE-3 heads
-FEATURE_SOURCES = ("target", "w4")
-REPLIES = ("dataset", "verifier")
-LOSS_TOKENS = ("replies", "all")
-PRECISIONS = ("fp32", "bf16")
-ZERO_STAGES = (0, 1, 2, 3)
-INITS = ("random", "target_last_layer")
-RUN_CONTROL_KEYS = ("resume", "skip_if_valid")  # how a run is driven, not what it trains
-
-
-def validate(cfg: DictConfig) -> None:
-    t = cfg.train
-    for key in RUN_CONTROL_KEYS:  # strictly boolean: the string 'false' would be truthy
-        flag(t, key, error=TrainError)
-    if t.method not in METHODS:
-        raise TrainError(f"train.method={t.method!r}: must be one of {', '.join(METHODS)}")
-    if t.method == "eagle3" and t.init != "random":
-        raise TrainError(f"train.init={t.init!r}: an EAGLE-3 head (q/k/v over 2h inputs) starts random")
-    if t.aux_layers is not None and (not OmegaConf.is_list(t.aux_layers)
-                                     or not all(isinstance(i, int) for i in t.aux_layers)):
-        raise TrainError(f"train.aux_layers={t.aux_layers!r}: must be a list of layer ids (or null for vLLM's default)")
-    if t.feature_source not in FEATURE_SOURCES:
-        raise TrainError(f"train.feature_source={t.feature_source!r}: must be one of {', '.join(FEATURE_SOURCES)}")
-    if t.zero_stage not in ZERO_STAGES:
-        raise TrainError(f"train.zero_stage={t.zero_stage}: DeepSpeed ZeRO stage must be one of 0, 1, 2, 3")
-    if t.precision not in PRECISIONS:
-        raise TrainError(f"train.precision={t.precision!r}: must be one of {', '.join(PRECISIONS)}")
-    if t.store_dtype not in store.STORE_DTYPES:
-        raise TrainError(f"train.store_dtype={t.store_dtype!r}: must be one of {', '.join(store.STORE_DTYPES)}")
-    if t.replies not in REPLIES:
-        raise TrainError(f"train.replies={t.replies!r}: must be one of {', '.join(REPLIES)}")
-    if t.loss_tokens not in LOSS_TOKENS:
-        raise TrainError(f"train.loss_tokens={t.loss_tokens!r}: must be one of {', '.join(LOSS_TOKENS)}")
-    if t.init not in INITS:
-        raise TrainError(f"train.init={t.init!r}: must be one of {', '.join(INITS)}")
-    if t.draft_vocab is not None and (not isinstance(t.draft_vocab, int) or t.draft_vocab < 1):
-        raise TrainError(f"train.draft_vocab={t.draft_vocab!r}: must be a positive integer "
-                         "(or null for the full vocabulary)")
-    for key in ("micro_batch", "grad_accum", "epochs", "max_len", "checkpoint_every", "store_batch", "unroll"):
-        if not isinstance(t[key], int) or t[key] < 1:
-            raise TrainError(f"train.{key}={t[key]!r}: must be a positive integer")
-    for group, key in (("eval", "depth"), ("eval", "batch"), ("regenerate", "max_new_tokens"), ("regenerate", "batch")):
-        if not isinstance(t[group][key], int) or t[group][key] < 1:
-            raise TrainError(f"train.{group}.{key}={t[group][key]!r}: must be a positive integer")
-
 
 def init_distributed(device: torch.device) -> tuple[int, int]:
     """(rank, world size): torchrun's environment, or a one-process group set up here (NCCL on a GPU, gloo on the
@@ -128,25 +84,25 @@ def init_distributed(device: torch.device) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def load_verifiers(cfg: DictConfig, layout: RunLayout,
+def load_verifiers(model: ModelSettings, feature_source: str, layout: RunLayout,
                    device: torch.device) -> tuple[PreTrainedModel, Any, PreTrainedModel]:
     """(target, its tokenizer, the feature model): the target itself or the W4 model in quantize.output."""
-    target, tokenizer = load_model(cfg.model.name, cfg.model.dtype, device)
-    if cfg.train.feature_source == "target":
+    target, tokenizer = load_model(model.name, model.dtype, device)
+    if feature_source == "target":
         return target, tokenizer, target
     w4_path = layout.output("w4")
     if not (w4_path / "config.json").is_file():
         raise TrainError(f"{w4_path}: no W4 model there "
                          "(run `python -m quantize.w4` first, or use train.feature_source=target)")
-    w4, w4_tokenizer = load_model(str(w4_path), cfg.model.dtype, device)
+    w4, w4_tokenizer = load_model(str(w4_path), model.dtype, device)
     if not same_vocabulary(tokenizer, w4_tokenizer) or w4.config.hidden_size != target.config.hidden_size:
         raise TrainError(f"{w4_path}: the W4 model's vocabulary or hidden size differs from the target "
-                         f"{cfg.model.name}")
+                         f"{model.name}")
     return target, tokenizer, w4
 
 
 def micro_batch_loss(head: Any, feats: torch.Tensor, ids: torch.Tensor, loss_mask: torch.Tensor,
-                     t: DictConfig, noise_seed: int) -> tuple[torch.Tensor, dict[str, float]]:
+                     t: EagleTraining, noise_seed: int) -> tuple[torch.Tensor, dict[str, float]]:
     """EAGLE loss of one micro batch: (f_s + noise, x_{s+1}) -> f_{s+1} and p(x_{s+2}), assistant tokens only;
     with `train.unroll` = k > 1 also depths 2..k drafted from the head's own predicted features (EAGLE-3's
     training-time test), each depth's loss weighted equally.
@@ -215,7 +171,7 @@ def lr_multiplier(step: int, total: int, warmup: int, min_ratio: float) -> float
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def deepspeed_config(t: DictConfig) -> dict[str, Any]:
+def deepspeed_config(t: EagleTraining) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": t.micro_batch,
         "gradient_accumulation_steps": t.grad_accum,
@@ -227,39 +183,37 @@ def deepspeed_config(t: DictConfig) -> dict[str, Any]:
     }
 
 
-def head_is_current(cfg: DictConfig, layout: RunLayout, target_hash: str) -> bool:
+def head_is_current(settings: TrainSettings, target_hash: str) -> bool:
     """True when train.output holds a finished head for this target and this training config."""
-    out_dir = layout.output("eagle")
+    out_dir = settings.layout.output("eagle")
     try:
         saved = json.loads((out_dir / "config.json").read_text()).get("polyspec", {})
         json.loads((out_dir / "metrics.json").read_text())
     except (OSError, ValueError, AttributeError):
         return False
-    wanted = {**OmegaConf.to_container(cfg.train, resolve=True), "seed": cfg.seed,
-              "data": OmegaConf.to_container(cfg.data, resolve=True)}
     trained = saved.get("training", {})
     # where, not what
-    same = all(trained.get(k) == v for k, v in wanted.items() if k not in (*RUN_CONTROL_KEYS, "output"))
+    same = all(trained.get(k) == v for k, v in settings.record().items() if k not in (*RUN_CONTROL_KEYS, "output"))
     return (same and saved.get("format_version") == FORMAT_VERSION
             and saved.get("target", {}).get("weights_hash") == target_hash)
 
 
-def aux_layers(cfg: DictConfig, target: PreTrainedModel) -> tuple[int, ...]:
+def aux_layers(t: EagleTraining, target: PreTrainedModel) -> tuple[int, ...]:
     """The layers whose entering states an EAGLE-3 head reads (train.aux_layers, or vLLM's default); () for EAGLE-2."""
-    if cfg.train.get("method", "eagle") != "eagle3":
+    if t.method != "eagle3":
         return ()
-    n, layers = target.config.num_hidden_layers, cfg.train.get("aux_layers")
+    n, layers = target.config.num_hidden_layers, t.aux_layers
     return check_aux_layers(layers if layers is not None else default_aux_layers(n), n)
 
 
-def new_head(cfg: DictConfig, target: PreTrainedModel, vocab: torch.Tensor | None) -> DraftHead:
+def new_head(t: EagleTraining, target: PreTrainedModel, vocab: torch.Tensor | None) -> DraftHead:
     """A fresh head: random (EAGLE's init) or `train.init=target_last_layer`: the decoder layer copied from
     the target's last layer and fc passing the feature half through unchanged. EAGLE-3: random, its LM head the
     target's rows for the draft vocabulary."""
-    if cfg.train.get("method", "eagle") == "eagle3":
-        return Eagle3Head(target, draft_vocab=vocab, aux_layers=aux_layers(cfg, target))
+    if t.method == "eagle3":
+        return Eagle3Head(target, draft_vocab=vocab, aux_layers=aux_layers(t, target))
     head = EagleHead(target, draft_vocab=vocab)
-    if cfg.train.init == "target_last_layer":
+    if t.init == "target_last_layer":
         last = getattr(target, target.base_model_prefix).layers[-1].state_dict()
         head.layer.load_state_dict({k: v for k, v in last.items() if not k.startswith("input_layernorm.")})
         h = head.config.hidden_size
@@ -282,9 +236,9 @@ class EagleRecipe:
     DeepSpeed engine (or finds the head already current), `train` runs the optimizer steps from where the run stands
     (held-out evaluations, checkpoints, Ctrl-C), `save` writes the head with its final evaluation (rank 0)."""
 
-    def __init__(self, cfg: DictConfig):
-        self.cfg, self.t, self.layout = cfg, cfg.train, layout_of(cfg)
-        method = self.t.get("method", "eagle")  # each method keeps its own store and checkpoints in the run dir
+    def __init__(self, settings: TrainSettings):
+        self.settings, self.t, self.layout = settings, settings.train, settings.layout
+        method = self.t.method  # each method keeps its own store and checkpoints in the run dir
         self.store_root, self.checkpoints = ((self.layout.feature_store, self.layout.checkpoints) if method == "eagle"
                                              else (self.layout.run_dir / f"{method}_features",
                                                    self.layout.run_dir / f"{method}_checkpoints"))
@@ -293,33 +247,33 @@ class EagleRecipe:
 
     def setup(self) -> bool:
         """Everything the steps need; False (and nothing loaded beyond the target) when train.output is current."""
-        validate(self.cfg)
-        device = training_device(self.cfg)
+        device = training_device(self.settings.device)
         self.rank, self.world = init_distributed(device)
         import deepspeed
 
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-        torch.manual_seed(self.cfg.seed)
-        split = load_split(self.cfg.data)  # the data before any model: a bad source is refused in seconds
-        self.target, self.tokenizer, feature_model = load_verifiers(self.cfg, self.layout, device)
+        torch.manual_seed(self.settings.seed)
+        split = load_split(self.settings.data)  # the data before any model: a bad source is refused in seconds
+        self.target, self.tokenizer, feature_model = load_verifiers(self.settings.model, self.t.feature_source,
+                                                                    self.layout, device)
         self.hashes = {"target": weights_hash(self.target)}
-        if self.t.skip_if_valid and head_is_current(self.cfg, self.layout, self.hashes["target"]):
+        if self.t.skip_if_valid and head_is_current(self.settings, self.hashes["target"]):
             return False
         self.hashes["features"] = self.hashes["target"] if feature_model is self.target else weights_hash(feature_model)
         source, share = FeatureSource(feature_model, self.hashes["features"]), Share(self.rank, self.world)
-        self.examples, prompts = load_examples(self.cfg, self.tokenizer, source, share, split)
+        self.examples, prompts = load_examples(self.settings, self.tokenizer, source, share, split)
         self.total_steps = self._total_steps()
-        self.aux_layers = aux_layers(self.cfg, self.target)
+        self.aux_layers = aux_layers(self.t, self.target)
         settings = store.StoreSettings(self.store_root, self.t.store_dtype, self.t.store_batch, self.aux_layers)
         self.features = store.build_or_load(source, [e.input_ids for e in self.examples], settings, share)
-        self.head = new_head(self.cfg, self.target, draft_vocabulary(self.cfg, self.examples, self.tokenizer,
-                                                                     self.target.config.vocab_size, self.rank))
+        self.head = new_head(self.t, self.target, draft_vocabulary(self.t.draft_vocab, self.examples, self.tokenizer,
+                                                                   self.target.config.vocab_size, self.rank))
         self._verifier_rows(feature_model)
         self.engine, self.scheduler = self._engine(deepspeed)
-        self.progress = resume_progress(self.engine, self.cfg, self.checkpoints, self.world, self.total_steps,
+        self.progress = resume_progress(self.engine, self.settings, self.checkpoints, self.world, self.total_steps,
                                         self.rank)
         if self.rank == 0:
-            self.tracker = Tracker(tracking_of(self.cfg), "train.eagle")
+            self.tracker = Tracker(self.settings.tracking, "train.eagle")
             print(f"train.eagle: {len(self.examples)} conversations, {self.total_steps} steps of {self._per_step()} "
                   f"(micro {self.t.micro_batch} x accum {self.t.grad_accum} x {self.world} ranks), "
                   f"features from {self.t.feature_source}")
@@ -406,20 +360,19 @@ class EagleRecipe:
 
     def _optimizer_step(self) -> dict[str, float]:
         """One optimizer step over this rank's micro batches; the sums of their statistics over all ranks."""
-        cfg, engine, examples = self.cfg, self.engine, self.examples
+        t, seed, engine, examples = self.t, self.settings.seed, self.engine, self.examples
         engine.train()
         sums = {"loss": 0.0, "feature_loss": 0.0, "ce": 0.0, "correct": 0, "predicted": 0, "tokens": 0}
-        for chunk, indices in step_micro_batches(self.progress.step, len(examples), cfg.train, cfg.seed, self.rank,
-                                                 self.world):
+        for chunk, indices in step_micro_batches(self.progress.step, len(examples), t, seed, self.rank, self.world):
             ids, stored, loss_mask = pad([examples[i] for i in indices], [self.features[i] for i in indices],
-                                         all_tokens=cfg.train.loss_tokens == "all")
+                                         all_tokens=t.loss_tokens == "all")
             batch = {"ids": ids, "loss_mask": loss_mask, **stored}
             batch = {k: v.to(engine.device) for k, v in batch.items()}
             if self.aux_layers:
-                loss, stats = ttt_loss(engine, batch, cfg.train.unroll, self.target_rows, self.in_vocab)
+                loss, stats = ttt_loss(engine, batch, t.unroll, self.target_rows, self.in_vocab)
             else:
-                loss, stats = micro_batch_loss(engine, batch["features"], batch["ids"], batch["loss_mask"], cfg.train,
-                                               noise_seed=cfg.seed * 1_000_003 + self.progress.step * 1_009 + chunk)
+                loss, stats = micro_batch_loss(engine, batch["features"], batch["ids"], batch["loss_mask"], t,
+                                               noise_seed=seed * 1_000_003 + self.progress.step * 1_009 + chunk)
             engine.backward(loss)
             engine.step()
             stats["tokens"] = sum(len(examples[i].input_ids) for i in indices)
@@ -440,7 +393,7 @@ class EagleRecipe:
     def _checkpoint(self, stop: StopFlag) -> None:
         """A checkpoint every train.checkpoint_every steps, at the end, and before stopping on Ctrl-C/SIGTERM."""
         ckpt_dir, step = self.checkpoints, self.progress.step
-        client = {"progress": asdict(self.progress), "fingerprint": checkpoint_fingerprint(self.cfg, self.world)}
+        client = {"progress": asdict(self.progress), "fingerprint": checkpoint_fingerprint(self.settings, self.world)}
         if stop.agreed():
             save_checkpoint(self.engine, ckpt_dir, step, client, self.t.keep_checkpoints, self.rank)
             raise TrainingInterrupted(f"interrupted at step {step}/{self.total_steps}; checkpoint in {ckpt_dir}; "
@@ -468,9 +421,8 @@ class EagleRecipe:
         print(f"held-out acceptance length at depth {k}: {final[f'acceptance_length_depth{k}']:.3f} "
               f"(untrained head: {progress.curve[0]['acceptance_length']:.3f}); "
               + ", ".join(f"top-1@{j} {final[f'top1_depth{j}']:.3f}" for j in range(1, k + 1)))
-        training = {**OmegaConf.to_container(t, resolve=True), "seed": self.cfg.seed, "world_size": self.world,
-                    "data": OmegaConf.to_container(self.cfg.data, resolve=True),
-                    "feature_model_hash": self.hashes["features"], "total_steps": self.total_steps}
+        training = {**self.settings.record(), "world_size": self.world, "feature_model_hash": self.hashes["features"],
+                    "total_steps": self.total_steps}
         out_dir = self.layout.output("eagle")
         record = TrainingRecord(t.feature_source, training, metrics,
                                 {"learning_curve.png": learning_curve_png(progress.curve, k)})
@@ -497,9 +449,9 @@ def final_metrics(final: dict[str, float], progress: Progress, depth: int, conve
             "draft_vocab": None if head.draft_vocab is None else len(head.draft_vocab), "curve": progress.curve}
 
 
-def train(cfg: DictConfig) -> dict[str, Any]:
+def train(settings: TrainSettings) -> dict[str, Any]:
     """Run the stage; returns the final metrics (also in train.output/metrics.json)."""
-    recipe = EagleRecipe(cfg)
+    recipe = EagleRecipe(settings)
     if not recipe.setup():
         out = recipe.layout.output("eagle")
         if recipe.rank == 0:
@@ -511,7 +463,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run_main(lambda: train(cfg))
+    run_main(lambda: train(of(cfg)))
 
 
 if __name__ == "__main__":

@@ -6,14 +6,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 
 from data.sharegpt import chat_prompt_ids, load_split, tokenize_conversation, warn_truncated
 from data.vocab import assistant_token_counts, coverage, top_tokens
-from infra.settings import layout_of
 from train import replies
 from train.distributed import Share
 from train.errors import TrainError
+from train.settings import EagleTraining, TrainSettings
 from train.store import FeatureSource
 
 
@@ -24,17 +23,18 @@ class Example:
     loss_mask: torch.Tensor  # [L] bool: assistant tokens
 
 
-def load_examples(cfg: DictConfig, tokenizer: Any, source: FeatureSource, share: Share = Share(),
+def load_examples(settings: TrainSettings, tokenizer: Any, source: FeatureSource, share: Share = Share(),
                   split: tuple[list, list] | None = None) -> tuple[list[Example], list[list[int]]]:
     """Training conversations (tokenized, masked, capped; their replies the dataset's or, with
     `train.replies=verifier`, the feature model's own, each rank generating its share) and held-out chat prompts for
     evaluation. `split`: the conversations, when the caller read them before loading any model."""
-    train, held_out = split or load_split(cfg.data)
-    caps = [c for c in (cfg.data.get("max_conversations"), cfg.train.max_conversations) if c]
+    t = settings.train
+    train, held_out = split or load_split(settings.data)
+    caps = [c for c in (settings.data.max_conversations, t.max_conversations) if c]
     train = train[: min(caps)] if caps else train
-    max_len = token_cap(cfg)
-    if cfg.train.replies == "verifier":
-        examples = verifier_examples(cfg, train, tokenizer, source, share)
+    max_len = settings.token_cap
+    if t.replies == "verifier":
+        examples = verifier_examples(settings, train, tokenizer, source, share)
     else:
         tokenized = [tokenize_conversation(tokenizer, conv, max_len) for conv in train]
         warn_truncated(tokenized, max_len, "train.max_len")
@@ -42,13 +42,13 @@ def load_examples(cfg: DictConfig, tokenizer: Any, source: FeatureSource, share:
                     for tok in tokenized]
     examples = [e for e in examples if len(e.input_ids) >= 3 and e.loss_mask[2:].any()]
     if not examples:
-        raise TrainError(f"{cfg.data.source}: no training conversation with assistant tokens")
+        raise TrainError(f"{settings.data.source}: no training conversation with assistant tokens")
     prompts = []
     for conv in held_out:
         ids = first_turn_prompt(tokenizer, conv)
-        if ids is not None and len(ids) <= cfg.train.eval.max_prompt_len:
+        if ids is not None and len(ids) <= t.eval.max_prompt_len:
             prompts.append(ids)
-        if len(prompts) == cfg.train.eval.conversations:
+        if len(prompts) == t.eval.conversations:
             break
     return examples, prompts
 
@@ -59,19 +59,14 @@ def first_turn_prompt(tokenizer: Any, conv: Any) -> list[int] | None:
     return None if first_reply is None else chat_prompt_ids(tokenizer, conv.messages()[:first_reply])
 
 
-def token_cap(cfg: DictConfig) -> int:
-    """Tokens per training conversation: the smaller of data.max_len and train.max_len."""
-    return min(cfg.data.max_len, cfg.train.max_len)
-
-
-def verifier_examples(cfg: DictConfig, conversations: list[Any], tokenizer: Any, source: FeatureSource,
+def verifier_examples(settings: TrainSettings, conversations: list[Any], tokenizer: Any, source: FeatureSource,
                       share: Share) -> list[Example]:
     """Each conversation's first user turn and the feature model's greedy reply to it (train/replies.py)."""
-    max_len = token_cap(cfg)
+    max_len = settings.token_cap
     pairs = [(conv.id, ids) for conv in conversations
              if (ids := first_turn_prompt(tokenizer, conv)) is not None and len(ids) < max_len - 2]
-    answers = replies.regenerate(source, tokenizer, [ids for _, ids in pairs], cfg.train.regenerate,
-                                 layout_of(cfg).feature_store, share)
+    answers = replies.regenerate(source, tokenizer, [ids for _, ids in pairs], settings.train.regenerate,
+                                 settings.layout.feature_store, share)
     examples = []
     for (conv_id, prompt), reply in zip(pairs, answers):
         reply = reply[: max_len - len(prompt)]
@@ -86,7 +81,7 @@ def sample_index(i: int, n: int, seed: int) -> int:
     return int(torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))[pos])
 
 
-def step_micro_batches(step: int, n: int, t: DictConfig, seed: int, rank: int,
+def step_micro_batches(step: int, n: int, t: EagleTraining, seed: int, rank: int,
                        world: int) -> list[tuple[int, list[int]]]:
     """This rank's micro batches of an optimizer step as (chunk id, example indices).
 
@@ -121,10 +116,10 @@ def pad(examples: list[Example], stored: list[dict[str, torch.Tensor]],
     return ids, padded, loss
 
 
-def draft_vocabulary(cfg: DictConfig, examples: list[Example], tokenizer: Any, vocab_size: int,
+def draft_vocabulary(n: int | None, examples: list[Example], tokenizer: Any, vocab_size: int,
                      rank: int) -> torch.Tensor | None:
-    """The head's draft vocabulary: the `train.draft_vocab` most frequent assistant tokens (and EOS), or None (full)."""
-    n = cfg.train.draft_vocab
+    """The head's draft vocabulary: the `n` (train.draft_vocab) most frequent assistant tokens (and EOS), or None
+    (full)."""
     if not n or n >= vocab_size:
         return None
     counts = assistant_token_counts((e.input_ids.tolist(), e.loss_mask.tolist()) for e in examples)

@@ -23,6 +23,7 @@ import shutil
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import get_args
 
 import torch
 import torch.distributed as dist
@@ -32,13 +33,14 @@ from transformers import PreTrainedModel
 
 from infra.cli import PolyspecError
 from train.distributed import Share
+from train.settings import StoreDtype
 
 SHARD_EXAMPLES = 64
 
 
 class StoreError(PolyspecError, RuntimeError):
     """A feature store that cannot be used as it is; one-line message."""
-STORE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+STORE_DTYPES = {name: getattr(torch, name) for name in get_args(StoreDtype)}
 
 
 def store_key(feature_hash: str, sequences: list[torch.Tensor], dtype: str, aux_layers: tuple[int, ...] = ()) -> str:

@@ -112,6 +112,7 @@ def quantize_config(tmp_path, **quantize):
     cfg = OmegaConf.create({
         "run_name": "t", "run_dir": str(tmp_path), "seed": 0,
         "model": {"name": str(tmp_path / "no-model"), "dtype": "float32"},
+        "data": {"source": str(tmp_path / "no-data.json"), "max_len": 256, "held_out_fraction": 0.25},
         "quantize": OmegaConf.load(Path(__file__).resolve().parents[2] / "conf" / "quantize" / "w4.yaml"),
     })
     cfg.quantize.output = str(tmp_path / "w4")
@@ -122,18 +123,20 @@ def quantize_config(tmp_path, **quantize):
 
 @pytest.mark.parametrize("key", ["overwrite", "skip_if_valid", "desc_act", "sym"])
 def test_quantize_refuses_string_booleans(tmp_path, key):
+    from quantize.settings import w4_of
     from quantize.w4 import QuantizeError, run
 
     with pytest.raises(QuantizeError, match=rf"^quantize\.{key} must be true or false, got 'false' \(str\)$"):
-        run(quantize_config(tmp_path, **{key: "false"}))
+        run(w4_of(quantize_config(tmp_path, **{key: "false"})))
 
 
 def test_quantize_refuses_an_unwritable_output_before_loading(tmp_path, monkeypatch):
+    from quantize.settings import w4_of
     from quantize.w4 import QuantizeError, run
 
     read_only_mount(monkeypatch)
     with pytest.raises(QuantizeError, match=r"quantize.output=.*w4: cannot write there \(.*Read-only file system\)"):
-        run(quantize_config(tmp_path))  # the model does not exist: the output check came first
+        run(w4_of(quantize_config(tmp_path)))  # neither the data nor the model exists: the output check came first
 
 
 # ---------------------------------------------------------------------------------------- decode.eval

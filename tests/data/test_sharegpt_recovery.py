@@ -170,16 +170,14 @@ def test_a_megabyte_turn_is_cut_with_a_counted_warning():
 
 
 def test_load_tokenized_warns_about_cut_conversations(tmp_path):
-    from omegaconf import OmegaConf
-
+    from data.settings import DataSettings
     from data.sharegpt import load_tokenized
 
     records = [record(i) for i in range(6)] + [{"id": "long", "conversations": [
         {"from": "human", "value": "y" * 5000}, {"from": "gpt", "value": "fine"}]}]
     (tmp_path / "a.json").write_text(json.dumps(records))
-    cfg = OmegaConf.create({"source": str(tmp_path / "a.json"), "held_out_fraction": 0.0, "max_len": 200,
-                            "max_conversations": None})
+    data = DataSettings(source=str(tmp_path / "a.json"), max_len=200, held_out_fraction=0.0, max_conversations=None)
     with pytest.warns(UserWarning, match=r"1 of 7 conversations are longer than data.max_len=200"):
-        train, held_out = load_tokenized(cfg, CharTokenizer())
+        train, held_out = load_tokenized(data, CharTokenizer())
     assert len(train) == 6 and not held_out  # the cut one kept no assistant token
     assert isinstance(train[0], TokenizedConversation)

@@ -25,9 +25,10 @@ pytestmark = [pytest.mark.cpu_kernels,
 
 @pytest.fixture(scope="module", params=[True, False], ids=["act_order", "static"])
 def w4_folder(request, tiny_source, chat_file, tmp_path_factory):  # noqa: F811
+    from quantize.settings import w4_of
     from quantize.w4 import run
 
-    return run(stage_config(tiny_source, chat_file, tmp_path_factory.mktemp("run"), desc_act=request.param))
+    return run(w4_of(stage_config(tiny_source, chat_file, tmp_path_factory.mktemp("run"), desc_act=request.param)))
 
 
 @pytest.fixture
@@ -243,8 +244,9 @@ def test_the_native_int8_head_is_the_product_of_its_int8_rows_and_quantized_inpu
 def held_out_text(tokenizer, conversations: int = 4, tokens: int = 300) -> list[torch.Tensor]:
     """The first held-out ShareGPT conversations, chat-templated as the chains see them, `tokens` each."""
     from data.sharegpt import load_split, tokenize_conversation
+    from data.settings import DataSettings
 
-    held_out = load_split(OmegaConf.create(DATA))[1][:conversations]
+    held_out = load_split(DataSettings(**DATA))[1][:conversations]
     return [torch.tensor([tokenize_conversation(tokenizer, c, tokens).input_ids]) for c in held_out]
 
 
@@ -272,6 +274,7 @@ DATA = {"source": "bundled", "max_len": 1024, "held_out_fraction": 0.02, "max_co
 def test_the_bundled_w4_model_agrees_with_gptqmodel_on_real_text(tmp_path):
     """The real SmolLM2 quantized with reduced settings (a few minutes on 2 busy cores)."""
     from data.models import DEFAULT_MODEL, load_model
+    from quantize.settings import w4_of
     from quantize.w4 import run
 
     cfg = stage_config(DEFAULT_MODEL, tmp_path, tmp_path, **{
@@ -279,7 +282,7 @@ def test_the_bundled_w4_model_agrees_with_gptqmodel_on_real_text(tmp_path):
         "eval.agreement_prompts": 1, "eval.continuation_tokens": 8, "eval.timing_repeats": 1})
     cfg.model.name = DEFAULT_MODEL
     cfg.data = DATA
-    model, tokenizer = load_model(str(run(cfg)))
+    model, tokenizer = load_model(str(run(w4_of(cfg))))
     assert unsupported(model) is None
     for activations, (least, most) in AGREEMENT.items():
         agreement, gap = real_text_agreement(model, tokenizer, activations)
@@ -361,7 +364,6 @@ def test_a_wrong_row_in_the_native_w4_verify_is_caught(w4, tiny_source, draft, m
 
 
 def test_decode_native_is_checked_before_anything_loads():
-    from omegaconf import OmegaConf
 
     from decode.engine.errors import DecodeError
     from decode.settings import decoding_of

@@ -18,13 +18,14 @@ def test_quantize_w4_on_cuda_writes_the_cpu_checkpoint_format(tiny_source, chat_
     """GPTQModel's GPU path: the same tensors (names, shapes, dtypes) and quantization config as the CPU path."""
     from safetensors import safe_open
 
+    from quantize.settings import w4_of
     from quantize.w4 import run
 
     outputs = {}
     for device in ("cpu", "cuda"):
         cfg = stage_config(tiny_source, chat_file, tmp_path / device)
         OmegaConf.update(cfg, "device", device)
-        outputs[device] = run(cfg)
+        outputs[device] = run(w4_of(cfg))
     layouts = {}
     for device, out in outputs.items():
         with safe_open(str(out / "model.safetensors"), "pt") as f:

@@ -17,6 +17,7 @@ from w4_fixtures import stage_config
 from quantize.checkpoint import dequantize, split_groups, storage_group_size
 from quantize.errors import QuantizeError
 from quantize.evaluation import acceptance_lengths
+from quantize.settings import w4_of
 from quantize.w4 import run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def quantized(tiny_source, chat_file, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("run")
-    return run(stage_config(tiny_source, chat_file, run_dir))
+    return run(w4_of(stage_config(tiny_source, chat_file, run_dir)))
 
 
 def leftovers(parent: Path) -> list[str]:
@@ -103,35 +104,35 @@ def test_load_model_gives_an_hf_model_the_chain_can_use(quantized):
 def test_existing_output_needs_overwrite(quantized, tiny_source, chat_file):
     before = (quantized / "model.safetensors").stat().st_mtime_ns
     with pytest.raises(QuantizeError, match="already exists.*overwrite=true"):
-        run(stage_config(tiny_source, chat_file, quantized.parent))
+        run(w4_of(stage_config(tiny_source, chat_file, quantized.parent)))
     assert (quantized / "model.safetensors").stat().st_mtime_ns == before
 
 
 def test_skip_if_valid_keeps_a_matching_output(quantized, tiny_source, chat_file):
     before = (quantized / "model.safetensors").stat().st_mtime_ns
-    assert run(stage_config(tiny_source, chat_file, quantized.parent, skip_if_valid=True)) == quantized
+    assert run(w4_of(stage_config(tiny_source, chat_file, quantized.parent, skip_if_valid=True))) == quantized
     assert (quantized / "model.safetensors").stat().st_mtime_ns == before
     with pytest.raises(QuantizeError, match="already exists"):  # other settings: not valid, not silently replaced
-        run(stage_config(tiny_source, chat_file, quantized.parent, skip_if_valid=True, damp_percent=0.1))
+        run(w4_of(stage_config(tiny_source, chat_file, quantized.parent, skip_if_valid=True, damp_percent=0.1)))
 
 
 def test_overwrite_replaces_the_output(tiny_source, chat_file, tmp_path):
-    out = run(stage_config(tiny_source, chat_file, tmp_path))
+    out = run(w4_of(stage_config(tiny_source, chat_file, tmp_path)))
     (out / "stale").write_text("from the old run")
-    assert run(stage_config(tiny_source, chat_file, tmp_path, overwrite=True)) == out
+    assert run(w4_of(stage_config(tiny_source, chat_file, tmp_path, overwrite=True))) == out
     assert not (out / "stale").exists() and (out / "metrics.json").exists()
     assert not leftovers(tmp_path)
 
 
 def test_quantized_input_is_refused(quantized, chat_file, tmp_path):
     with pytest.raises(QuantizeError, match="already quantized"):
-        run(stage_config(quantized, chat_file, tmp_path))
+        run(w4_of(stage_config(quantized, chat_file, tmp_path)))
     assert not (tmp_path / "w4").exists()
 
 
 def test_too_few_calibration_samples_is_an_error(tiny_source, chat_file, tmp_path):
     with pytest.raises(QuantizeError, match="asked for 500 samples.*only"):
-        run(stage_config(tiny_source, chat_file, tmp_path, **{"calibration.samples": 500}))
+        run(w4_of(stage_config(tiny_source, chat_file, tmp_path, **{"calibration.samples": 500})))
     assert not (tmp_path / "w4").exists() and not leftovers(tmp_path)
 
 
@@ -143,7 +144,7 @@ def test_a_failure_after_quantizing_leaves_nothing_behind(tiny_source, chat_file
 
     monkeypatch.setattr(w4, "evaluate", broken)
     with pytest.raises(RuntimeError, match="interrupted"):
-        run(stage_config(tiny_source, chat_file, tmp_path))
+        run(w4_of(stage_config(tiny_source, chat_file, tmp_path)))
     assert not (tmp_path / "w4").exists() and not leftovers(tmp_path)
 
 
@@ -214,7 +215,7 @@ def test_bundled_model_quantizes_and_the_w4_level_is_close(tmp_path):
     })
     cfg.model.name = DEFAULT_MODEL
     cfg.data = {"source": "bundled", "max_len": 1024, "held_out_fraction": 0.02, "max_conversations": None}
-    out = run(cfg)
+    out = run(w4_of(cfg))
     metrics = json.loads((out / "metrics.json").read_text())
     quant = json.loads((out / "config.json").read_text())["quantization_config"]
     assert quant["meta"]["polyspec"]["groups"]["ragged_modules"] == 30 * 6  # every module with a 576-wide input

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_train_eagle import REPO, compose, head_weights, one_rank_and_two, overrides, tiny_setup  # noqa: F401,F811 (a fixture)
+from test_train_eagle import REPO, head_weights, one_rank_and_two, overrides, settings, tiny_setup  # noqa: F401,F811 (a fixture)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(),
@@ -18,7 +18,7 @@ def test_train_eagle_on_cuda_writes_a_loadable_head(tiny_setup, tmp_path):  # no
     from decode.engine.head import EagleHead
     from data.models import load_model
 
-    metrics = eagle.train(compose(tiny_setup, tmp_path, "device=cuda", "train.epochs=1", "train.precision=bf16"))
+    metrics = eagle.train(settings(tiny_setup, tmp_path, "device=cuda", "train.epochs=1", "train.precision=bf16"))
     assert metrics["train/steps"] > 0 and metrics["train/tokens_per_s"] > 0
     assert {t.dtype for t in head_weights(tmp_path).values()} == {torch.bfloat16}
     target, tokenizer = load_model(str(tiny_setup / "target"), "float32", "cuda")

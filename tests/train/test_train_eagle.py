@@ -18,6 +18,7 @@ from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, LlamaConfig,
 import train.eagle as eagle
 import train.evaluation as evaluation
 import train.examples as train_examples
+import train.settings as train_settings
 from data.models import load_tokenizer, weights_hash
 from decode.engine.head import EagleHead, HeadError
 from train.store import FeatureSource, StoreSettings
@@ -64,6 +65,11 @@ def compose(root: Path, run_dir: Path, *extra: str):
         return hydra_compose("config", overrides=overrides(root, run_dir, *extra))
 
 
+def settings(root: Path, run_dir: Path, *extra: str) -> train_settings.TrainSettings:
+    """The stage's settings as `python -m train.eagle` with these overrides reads them."""
+    return train_settings.of(compose(root, run_dir, *extra))
+
+
 def head_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / "eagle" / "model.safetensors"))
 
@@ -106,19 +112,17 @@ def test_unrolled_training_batch_equals_each_sequence_alone():
 
 
 def test_unroll_3_trains_a_loadable_head(tiny_setup, tmp_path):
-    metrics = eagle.train(compose(tiny_setup, tmp_path, "train.unroll=3", "train.epochs=1"))
+    metrics = eagle.train(settings(tiny_setup, tmp_path, "train.unroll=3", "train.epochs=1"))
     assert metrics["train/steps"] == 4 and torch.isfinite(torch.tensor(metrics["train/loss"]))
     target = LlamaForCausalLM.from_pretrained(tiny_setup / "target")
     EagleHead.from_pretrained(tmp_path / "eagle", target, load_tokenizer(str(tiny_setup / "target")))
 
 
-def test_target_last_layer_init_copies_the_layer_but_its_input_norm():
+def test_target_last_layer_init_copies_the_layer_but_its_input_norm(tiny_setup, tmp_path):
     """The head's layer has no input norm (vLLM's function): init copies every other weight of the target's last
     layer."""
-    from omegaconf import OmegaConf
-
     target = tiny_llama(1)
-    head = eagle.new_head(OmegaConf.create({"train": {"init": "target_last_layer"}}), target, None)
+    head = eagle.new_head(settings(tiny_setup, tmp_path, "train.init=target_last_layer").train, target, None)
     last, own = target.model.layers[-1].state_dict(), head.layer.state_dict()
     assert set(last) - set(own) == {"input_layernorm.weight"} and set(own) <= set(last)
     assert all(torch.equal(own[k], last[k]) for k in own)
@@ -127,9 +131,9 @@ def test_target_last_layer_init_copies_the_layer_but_its_input_norm():
 
 def test_config_errors_are_one_line(tiny_setup, tmp_path):
     with pytest.raises(eagle.TrainError, match=r"train.feature_source='bogus': must be one of target, w4"):
-        eagle.validate(compose(tiny_setup, tmp_path, "train.feature_source=bogus"))
+        settings(tiny_setup, tmp_path, "train.feature_source=bogus")
     with pytest.raises(eagle.TrainError, match=r"train.loss_tokens='user': must be one of replies, all"):
-        eagle.validate(compose(tiny_setup, tmp_path, "train.loss_tokens=user"))
+        settings(tiny_setup, tmp_path, "train.loss_tokens=user")
     result = subprocess.run(
         [sys.executable, "-m", "train.eagle", *overrides(tiny_setup, tmp_path, "train.zero_stage=7")],
         cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "WANDB_MODE": "disabled"})
@@ -142,14 +146,13 @@ def test_config_errors_are_one_line(tiny_setup, tmp_path):
 def test_target_without_decoder_layer_class_is_refused(tiny_setup, tmp_path):
     GPT2LMHeadModel(GPT2Config(vocab_size=49152, n_embd=32, n_layer=1, n_head=2)).save_pretrained(tmp_path / "gpt2")
     load_tokenizer(str(tiny_setup / "target")).save_pretrained(tmp_path / "gpt2")
-    cfg = compose(tiny_setup, tmp_path / "run", f"model.name={tmp_path / 'gpt2'}")
     with pytest.raises(HeadError, match="no usable decoder-layer class") as err:
-        eagle.train(cfg)
+        eagle.train(settings(tiny_setup, tmp_path / "run", f"model.name={tmp_path / 'gpt2'}"))
     assert "\n" not in str(err.value)
 
 
 def test_training_writes_a_loadable_head_folder(tiny_setup, tmp_path):
-    metrics = eagle.train(compose(tiny_setup, tmp_path, "train.lr=3e-3"))
+    metrics = eagle.train(settings(tiny_setup, tmp_path, "train.lr=3e-3"))
     out = tmp_path / "eagle"
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "draft_vocab.json", "learning_curve.png",
                                                      "metrics.json", "model.safetensors"]
@@ -169,7 +172,7 @@ def test_training_writes_a_loadable_head_folder(tiny_setup, tmp_path):
 
 
 def test_interrupt_then_resume_gives_the_same_weights(tiny_setup, tmp_path, monkeypatch):
-    eagle.train(compose(tiny_setup, tmp_path / "straight"))
+    eagle.train(settings(tiny_setup, tmp_path / "straight"))
 
     class InterruptAtStep3(eagle.Tracker):
         def log(self, metrics, step=None):
@@ -179,18 +182,18 @@ def test_interrupt_then_resume_gives_the_same_weights(tiny_setup, tmp_path, monk
 
     monkeypatch.setattr(eagle, "Tracker", InterruptAtStep3)
     with pytest.raises(eagle.TrainingInterrupted, match="interrupted at step 3/8"):
-        eagle.train(compose(tiny_setup, tmp_path / "interrupted"))
+        eagle.train(settings(tiny_setup, tmp_path / "interrupted"))
     assert (tmp_path / "interrupted" / "eagle_checkpoints" / "latest").read_text() == "step0000003"
     assert not (tmp_path / "interrupted" / "eagle").exists()
     monkeypatch.undo()
-    metrics = eagle.train(compose(tiny_setup, tmp_path / "interrupted", "train.resume=true"))
+    metrics = eagle.train(settings(tiny_setup, tmp_path / "interrupted", "train.resume=true"))
     assert metrics["train/steps"] == 8
     straight, resumed = head_weights(tmp_path / "straight"), head_weights(tmp_path / "interrupted")
     assert straight.keys() == resumed.keys()
     for name in straight:
         torch.testing.assert_close(resumed[name], straight[name], rtol=0, atol=0)
     with pytest.raises(eagle.TrainError, match=r"different training setup \(lr changed\)"):
-        eagle.train(compose(tiny_setup, tmp_path / "interrupted", "train.resume=true", "train.lr=0.5"))
+        eagle.train(settings(tiny_setup, tmp_path / "interrupted", "train.resume=true", "train.lr=0.5"))
 
 
 class RunsCode:
@@ -202,11 +205,11 @@ class RunsCode:
 
 def test_resume_reads_only_own_checkpoints_and_never_unpickles_code(tiny_setup, tmp_path):
     run = tmp_path / "run"
-    eagle.train(compose(tiny_setup, run, "train.epochs=1"))
+    eagle.train(settings(tiny_setup, run, "train.epochs=1"))
     ckpt = run / "eagle_checkpoints"
     (ckpt / "latest").write_text("../..")
     with pytest.raises(eagle.TrainError, match=r"names '\.\./\.\.', not a checkpoint of this stage"):
-        eagle.train(compose(tiny_setup, run, "train.epochs=1", "train.resume=true"))
+        eagle.train(settings(tiny_setup, run, "train.epochs=1", "train.resume=true"))
     tag = sorted(p.name for p in ckpt.glob("step*"))[-1]
     (ckpt / "latest").write_text(tag)
     optim = next((ckpt / tag).glob("*optim_states.pt"))
@@ -214,7 +217,7 @@ def test_resume_reads_only_own_checkpoints_and_never_unpickles_code(tiny_setup, 
     state["payload"] = RunsCode()
     torch.save(state, optim)
     with pytest.raises(eagle.TrainError, match=r"unreadable checkpoint \(UnpicklingError"):
-        eagle.train(compose(tiny_setup, run, "train.epochs=1", "train.resume=true"))
+        eagle.train(settings(tiny_setup, run, "train.epochs=1", "train.resume=true"))
     assert not Path("/tmp/polyspec-pwned").exists()
 
 
@@ -222,27 +225,27 @@ def test_feature_source_w4_trains_on_the_w4_models_features(tiny_setup, tmp_path
     """The W4 model and the head where quantize.output and train.output put them, not in the run dir."""
     moved = [f"quantize.output={tmp_path / 'quantized'}", f"train.output={tmp_path / 'heads' / 'w4_features'}"]
     with pytest.raises(eagle.TrainError, match=r"/quantized: no W4 model there"):
-        eagle.train(compose(tiny_setup, tmp_path, "train.feature_source=w4", *moved))
+        eagle.train(settings(tiny_setup, tmp_path, "train.feature_source=w4", *moved))
     w4 = tiny_llama(7)  # stands in for the quantized copy: same architecture and vocabulary, other weights
     w4.save_pretrained(tmp_path / "quantized")
     load_tokenizer(str(tiny_setup / "target")).save_pretrained(tmp_path / "quantized")
-    metrics = eagle.train(compose(tiny_setup, tmp_path, "train.feature_source=w4", "train.epochs=1", *moved))
+    metrics = eagle.train(settings(tiny_setup, tmp_path, "train.feature_source=w4", "train.epochs=1", *moved))
     assert not (tmp_path / "eagle").exists()
     config = json.loads((tmp_path / "heads" / "w4_features" / "config.json").read_text())["polyspec"]
     assert config["feature_source"] == "w4"
     assert config["training"]["feature_model_hash"] == weights_hash(w4) != config["target"]["weights_hash"]
-    target_metrics = eagle.train(compose(tiny_setup, tmp_path / "t", "train.epochs=1"))
+    target_metrics = eagle.train(settings(tiny_setup, tmp_path / "t", "train.epochs=1"))
     assert metrics["train/loss"] != pytest.approx(target_metrics["train/loss"], rel=1e-3)
 
 
 def test_verifier_replies_are_its_own_greedy_answers_generated_once(tiny_setup, tmp_path, monkeypatch):
     """train.replies=verifier: each example is a first user turn plus the feature model's greedy reply
     (batched left-padded generation = the prompt alone), cached by key and reused without generating."""
-    cfg = compose(tiny_setup, tmp_path, "train.replies=verifier", "train.regenerate.max_new_tokens=6",
-                  "train.regenerate.batch=3")
+    verifier_replies = settings(tiny_setup, tmp_path, "train.replies=verifier", "train.regenerate.max_new_tokens=6",
+                                "train.regenerate.batch=3")
     target = LlamaForCausalLM.from_pretrained(tiny_setup / "target").eval()
     tokenizer = load_tokenizer(str(tiny_setup / "target"))
-    examples, _ = train_examples.load_examples(cfg, tokenizer, FeatureSource(target, weights_hash(target)))
+    examples, _ = train_examples.load_examples(verifier_replies, tokenizer, FeatureSource(target, weights_hash(target)))
     assert len(examples) == 16 and len(list((tmp_path / "eagle_features").glob("replies-*.json"))) == 1
     for example in examples[:4]:
         prompt = example.input_ids[~example.loss_mask]
@@ -250,28 +253,28 @@ def test_verifier_replies_are_its_own_greedy_answers_generated_once(tiny_setup, 
         alone = target.generate(input_ids=prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                 max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.eos_token_id)[0, len(prompt):]
         assert example.input_ids[len(prompt):].tolist() == alone[: example.loss_mask.sum()].tolist()
-    metrics = eagle.train(compose(tiny_setup, tmp_path, "train.replies=verifier", "train.regenerate.max_new_tokens=6",
+    metrics = eagle.train(settings(tiny_setup, tmp_path, "train.replies=verifier", "train.regenerate.max_new_tokens=6",
                                   "train.regenerate.batch=3", "train.epochs=1"))
     assert torch.isfinite(torch.tensor(metrics["train/loss"]))
     monkeypatch.setattr(train_examples.replies, "greedy_replies",
                         lambda *a: pytest.fail("cached replies were regenerated"))
-    again, _ = train_examples.load_examples(cfg, tokenizer, FeatureSource(target, weights_hash(target)))
+    again, _ = train_examples.load_examples(verifier_replies, tokenizer, FeatureSource(target, weights_hash(target)))
     assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(examples, again))
     with pytest.raises(pytest.fail.Exception, match="regenerated"):  # another model: another key, never the old file
-        train_examples.load_examples(cfg, tokenizer, FeatureSource(tiny_llama(7), "other-weights"))
+        train_examples.load_examples(verifier_replies, tokenizer, FeatureSource(tiny_llama(7), "other-weights"))
 
 
 def test_feature_store_is_sized_first_reused_and_rebuilt_when_its_key_changes(tiny_setup, tmp_path, capsys):
     """The store holds the verifier's exact features, is reused by a re-run (same result), and a store for
     other data is never read: a new key builds a new store and the stale one is removed."""
-    first = eagle.train(compose(tiny_setup, tmp_path))
+    first = eagle.train(settings(tiny_setup, tmp_path))
     out = capsys.readouterr().out
     assert "feature store: 16 conversations" in out and " MiB in " in out
     (store_dir,) = (tmp_path / "eagle_features").iterdir()
     meta = json.loads((store_dir / "meta.json").read_text())
     assert meta["key"] == store_dir.name and meta["conversations"] == 16
     target = LlamaForCausalLM.from_pretrained(tiny_setup / "target")
-    examples, _ = train_examples.load_examples(compose(tiny_setup, tmp_path),
+    examples, _ = train_examples.load_examples(settings(tiny_setup, tmp_path),
                                                load_tokenizer(str(tiny_setup / "target")), FeatureSource(target, ""))
     stored = eagle.store.build_or_load(FeatureSource(target, weights_hash(target)), [e.input_ids for e in examples],
                                        StoreSettings(tmp_path / "eagle_features", "bfloat16", 4))
@@ -279,10 +282,10 @@ def test_feature_store_is_sized_first_reused_and_rebuilt_when_its_key_changes(ti
         online = target.model(input_ids=examples[5].input_ids[None]).last_hidden_state[0]
     torch.testing.assert_close(stored[5]["features"].float(), online, rtol=1e-2, atol=1e-2)  # bf16 storage
     capsys.readouterr()
-    again = eagle.train(compose(tiny_setup, tmp_path))
+    again = eagle.train(settings(tiny_setup, tmp_path))
     assert f"feature store: reusing {store_dir}" in capsys.readouterr().out
     assert again["train/loss"] == first["train/loss"]
-    eagle.train(compose(tiny_setup, tmp_path, "train.max_conversations=12"))
+    eagle.train(settings(tiny_setup, tmp_path, "train.max_conversations=12"))
     assert "feature store: reusing" not in capsys.readouterr().out
     (new_dir,) = (tmp_path / "eagle_features").iterdir()
     assert new_dir.name != store_dir.name
@@ -291,13 +294,13 @@ def test_feature_store_is_sized_first_reused_and_rebuilt_when_its_key_changes(ti
 def test_loss_on_all_tokens_reuses_the_store_and_counts_every_real_position(tiny_setup, tmp_path, capsys):
     """train.loss_tokens=all: the loss covers user and template tokens too (their features are stored
     anyway), padding never; the store does not depend on which tokens carry the loss, so it is reused."""
-    replies = eagle.train(compose(tiny_setup, tmp_path))
+    replies = eagle.train(settings(tiny_setup, tmp_path))
     capsys.readouterr()
-    everything = eagle.train(compose(tiny_setup, tmp_path, "train.loss_tokens=all"))
+    everything = eagle.train(settings(tiny_setup, tmp_path, "train.loss_tokens=all"))
     assert "feature store: reusing" in capsys.readouterr().out
     assert everything["train/loss"] != replies["train/loss"]
     tokenizer = load_tokenizer(str(tiny_setup / "target"))
-    examples, _ = train_examples.load_examples(compose(tiny_setup, tmp_path), tokenizer,
+    examples, _ = train_examples.load_examples(settings(tiny_setup, tmp_path), tokenizer,
                                                FeatureSource(tiny_llama(0), ""))
     batch = examples[:2]
     features = [{"features": torch.zeros(len(e.input_ids), 32)} for e in batch]
@@ -368,7 +371,7 @@ def test_two_process_torchrun_matches_one_process_with_the_same_global_batch(tin
 
 
 def test_bf16_training_keeps_bf16_head_weights(tiny_setup, tmp_path):
-    eagle.train(compose(tiny_setup, tmp_path, "train.precision=bf16", "train.zero_stage=1", "train.epochs=1"))
+    eagle.train(settings(tiny_setup, tmp_path, "train.precision=bf16", "train.zero_stage=1", "train.epochs=1"))
     weights = head_weights(tmp_path)
     # the token map, not a weight
     assert "draft_vocab" not in weights and (tmp_path / "eagle" / "draft_vocab.json").is_file()
@@ -388,7 +391,7 @@ def test_short_real_training_beats_the_untrained_head(tmp_path):
             f"run_dir={tmp_path}", "train.max_conversations=64", "train.max_len=256", "train.epochs=1",
             "train.grad_accum=2", "train.max_steps=10", "train.eval_every=0", "train.eval.conversations=8",
             "train.eval.gen_tokens=32", *UNUSED_GROUPS])
-    metrics = eagle.train(cfg)
+    metrics = eagle.train(train_settings.of(cfg))
     assert metrics["train/steps"] == 10
     assert metrics["eval/top1_depth1"] > 0.03
     assert metrics["eval/acceptance_length_depth4"] > metrics["untrained/acceptance_length_depth4"] + 0.03
@@ -435,7 +438,7 @@ def test_eagle3_training_lowers_the_loss_and_writes_a_loadable_head(tiny_setup, 
                 losses.append((metrics["train/loss"], metrics["train/top1"]))
 
     monkeypatch.setattr(eagle, "Tracker", Recording)
-    metrics = eagle.train(compose(tiny_setup, tmp_path, "train=eagle3", "train.max_conversations=4", "train.epochs=8",
+    metrics = eagle.train(settings(tiny_setup, tmp_path, "train=eagle3", "train.max_conversations=4", "train.epochs=8",
                                   "train.grad_accum=1", "train.lr=5e-3", "train.unroll=3", "train.aux_layers=[0,1,1]"))
     assert metrics["train/steps"] == 16 and len(losses) == 16
     first, last = [sum(x[k] for x in losses[:4]) for k in (0, 1)], [sum(x[k] for x in losses[-4:]) for k in (0, 1)]
@@ -458,7 +461,7 @@ def test_eagle3_training_lowers_the_loss_and_writes_a_loadable_head(tiny_setup, 
 
 def test_eagle3_interrupt_then_resume_gives_the_same_weights(tiny_setup, tmp_path, monkeypatch):
     extra = ("train=eagle3", "train.unroll=2")
-    eagle.train(compose(tiny_setup, tmp_path / "straight", *extra))
+    eagle.train(settings(tiny_setup, tmp_path / "straight", *extra))
 
     class InterruptAtStep3(eagle.Tracker):
         def log(self, metrics, step=None):
@@ -468,10 +471,10 @@ def test_eagle3_interrupt_then_resume_gives_the_same_weights(tiny_setup, tmp_pat
 
     monkeypatch.setattr(eagle, "Tracker", InterruptAtStep3)
     with pytest.raises(eagle.TrainingInterrupted, match="interrupted at step 3/8"):
-        eagle.train(compose(tiny_setup, tmp_path / "interrupted", *extra))
+        eagle.train(settings(tiny_setup, tmp_path / "interrupted", *extra))
     assert (tmp_path / "interrupted" / "eagle3_checkpoints" / "latest").read_text() == "step0000003"
     monkeypatch.undo()
-    metrics = eagle.train(compose(tiny_setup, tmp_path / "interrupted", *extra, "train.resume=true"))
+    metrics = eagle.train(settings(tiny_setup, tmp_path / "interrupted", *extra, "train.resume=true"))
     assert metrics["train/steps"] == 8
     straight = load_file(str(tmp_path / "straight" / "eagle3" / "model.safetensors"))
     resumed = load_file(str(tmp_path / "interrupted" / "eagle3" / "model.safetensors"))
@@ -482,8 +485,8 @@ def test_eagle3_interrupt_then_resume_gives_the_same_weights(tiny_setup, tmp_pat
 
 def test_eagle3_config_errors_are_one_line(tiny_setup, tmp_path):
     with pytest.raises(eagle.TrainError, match=r"train.method='eagle4': must be one of eagle, eagle3"):
-        eagle.validate(compose(tiny_setup, tmp_path, "train.method=eagle4"))
+        settings(tiny_setup, tmp_path, "train.method=eagle4")
     with pytest.raises(eagle.TrainError, match=r"an EAGLE-3 head .* starts random"):
-        eagle.validate(compose(tiny_setup, tmp_path, "train=eagle3", "train.init=target_last_layer"))
+        settings(tiny_setup, tmp_path, "train=eagle3", "train.init=target_last_layer")
     with pytest.raises(HeadError, match=r"aux layers must be layer ids in \[0, 2\)"):
-        eagle.train(compose(tiny_setup, tmp_path, "train=eagle3", "train.aux_layers=[0,1,5]"))
+        eagle.train(settings(tiny_setup, tmp_path, "train=eagle3", "train.aux_layers=[0,1,5]"))

@@ -1,0 +1,102 @@
+"""quantize's door: `python -m quantize.w4`'s and `python -m quantize.kernels`' settings, read once from the Hydra
+config into frozen values (infra.settings.parse; conf/quantize/w4.yaml documents every key)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from data.settings import DataSettings, ModelSettings, data_of, model_of
+from infra.cli import flag
+from infra.layout import RunLayout
+from infra.settings import Tracking, checked, device_of, layout_of, parse, tracking_of
+from quantize.errors import QuantizeError
+
+FLAGS = ("overwrite", "skip_if_valid", "sym", "desc_act", "act_group_aware", "true_sequential")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """quantize.calibration: the chat-templated training conversations GPTQ calibrates on."""
+
+    samples: int
+    min_len: int
+    max_len: int
+    batch_size: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class W4Evaluation:
+    """quantize.eval: what the stage measures of the W4 model against the target (the timing keys: quantize.kernels
+    too)."""
+
+    ppl_conversations: int
+    ppl_max_len: int
+    agreement_prompts: int
+    max_prompt_len: int
+    continuation_tokens: int
+    draft_depth: int
+    timing_context: int
+    timing_repeats: int
+    timing_tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """The quantize section: GPTQ's settings, the output's handling, calibration and evaluation."""
+
+    output: Path
+    overwrite: bool
+    skip_if_valid: bool
+    bits: int
+    group_size: int
+    sym: bool
+    desc_act: bool
+    act_group_aware: bool
+    damp_percent: float
+    damp_auto_increment: float
+    true_sequential: bool
+    mse: float
+    cpu_workers: int | None
+    calibration: Calibration
+    eval: W4Evaluation
+
+
+@dataclass(frozen=True)
+class W4Settings:
+    """`python -m quantize.w4`: the quantization, the model it quantizes, the data it calibrates on and the run."""
+
+    quantize: Quantization
+    model: ModelSettings
+    data: DataSettings
+    seed: int
+    layout: RunLayout
+    device: torch.device
+    tracking: Tracking
+
+
+@dataclass(frozen=True)
+class KernelsSettings:
+    """`python -m quantize.kernels`: the target, the held-out data for the timing context, the timing itself, and the
+    run (where the W4 model is and the report goes)."""
+
+    model: ModelSettings
+    data: DataSettings
+    timing: W4Evaluation
+    layout: RunLayout
+
+
+def w4_of(cfg: Any) -> W4Settings:
+    """The flags first, each strictly true or false ('false' would be truthy) with its one-line QuantizeError."""
+    for key in FLAGS:
+        flag(cfg.quantize, key, error=QuantizeError)
+    return W4Settings(parse(Quantization, cfg.quantize, "quantize", QuantizeError), model_of(cfg), data_of(cfg),
+                      checked(int, cfg.seed, "seed"), layout_of(cfg), device_of(cfg), tracking_of(cfg))
+
+
+def kernels_of(cfg: Any) -> KernelsSettings:
+    return KernelsSettings(model_of(cfg), data_of(cfg), parse(W4Evaluation, cfg.quantize.eval, "quantize.eval",
+                                                              QuantizeError), layout_of(cfg))
