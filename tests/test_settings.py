@@ -37,7 +37,7 @@ def test_a_section_parses_into_its_frozen_value_with_defaults_for_what_is_absent
 @pytest.mark.parametrize("raw, message", [
     ({"resume": "false"}, "s.resume must be bool, got 'false'"),
     ({"method": "medusa"}, "s.method must be one of eagle, eagle3"),
-    ({"inner": {"dept": 1}}, "s.inner.dept: unknown key"),
+    ({"inner": {"dept": 1}}, "s.inner: unknown key 'dept'"),
     ({"steps": "10"}, "s.steps must be int"),
     ({"triple": [1, 2]}, "s.triple must be a list of 3"),
     ({"lr": True}, "s.lr must be float"),

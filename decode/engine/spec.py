@@ -4,12 +4,11 @@ planner returns a new spec (`with_knobs`); the published manifest serialises it 
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from decode.engine.errors import DecodeError
+from infra import schema
 
 
 class SpecError(DecodeError, ValueError):
@@ -124,36 +123,6 @@ class ChainSpec:
 
 
 def parse(cls: type, raw: Any, where: str) -> Any:
-    """An instance of dataclass `cls` from a mapping, each value checked against the field's annotation
-    (Literal choices, int, str, Optional, nested dataclasses); unknown keys refused. SpecError names the key."""
-    if dataclasses.is_dataclass(raw) and isinstance(raw, cls):
-        return raw
-    if not isinstance(raw, dict):
-        raise SpecError(f"{where}: expected a mapping, got {raw!r}")
-    hints = typing.get_type_hints(cls)
-    unknown = sorted(set(raw) - set(hints))
-    if unknown:
-        raise SpecError(f"{where}: unknown key {unknown[0]!r}; known: {', '.join(hints)}")
-    return cls(**{key: _value(hints[key], value, f"{where}: {key}") for key, value in raw.items()})
-
-
-def _value(hint: Any, value: Any, where: str) -> Any:
-    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
-    if value is None:
-        if type(None) in options:
-            return None
-        raise SpecError(f"{where} must be set, got null")
-    for option in (o for o in options if o is not type(None)):
-        if typing.get_origin(option) is Literal:
-            if value in typing.get_args(option):
-                return value
-            raise SpecError(f"{where} must be one of {', '.join(map(str, typing.get_args(option)))}, got {value!r}")
-        if dataclasses.is_dataclass(option):
-            return parse(option, value, where)
-        if option is int and isinstance(value, int) and not isinstance(value, bool):
-            if value < 1:
-                raise SpecError(f"{where} must be >= 1, got {value}")
-            return value
-        if option is str and isinstance(value, (str, int)) and not isinstance(value, bool):
-            return str(value)
-    raise SpecError(f"{where} must be {' or '.join(getattr(o, '__name__', str(o)) for o in options)}, got {value!r}")
+    """An instance of dataclass `cls` from a mapping, every value checked against its field's annotation, every
+    count at least 1 (infra.schema); unknown keys refused. SpecError names the key."""
+    return schema.parse(cls, raw, where, SpecError, least=1)
