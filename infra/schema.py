@@ -78,6 +78,8 @@ def checked(hint: Any, value: Any, where: str, error: type[Exception] = ConfigEr
         return str(value)
     if hint is Path and isinstance(value, (str, Path)):
         return Path(value).expanduser()
+    if hint is bool:  # as infra.cli.flag says it: a string such as 'false' would be truthy
+        raise error(f"{where} must be true or false, got {value!r} ({type(value).__name__})")
     raise error(f"{where} must be {_names((hint,))}, got {value!r} ({type(value).__name__})")
 
 

@@ -35,7 +35,7 @@ def test_a_section_parses_into_its_frozen_value_with_defaults_for_what_is_absent
 
 
 @pytest.mark.parametrize("raw, message", [
-    ({"resume": "false"}, "s.resume must be bool, got 'false'"),
+    ({"resume": "false"}, "s.resume must be true or false, got 'false'"),
     ({"method": "medusa"}, "s.method must be one of eagle, eagle3"),
     ({"inner": {"dept": 1}}, "s.inner: unknown key 'dept'"),
     ({"steps": "10"}, "s.steps must be int"),

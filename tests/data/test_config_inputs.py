@@ -158,37 +158,42 @@ def eval_config(tmp_path, *overrides: str):
     ("eval.per_category=0", r"eval\.per_category must be null or an integer >= 1, got 0"),
 ])
 def test_eval_refuses_bad_config_values_before_any_work(tmp_path, override, message):
-    from decode.evaluation import EvalError
+    from decode.engine.errors import DecodeError
     from decode.eval import run
+    from decode.evaluation import EvalError
+    from decode.settings import eval_of
 
-    with pytest.raises(EvalError, match=message) as err:
-        run(eval_config(tmp_path, override))
+    with pytest.raises((EvalError, DecodeError), match=message) as err:
+        run(eval_of(eval_config(tmp_path, override)))
     assert "\n" not in str(err.value) and not any(tmp_path.iterdir())
 
 
 def test_eval_refuses_an_unwritable_output_before_decoding(tmp_path, monkeypatch):
     from decode.evaluation import EvalError
     from decode.eval import run
+    from decode.settings import eval_of
 
     read_only_mount(monkeypatch)
     with pytest.raises(EvalError, match=r"^eval.out_dir=.*eval: cannot write there \(.*Read-only file system\)$"):
-        run(eval_config(tmp_path))
+        run(eval_of(eval_config(tmp_path)))
 
 
 def test_bench_refuses_an_unwritable_output_before_decoding(tmp_path, monkeypatch):
-    from infra.cli import ConfigError
     from decode.bench import run
+    from decode.settings import bench_of
+    from infra.cli import ConfigError
 
     read_only_mount(monkeypatch)
     with pytest.raises(ConfigError,
                        match=r"^decode.bench.out=.*bench.json: cannot write there \(.*Read-only file system\)$"):
-        run(eval_config(tmp_path))  # nothing is loaded: the output check comes first
+        run(bench_of(eval_config(tmp_path)))  # nothing is loaded: the output check comes first
 
 
 def test_eval_refuses_an_output_path_that_is_a_file(tmp_path):
     from decode.evaluation import EvalError
     from decode.eval import run
+    from decode.settings import eval_of
 
     (tmp_path / "publish").write_text("not a folder")
     with pytest.raises(EvalError, match=r"^eval.publish.dir=.*publish: exists and is not a folder$"):
-        run(eval_config(tmp_path))
+        run(eval_of(eval_config(tmp_path)))
