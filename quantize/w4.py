@@ -22,7 +22,6 @@ from transformers import PreTrainedModel
 
 from data.models import load_model, load_tokenizer, resolve_model_path, weights_hash
 from data.sharegpt import load_split
-from data.settings import ModelSettings
 from infra.cli import check_writable, run_main
 from infra.layout import RunLayout
 from infra.tracking import replace_dir
@@ -92,10 +91,10 @@ def quantize_into(tmp: Path, src: str, calibration: list[list[int]], meta: dict[
     return quantize_s
 
 
-def measured(tmp: Path, src: str, target: PreTrainedModel, held_out: list, q: Quantization, model: ModelSettings,
-             device: torch.device) -> dict[str, Any]:
+def measured(tmp: Path, src: str, target: PreTrainedModel, held_out: list, settings: W4Settings) -> dict[str, Any]:
     """The W4 model in `tmp` evaluated against the target, with the numbers of how it was made."""
-    w4, _ = load_model(str(tmp), dtype=model.dtype, device=device)
+    q, device = settings.quantize, settings.device
+    w4, _ = load_model(str(tmp), dtype=settings.model.dtype, device=device)
     metrics = evaluate(target, w4, load_tokenizer(src), held_out, q.eval)
     groups = json.loads((tmp / "config.json").read_text())["quantization_config"]["meta"]["polyspec"]["groups"]
     return metrics | {"device": str(device), "size_mb_target": folder_mb(src),
@@ -128,7 +127,7 @@ def run(settings: W4Settings) -> Path:
     tracker = Tracker(settings.tracking, "quantize")
     try:
         quantize_s = quantize_into(tmp, src, calibration, meta, q, device)
-        metrics = measured(tmp, src, target, held_out, q, settings.model, device) | {
+        metrics = measured(tmp, src, target, held_out, settings) | {
             "quantize_s": quantize_s, "calibration_samples": len(calibration), "calibration_tokens": tokens}
         write_json_atomic(tmp / "metrics.json", metrics)
         replace_dir(tmp, out)

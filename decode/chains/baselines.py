@@ -4,7 +4,7 @@ speedup is measured against, and the greedy reference for losslessness), and tra
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, Callable
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
@@ -31,20 +31,50 @@ def _truncate(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
     return tokens
 
 
+Choose = Callable[[torch.Tensor, int], int]  # (the logits at a position, how many tokens came before) -> a token
+
+
 def autoregressive(
     target: PreTrainedModel | Prepared, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling = GREEDY,
-    eos_token_id: int | list[int] | None = None, runner: Runner | None = None, forced: Sequence[int] = (),
-    margins: list[tuple[float, list[int]]] | None = None,
+    eos_token_id: int | list[int] | None = None, runner: Runner | None = None,
 ) -> Generation:
     """One token per forward with a KV cache, sampling with the same logits processing as the chain; the target runs
     as a chain's target level does (a runner of the prepared target, its LM head): the reference is the chain's own
     forward. `runner`: one of the target's to reuse, reset first (a CUDA runner keeps its captured graphs); None: a
-    new one. `forced`: tokens taken in place of the first choices; `margins`: a list to receive each position's
-    relative top-2 margin and top-2 tokens (greedy_margins)."""
+    new one."""
+    gen = sampling.generator(as_prepared(target).model.device)
+
+    def choose(logits: torch.Tensor, _: int) -> int:
+        return int(logits.argmax()) if sampling.greedy else sample(probabilities(logits, sampling), gen)
+
+    return _one_token_at_a_time(as_prepared(target), prompt_ids, max_new_tokens, eos_token_id, runner, choose)
+
+
+def greedy_margins(
+    target: PreTrainedModel | Prepared, prompt_ids: list[int], forced: list[int], max_new_tokens: int,
+    eos_token_id: int | list[int] | None = None,
+) -> tuple[list[int], list[tuple[float, list[int]]]]:
+    """Greedy decoding as `autoregressive` runs it, taking the `forced` tokens in place of its first choices; with
+    each position's relative top-2 margin and top-2 tokens, read from the logits of the forward that chose the token
+    there: the near-tie check's evidence comes from the arithmetic that decided, not from another forward that may
+    round differently."""
+    margins: list[tuple[float, list[int]]] = []
+
+    def choose(logits: torch.Tensor, position: int) -> int:
+        top = torch.topk(logits.float(), 2)
+        a, b = top.values.tolist()
+        margins.append(((a - b) / max(abs(a), 1e-12), top.indices.tolist()))
+        return forced[position] if position < len(forced) else int(logits.argmax())
+
+    tokens = _one_token_at_a_time(as_prepared(target), prompt_ids, max_new_tokens, eos_token_id, None, choose).tokens
+    return tokens, margins
+
+
+def _one_token_at_a_time(prepared: Prepared, prompt_ids: list[int], max_new_tokens: int, eos_token_id: Any,
+                         runner: Runner | None, choose: Choose) -> Generation:
+    """The loop both references share: a prefill, then one-token forwards, each token `choose`n from its logits."""
     check_new_tokens(max_new_tokens)
-    prepared = as_prepared(target)
     model, device = prepared.model, prepared.model.device
-    gen = sampling.generator(device)
     eos, stats = _eos_set(eos_token_id), LevelStats("target", "model")
     head, new, ttft = prepared.lm_head, [], 0.0
     runner = runner or prepared.new_runner()
@@ -59,35 +89,13 @@ def autoregressive(
             if new:  # as in the chain, stats describe decoding steps; the prefill is time_to_first_token_s
                 stats.forward_calls += 1
                 stats.verify_time_s += synchronized_clock(device) - t0
-            if margins is not None:
-                top = torch.topk(logits.float(), 2)
-                a, b = top.values.tolist()
-                margins.append(((a - b) / max(abs(a), 1e-12), top.indices.tolist()))
-            if len(new) < len(forced):
-                token = forced[len(new)]
-            else:
-                token = int(logits.argmax()) if sampling.greedy else sample(probabilities(logits, sampling), gen)
-            new.append(token)
-            ids = [token]
+            new.append(choose(logits, len(new)))
+            ids = [new[-1]]
             if len(new) == 1:
                 ttft = time.perf_counter() - start
     wall = time.perf_counter() - start
     stats.bookkeeping_time_s = wall - ttft - stats.verify_time_s
     return Generation(new, GenerationStats(wall, ttft, len(new), 0.0, [stats]))
-
-
-def greedy_margins(
-    target: PreTrainedModel | Prepared, prompt_ids: list[int], forced: list[int], max_new_tokens: int,
-    eos_token_id: int | list[int] | None = None,
-) -> tuple[list[int], list[tuple[float, list[int]]]]:
-    """Greedy decoding as `autoregressive` runs it, taking the `forced` tokens in place of its first choices; with
-    each position's relative top-2 margin and top-2 tokens, read from the logits of the forward that chose the token
-    there: the near-tie check's evidence comes from the arithmetic that decided, not from another forward that may
-    round differently."""
-    margins: list[tuple[float, list[int]]] = []
-    tokens = autoregressive(target, prompt_ids, max_new_tokens, GREEDY, eos_token_id, forced=forced,
-                            margins=margins).tokens
-    return tokens, margins
 
 
 class _FirstTokenClock(BaseStreamer):
