@@ -65,7 +65,7 @@ def run(settings: EvalSettings) -> int:
     sampled = decode_sampled({n: decoders[n] for n in settings.specs}, questions[: t33.questions], tokenizer,
                              section.max_new_tokens, t33.temperature, t33.seed) if t33.questions else {}
     chains = ({name: spec.as_config() for name, spec in settings.specs.items()}
-              | {p["chain"]: p["levels"] for p in plans.values()})
+              | {p["chain"]: p["levels"] for p in plans.values() if "planned" in p["decoded"]})
     decoded = Decoded(records, chains, len(questions), plans, sampled)
 
     def reference_fn(prompt: list[int], forced: list[int], n: int):

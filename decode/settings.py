@@ -225,6 +225,7 @@ class PlanSettings:
     ks: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     repeats: int = 5
     context: int = 192
+    stacks: int = 2  # 0: plan only the configured chains
 
 
 @dataclass(frozen=True)
@@ -315,6 +316,8 @@ def eval_of(cfg: Any) -> EvalSettings:
         value = getattr(section, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise EvalError(f"eval.{key} must be >= {least} (an integer), got {value!r}")
+    if section.plan.stacks < 0:
+        raise EvalError(f"eval.plan.stacks must be >= 0 (an integer), got {section.plan.stacks!r}")
     per_category = section.per_category
     if per_category is not None and (isinstance(per_category, bool) or not isinstance(per_category, int)
                                      or per_category < 1):

@@ -4,8 +4,9 @@ planner returns a new spec (`with_knobs`); the published manifest serialises it 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Iterable, Literal
 
 from decode.engine.errors import DecodeError
 from infra import schema
@@ -120,6 +121,37 @@ class ChainSpec:
 
     def as_config(self) -> list[dict[str, Any]]:
         return [level.as_config() for level in self.levels]
+
+
+def _identity(level: LevelSpec) -> LevelSpec:
+    """What a level loads and how it runs, without the knobs the planner sets (mu, draft)."""
+    return dataclasses.replace(level, mu=1, draft=None)
+
+
+def stacks(chains: Iterable[ChainSpec]) -> dict[str, list[dict[str, Any]]]:
+    """Every chain the levels of `chains` allow, as level lists by name ("target<-w4<-head"), the configured chains'
+    own stacks left out: the target, any subset of the model levels as middle levels (in the order they first
+    appear), and any other level as the drafter. A drafter keeps its configured draft only where it drafted;
+    ChainSpec.parse fills in the rest. Stacks whose level names would repeat are skipped."""
+    chains = list(chains)
+    pool: dict[LevelSpec, LevelSpec] = {}
+    for chain in chains:
+        for level in chain.levels[1:]:
+            pool.setdefault(_identity(level), level)
+    taken = {tuple(_identity(level) for level in chain.levels) for chain in chains}
+    middles = [level for level in pool.values() if level.kind == "model"]
+    found: dict[str, list[dict[str, Any]]] = {}
+    for drafter in pool.values():
+        others = [level for level in middles if _identity(level) != _identity(drafter)]
+        for size in range(len(others) + 1):
+            for chosen in itertools.combinations(others, size):
+                levels = (chains[0].levels[0], *chosen, drafter)
+                names = [level.name for level in levels]
+                if tuple(_identity(level) for level in levels) in taken or len(set(names)) < len(names):
+                    continue
+                raw = [{k: v for k, v in level.as_config().items() if k != "draft"} for level in levels[:-1]]
+                found["<-".join(names)] = raw + [drafter.as_config()]
+    return found
 
 
 def parse(cls: type, raw: Any, where: str) -> Any:

@@ -202,8 +202,9 @@ def evaluate(decoded: Decoded, reference_fn: ReferenceFn, checks: CheckSettings,
              reference: str = "ar") -> dict[str, Any]:
     """Everything the report holds, computed from the decoded records: summaries, theory, checks, plans.
 
-    `decoded.plans` maps a configured chain to its plan (decode.chains.plan.plan_chain, plus "chain": the planned
-    chain's name); insertions pair configured chains with configured ones and planned with planned."""
+    `decoded.plans` maps a configured chain or a searched stack to its plan (decode.chains.plan.plan_chain, plus
+    "chain": the planned chain's name, "decoded": the sides decoded); insertions pair configured chains and stacks
+    with each other and planned chains with planned ones."""
     records, chains, plans, confidence = decoded.records, decoded.names, decoded.plans, checks.confidence
     summaries = {name: summarize(recs) for name, recs in records.items()}
     rows = {name: [record_row(r, ref) for r, ref in zip(recs, records[reference])] for name, recs in records.items()}
@@ -220,7 +221,7 @@ def evaluate(decoded: Decoded, reference_fn: ReferenceFn, checks: CheckSettings,
                         "time_speedup_interval": speedup_interval(records[name], records[reference], confidence)}
                  for name in records if name != reference and name not in chains}
     planned = {plan["chain"] for base, plan in plans.items() if plan["chain"] != base}
-    groups = [[n for n in chains if n not in planned], [plan["chain"] for plan in plans.values()]]
+    groups = [[n for n in chains if n not in planned], [p["chain"] for p in plans.values() if p["chain"] in chains]]
     pairs = {(i["with"], i["without"], i["index"]): i
              for g in groups for i in find_insertions({n: chains[n] for n in g})}
     insertions = [evaluate_insertion(ins, summaries, checks.insertion_rule) for ins in pairs.values()]
@@ -231,7 +232,8 @@ def evaluate(decoded: Decoded, reference_fn: ReferenceFn, checks: CheckSettings,
         ins["measured_gain"] = speedup_interval(records[ins["with"]], records[ins["without"]], confidence)
     per_token = {name: s["decode_time_s"] / max(s["decode_tokens"], 1) for name, s in summaries.items()}
     for base, plan in plans.items():  # the planner's predictions against what the chains measured
-        for side, name in (("configured", base), ("planned", plan["chain"])):
+        for side in plan["decoded"]:
+            name = base if side == "configured" else plan["chain"]
             plan[side] |= {"measured_s_per_token": per_token[name],
                            "measured_speedup": per_token[reference] / per_token[name],
                            "error": plan[side]["predicted"]["s_per_token"] / per_token[name] - 1}

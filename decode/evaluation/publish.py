@@ -109,7 +109,8 @@ def chain_manifest(
             entry["source"] = str(level.get("model") or level.get("path"))  # a hub id, or `untrained`
         levels.append(entry)
     summary, result = report["summaries"][name], report["chains"][name]
-    plan = next(({"base": base, "published": "planned" if name != base else "configured", **p}
+    plan = next(({"base": base, "published": "stack" if p.get("stack") else "planned" if name != base else "configured",
+                  **p}
                  for base, p in report["plans"].items() if name in (base, p["chain"])), None)
     manifest = {
         "chain": name, "run_name": where.run_name, "levels": levels, "plan": plan,

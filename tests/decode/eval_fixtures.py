@@ -68,7 +68,7 @@ QUESTIONS = [
 
 
 def eval_cfg(run_dir, chains: dict, force: bool = False, tolerance: float = 0.3, rule: str = "both",
-             publish: str = "best"):
+             publish: str = "best", stacks: int = 2):
     """The eval config as decode.eval.conclude and plan_chains read it (the chains' level lists only carry
     names and sources here)."""
     return OmegaConf.create({
@@ -81,7 +81,7 @@ def eval_cfg(run_dir, chains: dict, force: bool = False, tolerance: float = 0.3,
                        "agreement_tolerance": tolerance},
             "plan": {"enabled": True, "chains": None, "questions": 2, "max_new_tokens": 12, "mu": [1, 2, 4],
                      "lengths": [1, 2, 4], "min_gain": 0.0, "trees": [], "costs": None, "ks": [1, 4, 8], "repeats": 1,
-                     "context": 32},
+                     "context": 32, "stacks": stacks},
             "theorem_3_3": {"questions": 2, "temperature": 1.0, "seed": 0},
             "publish": {"chain": publish, "dir": f"{run_dir}/publish", "force": force, "lineage": []},
         },

@@ -71,7 +71,12 @@ def test_smoke_eval_on_the_bundled_model_evaluates_every_check(tmp_path):
     assert checks["lossless"]["passed"], checks["lossless"]["reasons"]
     assert report["questions"] == 3 and list(report["categories"]) == ["writing", "translation", "math"]
     assert {i["level"] for i in report["insertions"]} == {"exit12"}  # configured chains, and planned ones
-    assert set(report["plans"]) == {"dualistic", "polybasic"}
+    # the planner also searched the one other stack these levels allow, and decoded it (eval.plan.stacks: 2)
+    assert set(report["plans"]) == {"dualistic", "polybasic", "target<-exit12"}
+    stack = report["plans"]["target<-exit12"]
+    assert stack["stack"] and stack["decoded"] == ["planned"] and "configured" not in stack
+    assert stack["planned"]["measured_s_per_token"] > 0 and "target<-exit12" in report["chains"]
+    assert stack["levels"][-1]["draft"] == stack["planned"]["knobs"]["draft"]
     published = (tmp_path / "publish" / "chain.json").exists()
     assert published == (proc.returncode == 0) == bool(report["gate"]["admissible"])
     if published:

@@ -72,7 +72,7 @@ def run_eval(models, tmp_path, chains: dict[str, Chain], plan: bool = False, **c
     plans = plan_chains(settings, LevelBuilder(chains), decoders, QUESTIONS[:1], EOS) if plan else {}
     records = decode_questions(decoders, QUESTIONS, ByteTokenizer(), max_new_tokens=12, warmup_tokens=4)
     sampled = decode_sampled({n: decoders[n] for n in chains}, QUESTIONS[:2], ByteTokenizer(), 12, 1.0, 0)
-    levels |= {p["chain"]: p["levels"] for p in plans.values()}
+    levels |= {p["chain"]: p["levels"] for p in plans.values() if "planned" in p["decoded"]}
     decoded = Decoded(records, levels, len(QUESTIONS), plans, sampled)
     reference = lambda p, forced, n: greedy_margins(target, p, forced, n, EOS)  # noqa: E731
     code = conclude(settings, decoded, reference, "hash", Tracker(settings.tracking, "eval"))
@@ -183,3 +183,25 @@ def test_planned_chain_runs_next_to_the_configured_one_and_its_plan_is_published
     if manifest["chain"] == "dualistic_planned":
         assert (manifest["plan"]["published"] == "planned"
                 and manifest["levels"][-1]["config"]["draft"] == plan["planned"]["knobs"]["draft"])
+
+
+def test_a_searched_stack_is_decoded_when_predicted_fastest_and_can_be_published(models, tmp_path):
+    """Only target <- slow W4 <- draft is configured; the planner also plans target <- draft, target <- W4 (the W4
+    drafting) and target <- draft <- W4. The first is predicted fastest, decoded, and published; the W4 insertion
+    fails against it."""
+    code, report, checks = run_eval(models, tmp_path, {"polybasic": slow_polybasic(models)}, plan=True,
+                                    tolerance=100.0, stacks=1)
+    plans = report["plans"]
+    assert set(plans) == {"polybasic", "target<-draft", "target<-w4", "target<-draft<-w4"}
+    assert plans["target<-draft"]["decoded"] == ["planned"] and plans["target<-w4"]["decoded"] == []
+    assert "target<-draft" in report["chains"] and "target<-w4" not in report["chains"]
+    assert "measured_s_per_token" not in plans["target<-w4"]["planned"]
+    assert {(i["with"], i["without"]) for i in report["insertions"]} >= {("polybasic", "target<-draft")}
+    assert code == 0 and report["gate"]["chain"] == "target<-draft", report["gate"]
+    manifest = json.loads((tmp_path / "publish" / "chain.json").read_text())
+    assert manifest["plan"]["published"] == "stack" and manifest["plan"]["base"] == "target<-draft"
+    md = (tmp_path / "eval" / "report.md").read_text()
+    assert "| target<-draft (stack) |" in md and "| target<-w4 (stack) |" in md
+    plans_off = run_eval(models, tmp_path / "off", {"polybasic": slow_polybasic(models)}, plan=True,
+                         tolerance=100.0, stacks=0)[1]["plans"]
+    assert set(plans_off) == {"polybasic"}

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from decode.engine.spec import ChainSpec, Draft, LevelSpec, SpecError
+from decode.engine.spec import ChainSpec, Draft, LevelSpec, SpecError, stacks
 
 POLYBASIC = [{"kind": "model", "name": "target"},
              {"kind": "model", "name": "w4", "model": "w4", "mu": 1, "lm_head": "int8"},
@@ -72,3 +72,28 @@ def test_a_built_chain_leaves_its_spec_unchanged():
     again = builder.build(spec.with_knobs({"mu": {"exit": 1}, "draft": {"mode": "chain", "length": 1}}))
     assert again.levels[1].model is chain.levels[1].model  # loaded once, shared by every chain of the builder
     assert isinstance(spec.levels[1], LevelSpec)
+
+
+DEFAULTS = {"chain": {"length": 4}}
+DUALISTIC = POLYBASIC[:1] + POLYBASIC[2:]
+LOOKUP = [{"kind": "model", "name": "target"}, {"kind": "ngram", "name": "lookup", "draft": {"length": 6}}]
+
+
+def test_stacks_are_every_chain_the_levels_allow_but_the_configured_ones():
+    configured = [ChainSpec.parse(levels, DEFAULTS) for levels in (DUALISTIC, POLYBASIC, LOOKUP)]
+    found = {name: ChainSpec.parse(levels, DEFAULTS) for name, levels in stacks(configured).items()}
+    assert list(found) == ["target<-w4", "target<-w4<-lookup"]  # head and lookup never verify; configured left out
+    w4_drafts = found["target<-w4"].drafter
+    assert w4_drafts.draft == Draft("chain", length=4) and w4_drafts.lm_head == "int8"  # the default draft
+    assert found["target<-w4<-lookup"].levels[1] == configured[1].levels[1]  # the middle level as configured
+    assert found["target<-w4<-lookup"].drafter == configured[2].drafter  # its own draft kept
+    assert "target<-w4<-lookup" not in stacks(configured + [found["target<-w4<-lookup"]])
+
+
+def test_stacks_skip_levels_whose_names_would_repeat():
+    other_w4 = [{"kind": "model", "name": "target"}, {"kind": "model", "name": "w4", "model": "w4", "vocab": "head"},
+                {"kind": "ngram", "name": "lookup"}]
+    configured = [ChainSpec.parse(levels, DEFAULTS) for levels in (POLYBASIC, other_w4)]
+    for name, levels in stacks(configured).items():
+        assert [level["name"] for level in levels] == name.split("<-")
+        ChainSpec.parse(levels, DEFAULTS)  # a valid chain: no two levels named w4
