@@ -10,7 +10,9 @@ each shape is decoded). From it:
   costs     per verifying level a cost curve {tokens fed: seconds per forward} (decode.costs' costs.json
             when it names the level, else timed here with infra.timing), scaled so that it reproduces
             the calibration's forwards of the same sizes; the drafter's measured cost per forward and
-            forwards per round at each shape.
+            forwards per round at each shape;
+  overhead  the engine's own seconds per round of the last verifying level, beside every forward (acceptance,
+            cache crops, drafting logic): a prediction of forwards alone is optimistic by that much.
 A configuration is then predicted without decoding (engine.planner), and the plan is a new spec.
 """
 from __future__ import annotations
@@ -41,6 +43,14 @@ def _per_round(stats: list[GenerationStats], i: int, value: str) -> float:
     rounds = sum(len(s.levels[i].acceptance_lengths) for s in stats)
     total = sum(s.levels[i + 1].forward_calls if value == "beta" else s.levels[i].proposed for s in stats)
     return total / rounds if rounds else 0.0
+
+
+def _overhead(stats: list[GenerationStats], last: int) -> float:
+    """Seconds per round of the last verifying level that the decodes spent beside every level's forwards."""
+    beside = sum(s.wall_time_s - s.time_to_first_token_s
+                 - sum(level.draft_time_s + level.verify_time_s for level in s.levels) for s in stats)
+    rounds = sum(len(s.levels[last].acceptance_lengths) for s in stats)
+    return max(beside, 0.0) / rounds if rounds else 0.0
 
 
 def cost_curves(chain: Chain, context: list[int], plan: PlanSettings) -> tuple[list[dict[int, float]], list[str]]:
@@ -92,10 +102,11 @@ def calibrate(spec: ChainSpec, build: Build, prompts: list[list[int]], plan: Pla
         else:
             shapes += [Shape({**setting, "length": k}, capped(accepted, {k: 1.0}), min(size, k), min(beta, k), cost)
                        for k in lengths]
-    model = ChainModel(curves, [_accepted(pooled, i) for i in range(n - 2)], shapes)
+    overhead = _overhead(pooled, n - 2)
+    model = ChainModel(curves, [_accepted(pooled, i) for i in range(n - 2)], shapes, overhead)
     measured = {
         "prompts": len(prompts), "max_new_tokens": plan.max_new_tokens, "decodes": len(settings) * len(prompts),
-        "mu": mu_max, "seconds": time.perf_counter() - start,
+        "mu": mu_max, "seconds": time.perf_counter() - start, "overhead_ms": 1e3 * overhead,
         "costs": {level.name: {"source": src, "scale": scale, "ms": {k: 1e3 * v for k, v in curve.items()}}
                   for level, src, scale, curve in zip(chain.levels, sources, scales, curves)},
     }

@@ -31,6 +31,7 @@ class ChainModel:
     curves: list[dict[int, float]]  # per verifying level (target first): seconds per forward at k tokens fed
     accepted: list[Dist]  # per verifying level but the last: tokens accepted of what the level below hands up
     shapes: list[Shape]
+    overhead: float = 0.0  # the engine's seconds per round of the last verifying level, beside the forwards
 
 
 def mean(dist: Dist) -> float:
@@ -73,7 +74,7 @@ def predict(model: ChainModel, mus: Sequence[int], shape: Shape) -> dict[str, An
             buffer = first_passage(gain, mus[i - 1])
             handed_up[i - 1] = mean(buffer)
             gain, fed = shift(capped(model.accepted[i - 1], buffer), 1), shift(buffer, 1)
-    seconds = refined_time(lengths, handed_up, shape.beta, 1, costs + [shape.cost])
+    seconds = refined_time(lengths, handed_up, shape.beta, 1, costs + [shape.cost], model.overhead)
     return {"s_per_token": seconds, "L": lengths, "P": handed_up, "beta": shape.beta, "costs_s": costs + [shape.cost]}
 
 

@@ -138,7 +138,7 @@ def _plan_section(report: dict[str, Any]) -> list[str]:
         lines.append(f"- {base}: {plan['candidates']} configurations predicted "
                      f"from {cal['decodes']} calibration decodes "
                      f"({cal['prompts']} held-out prompts x {cal['max_new_tokens']} tokens, mu {cal['mu']}, "
-                     f"{cal['seconds']:.0f}s); cost curves: {costs}.")
+                     f"{cal['seconds']:.0f}s); cost curves: {costs}; overhead {cal['overhead_ms']:.2f} ms a round.")
     return lines
 
 

@@ -30,6 +30,8 @@ def test_two_level_prediction_by_hand():
     p = predict(model, (), shape)
     assert p["L"] == [3] and p["P"] == [] and p["costs_s"] == pytest.approx([0.012, 0.001])
     assert p["s_per_token"] == pytest.approx((0.012 + 3 * 0.001) / 3)
+    busy = dataclasses.replace(model, overhead=0.0015)  # the engine's own 1.5 ms a round, beside the forwards
+    assert predict(busy, (), shape)["s_per_token"] == pytest.approx((0.012 + 3 * 0.001 + 0.0015) / 3)
 
 
 def test_three_level_prediction_by_hand():
@@ -100,5 +102,6 @@ def test_plan_chain_calibrates_a_real_chain_and_predicts_the_configured_values(o
     assert set(plan["calibration"]["costs"]) == {"target", "mid"}
     assert all(c["source"] == "timed" and c["scale"] > 0 for c in plan["calibration"]["costs"].values())
     assert plan["planned"]["predicted"]["speedup"] > 0
+    assert plan["calibration"]["overhead_ms"] > 0  # a real engine spends time beside its forwards
     cautious = plan_chain(spec, build, prompts(300, n=2), dataclasses.replace(settings, min_gain=0.99), eos=None)
     assert cautious["planned"] == cautious["configured"]  # not predicted 99% faster: keep the configured values

@@ -149,6 +149,8 @@ def test_refined_three_levels_by_hand():
 def test_refined_four_levels_multiplies_what_each_level_hands_up():
     # R_1 = 10/2 = 5; R_2 = 5 * 3 / 1.5 = 10; R_3 = 10 * 2 / 2 = 10; drafter 2 * 10 = 20 forwards
     assert refined_time([2, 1.5, 2], [3, 2], 2, 10, [8, 4, 2, 1]) == pytest.approx(5 * 8 + 10 * 4 + 10 * 2 + 20 * 1)
+    # the engine's own work: 0.5 a round of the last verifying level (R_3 = 10 rounds), beside the forwards
+    assert refined_time([2, 1.5, 2], [3, 2], 2, 10, [8, 4, 2, 1], 0.5) == pytest.approx(120 + 10 * 0.5)
 
 
 @pytest.mark.parametrize("args,message", [
@@ -158,6 +160,7 @@ def test_refined_four_levels_multiplies_what_each_level_hands_up():
     (([0.5], [], 3, 10, [10, 1]), "L_1 must be >= 1"),
     (([2], [], 3, 10, [10, 0]), "c_2 must be a positive time"),
     (([], [], 3, 10, []), "forward costs are missing"),
+    (([2], [], 3, 10, [10, 1], -0.1), "overhead must be >= 0"),
 ])
 def test_refined_rejects_bad_values(args, message):
     with pytest.raises(TheoryError, match=re.escape(message)):
