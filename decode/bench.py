@@ -38,7 +38,7 @@ def methods(settings: BenchSettings, prepared, tokenizer) -> tuple[dict[str, Met
     from decode.backends import Backend
     from decode.backends.cpu.dense import packed_with
     from decode.chains.baselines import hf_assisted, hf_prompt_lookup
-    from decode.engine.head import HeadError
+    from heads.eagle import HeadError
     from decode.engine.spec import LevelSpec, parse
 
     target, decoding, b = prepared.model, settings.decoding, settings.section

@@ -8,7 +8,7 @@ next-token distribution over the head's draft vocabulary (`train.draft_vocab` mo
 tokens), with uniform noise on the input features. Held-out evaluations during training form a
 learning curve (metrics.json, W&B, learning_curve.png in the head folder).
 
-`train.method=eagle3` (conf/train/eagle3.yaml) trains vLLM's EAGLE-3 head (decode/engine/head3.py) with the same
+`train.method=eagle3` (conf/train/eagle3.yaml) trains vLLM's EAGLE-3 head (heads/eagle3.py) with the same
 machinery: the store adds the verifier's states entering `train.aux_layers` and its argmax; the loss is SpecForge's
 training-time test over `train.unroll` = k steps, each fed its own previous output (train/evaluation.py's unroll):
 step i's loss is -sum p log q against the verifier's distribution p renormalised over the draft vocabulary, at loss
@@ -48,8 +48,8 @@ from transformers import PreTrainedModel
 from data.models import load_model, same_vocabulary, weights_hash
 from data.settings import ModelSettings
 from data.sharegpt import load_split
-from decode.engine.head import FORMAT_VERSION, DraftHead, EagleHead, TrainingRecord, vocabulary_rows
-from decode.engine.head3 import Eagle3Head, check_aux_layers, default_aux_layers
+from heads.eagle import FORMAT_VERSION, DraftHead, EagleHead, TrainingRecord, vocabulary_rows
+from heads.eagle3 import Eagle3Head, check_aux_layers, default_aux_layers
 from infra.cli import run_main
 from infra.layout import RunLayout
 from infra.tracking import Tracker

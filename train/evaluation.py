@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from transformers import DynamicCache, PreTrainedModel
 
-from decode.engine.head import DraftHead, additive_mask
+from heads.eagle import DraftHead, additive_mask
 from train import replies
 from train.errors import TrainError
 
