@@ -32,8 +32,8 @@ from omegaconf import DictConfig
 from decode.evaluation import EvalError
 from decode.evaluation import speedup as paired
 from decode.evaluation.checks import ReferenceFn, evaluate
-from decode.evaluation.publish import chain_manifest, clean_stale, gate, publish_bundle, set_aside
 from decode.evaluation.runner import Decoded, build_decoders, decode_questions, decode_sampled, plan_chains
+from decode.publish.bundle import chain_manifest, clean_stale, gate, publish_bundle, set_aside
 from decode.settings import EvalSettings, eval_of
 from infra.cli import EXIT_NOT_PUBLISHED, run_main
 from infra.device import use_threads

@@ -36,7 +36,7 @@ from omegaconf import DictConfig
 
 from data.models import cache_dir, resolve_model_path
 from decode.consumers import InteropError
-from decode.consumers.serving import head_method
+from decode.publish.serving import head_method
 from decode.settings import InteropChecks, InteropSection, InteropSettings, interop_of
 from infra.cli import EXIT_CHECK_FAILED, check_writable, run_main
 from infra.device import use_threads

@@ -59,7 +59,7 @@ def test_bench_and_eval_print_the_same_per_level_numbers_for_the_same_generation
     from decode.bench import summarise, table
     from decode.evaluation.checks import evaluate
     from decode.evaluation.runner import Decoded, Record
-    from decode.evaluation.publish import gate
+    from decode.publish.bundle import gate
     from decode.evaluation.report import markdown
     from decode.evaluation.speedup import Interval
 

@@ -132,7 +132,7 @@ def test_configured_outputs_are_where_chains_and_the_eval_look(target, tmp_path)
     in the builder and in the eval's bundle (infra/layout.py)."""
     from data.models import weights_hash
     from heads.eagle import EagleHead
-    from decode.evaluation.publish import level_folder
+    from decode.publish.bundle import level_folder
 
     model, tokenizer = target
     w4, head = tmp_path / "elsewhere" / "quantized", tmp_path / "heads" / "first"

@@ -9,7 +9,7 @@ import pytest
 from decode.evaluation.runner import Record
 from decode.evaluation.checks import (check_agreement, check_insertion, check_lossless, evaluate_insertion,
                                       find_insertions)
-from decode.evaluation.publish import clean_stale, folder_hash, gate, publish_bundle, set_aside
+from decode.publish.bundle import clean_stale, folder_hash, gate, publish_bundle, set_aside
 from decode.evaluation.aggregate import summarize, time_speedup
 from decode.engine.levels import GenerationStats, LevelStats
 from decode.evaluation.speedup import Interval

@@ -16,7 +16,7 @@ from decode.engine.levels import GenerationStats, LevelStats
 from decode.eval import conclude
 from decode.evaluation import EvalError
 from decode.evaluation.aggregate import time_speedup as pooled_time_speedup
-from decode.evaluation.publish import gate
+from decode.publish.bundle import gate
 from decode.evaluation.runner import Decoded, Record
 from decode.evaluation.speedup import Interval, IntervalError, at_confidence, holm, ratio, t_quantile, time_speedup
 from decode.settings import confidence_of, eval_of

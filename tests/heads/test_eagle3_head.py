@@ -183,7 +183,7 @@ def test_two_layer_target_uses_a_layer_it_has():
 
 def test_published_eagle3_head_is_served_with_method_eagle3(tmp_path):
     """chain.json's serve section names vLLM's method from the head folder; a level's `method` must match it."""
-    from decode.consumers.serving import speculative_config
+    from decode.publish.serving import speculative_config
 
     target = target6()
     e3 = Eagle3Head.for_target(target).save_pretrained(tmp_path / "e3", target_hash=weights_hash(target))
