@@ -381,7 +381,7 @@ def llamacpp_side(settings: InteropSettings, vllm: dict[str, dict], paths: tuple
                   texts: list[str], python: Path) -> dict[str, Any]:
     """llama.cpp's checks (None each where llama.cpp is off): the W4 level as its draft model where vLLM cannot run
     it, and an EAGLE-3 head converted by llama.cpp's converter (run by `python`, the vLLM venv's)."""
-    from decode.consumers.llamacpp_peer import eagle3_head_check, w4_draft_check
+    from decode.peers.llamacpp import eagle3_head_check, w4_draft_check
 
     head, w4, target = paths
     found: dict[str, Any] = {"w4": None, "head": None}

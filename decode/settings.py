@@ -342,7 +342,7 @@ def eval_of(cfg: Any) -> EvalSettings:
 
 @dataclass(frozen=True)
 class LlamaCppBench:
-    """decode.bench.llamacpp: llama.cpp beside polyspec (decode.consumers.llamacpp_peer)."""
+    """decode.bench.llamacpp: llama.cpp beside polyspec (decode.peers.llamacpp)."""
 
     enabled: Any = "auto"
     draft_max: int = 4

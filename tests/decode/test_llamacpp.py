@@ -1,4 +1,4 @@
-"""llama.cpp as a peer (decode/consumers/llamacpp.py, decode/consumers/llamacpp_peer.py): the tools' arguments and
+"""llama.cpp as a peer (decode/consumers/llamacpp.py, decode/peers/llamacpp.py): the tools' arguments and
 reports, the build's all-or-nothing marker, the bench peer's switch; the slow tests build llama.cpp (once, cached) and
 decode."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from decode.consumers import llamacpp
 from decode.consumers.llamacpp import LlamaCppError, Speculation, parse_output
-from decode.consumers.llamacpp_peer import bench_peer
+from decode.peers.llamacpp import bench_peer
 from decode.publish import Publication
 from decode.publish.serving import serve_commands
 from decode.settings import InteropChecks, LlamaCppBench, decoding_of
