@@ -4,6 +4,7 @@ functions too), so nothing has to be imported to check."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,6 +103,16 @@ def test_no_app_imports_another_app():
 def test_the_decode_root_holds_only_apps_and_their_door():
     root = {name for name, path in MODULES.items() if path.parent == ROOT / "decode" and path.stem != "__init__"}
     assert root and root <= APPS | {"decode.settings"}, sorted(root - APPS)
+
+
+def test_where_the_code_lives_names_every_package():
+    """docs/design.md's map of the house names each package and each of decode's folders (`heads`, `publish/`)."""
+    design = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+    house = design[design.index("**Where the code lives.**"):].split("\n\n")[0]
+    packages = [name for name, path in MODULES.items() if path.name == "__init__.py" and name.count(".") <= 1]
+    named = {word.rstrip("/") for word in re.findall(r"`([^`]+)`", house)}
+    unnamed = [n for n in packages if n.rpartition(".")[2] not in named]
+    assert packages and not unnamed, unnamed
 
 
 def config_parameters(path: Path) -> list[str]:

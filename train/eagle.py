@@ -57,7 +57,7 @@ from train import store
 from train.checkpoints import Progress, StopFlag, checkpoint_fingerprint, resume_progress, save_checkpoint
 from train.distributed import Share, backend_for, collective_device, training_device
 from train.errors import TrainError, TrainingInterrupted
-from train.evaluation import EvalSequence, evaluate, evaluate_on_rank0, prepare_eval, unroll
+from train.evaluation import EvalSequence, evaluate_head, evaluate_on_rank0, prepare_eval, unroll
 from train.examples import draft_vocabulary, load_examples, pad, step_micro_batches
 from train.plot import learning_curve_png
 from train.settings import RUN_CONTROL_KEYS, EagleTraining, TrainSettings, of
@@ -414,7 +414,7 @@ class EagleRecipe:
 
     def _write_head(self) -> dict[str, Any]:
         t, k, progress = self.t, self.t.eval.depth, self.progress
-        final = evaluate(self.head, self.eval_sequences, k)
+        final = evaluate_head(self.head, self.eval_sequences, k)
         if progress.curve[-1]["step"] != progress.step:
             progress.curve.append(curve_point(progress, final))
         metrics = final_metrics(final, progress, k, len(self.examples), self.world, self.head)
