@@ -38,7 +38,7 @@ def methods(settings: BenchSettings, prepared, tokenizer) -> tuple[dict[str, Met
     from decode.backends import Backend
     from decode.backends.cpu.dense import packed_with
     from decode.chains.baselines import hf_assisted, hf_prompt_lookup
-    from decode.engine.head import HeadError
+    from heads.eagle import HeadError
     from decode.engine.spec import LevelSpec, parse
 
     target, decoding, b = prepared.model, settings.decoding, settings.section
@@ -130,14 +130,14 @@ def _interval(name: str, s: dict) -> str:
 def run(settings: BenchSettings) -> dict:
     from data.prompts import load_questions
     from data.sharegpt import chat_prompt_ids
-    from decode.consumers import llamacpp_peer
+    from decode.peers import llamacpp
     from infra.tracking import write_json_atomic
 
     b, decoding, confidence = settings.section, settings.decoding, settings.confidence
     check_writable(b.out, "decode.bench.out", kind="file")  # refuse before minutes of decoding, not after
     use_threads(decoding.threads, "decode.threads")
     questions = load_questions(b.prompts, per_category=b.per_category)  # before any model: a bad file fails fast
-    peer = llamacpp_peer.bench_peer(decoding, b.llamacpp, torch.get_num_threads())  # None (said why) where it is off
+    peer = llamacpp.bench_peer(decoding, b.llamacpp, torch.get_num_threads())  # None (said why) where it is off
     target, tokenizer = load_target(decoding)
     decoders, notes = methods(settings, target, tokenizer)
     prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]
@@ -167,9 +167,9 @@ def run(settings: BenchSettings) -> dict:
     result = {"config": settings.config, "device": str(target.model.device),
               "threads": torch.get_num_threads(), "notes": notes, "summary": summary}
     if peer:
-        ar_texts = [llamacpp_peer.reply_text(tokenizer, tokens) for tokens in ar_tokens]
-        result["llamacpp"] = {"summary": llamacpp_peer.summary(peer, runs["ar"], ar_texts), "notes": peer.notes}
-        print(llamacpp_peer.table(result["llamacpp"]["summary"], peer.notes))
+        ar_texts = [llamacpp.reply_text(tokenizer, tokens) for tokens in ar_tokens]
+        result["llamacpp"] = {"summary": llamacpp.summary(peer, runs["ar"], ar_texts), "notes": peer.notes}
+        print(llamacpp.table(result["llamacpp"]["summary"], peer.notes))
     write_json_atomic(b.out, result)
     print(f"written {b.out}")
     return result

@@ -116,7 +116,7 @@ def round_costs(settings: CostsSettings, target: Any, tokenizer: Any, prompt: li
     where the chain cannot be built here (a missing artifact)."""
     from decode.chains.build import builder_for
     from decode.engine.errors import DecodeError
-    from decode.engine.head import HeadError
+    from heads.eagle import HeadError
 
     decoding = settings.decoding
     name = decoding.chain
@@ -160,7 +160,7 @@ def steps_for(settings: CostsSettings) -> tuple[dict[str, Step], dict[str, str],
         states = target(torch.tensor([context], device=device), output_hidden_states=True).hidden_states
     vocab = _head_steps(settings, (fast_target.model, tokenizer), (context, states), (steps, notes))
     if w4 is not None and vocab is not None:
-        from decode.engine.head import vocabulary_rows
+        from heads.eagle import vocabulary_rows
         from decode.engine.levels import LevelCompute, ModelLevel
 
         rows = backend.linear(w4.model, vocabulary_rows(w4.lm_head, vocab))
@@ -174,8 +174,8 @@ def _head_steps(settings: CostsSettings, target: tuple, inputs: tuple, rows: tup
     """The rows of the run's head (either method) and of untrained heads with `decode.costs.head_vocab`'s draft
     vocabularies, each on the run's backend (`target`: model and tokenizer; `inputs`: the context and the target's
     hidden states on it; `rows`: the steps and notes to add to); returns the run's head's draft vocabulary, if any."""
-    from decode.engine.head import EagleHead
-    from decode.engine.head3 import load_head
+    from heads.eagle import EagleHead
+    from heads.eagle3 import load_head
 
     (model, tokenizer), (context, states), (steps, notes) = target, inputs, rows
     head_dir, heads = settings.decoding.layout.output("eagle"), {}

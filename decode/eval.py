@@ -31,9 +31,9 @@ from omegaconf import DictConfig
 
 from decode.evaluation import EvalError
 from decode.evaluation import speedup as paired
-from decode.evaluation.checks import ReferenceFn, evaluate
-from decode.evaluation.publish import chain_manifest, clean_stale, gate, publish_bundle, set_aside
-from decode.evaluation.runner import Decoded, build_decoders, decode_questions, decode_sampled, plan_chains
+from decode.evaluation.checks import ReferenceFn, evaluate_chains
+from decode.evaluation.decoding import Decoded, build_decoders, decode_questions, decode_sampled, plan_chains
+from decode.publish.bundle import chain_manifest, clean_stale, gate, publish_bundle, set_aside
 from decode.settings import EvalSettings, eval_of
 from infra.cli import EXIT_NOT_PUBLISHED, run_main
 from infra.device import use_threads
@@ -76,12 +76,12 @@ def run(settings: EvalSettings) -> int:
 
 def conclude(settings: EvalSettings, decoded: Decoded, reference_fn: ReferenceFn,
              target_hash: str, tracker: Any) -> int:
-    """From decoded records to the gate: evaluate, write the report, publish or refuse; the exit code."""
+    """From decoded records to the gate: evaluate the chains, write the report, publish or refuse; the exit code."""
     from decode.evaluation.report import write_report
 
     section, publish, run_name = settings.section, settings.publish, settings.decoding.run_name
     removed = clean_stale([section.out_dir, publish.dir])
-    report = evaluate(decoded, reference_fn, settings.checks, settings.checks.near_tie(settings.decoding.dtype))
+    report = evaluate_chains(decoded, reference_fn, settings.checks, settings.checks.near_tie(settings.decoding.dtype))
     speedups = {n: paired.Interval.from_dict(r["time_speedup_interval"]) for n, r in report["chains"].items()}
     decision = gate(report["checks"], speedups, publish.chain, publish.force)
     report |= {"run_name": run_name, "gate": decision, "config": settings.config,

@@ -36,7 +36,7 @@ from omegaconf import DictConfig
 
 from data.models import cache_dir, resolve_model_path
 from decode.consumers import InteropError
-from decode.consumers.serving import head_method
+from decode.publish.serving import head_method
 from decode.settings import InteropChecks, InteropSection, InteropSettings, interop_of
 from infra.cli import EXIT_CHECK_FAILED, check_writable, run_main
 from infra.device import use_threads
@@ -381,7 +381,7 @@ def llamacpp_side(settings: InteropSettings, vllm: dict[str, dict], paths: tuple
                   texts: list[str], python: Path) -> dict[str, Any]:
     """llama.cpp's checks (None each where llama.cpp is off): the W4 level as its draft model where vLLM cannot run
     it, and an EAGLE-3 head converted by llama.cpp's converter (run by `python`, the vLLM venv's)."""
-    from decode.consumers.llamacpp_peer import eagle3_head_check, w4_draft_check
+    from decode.peers.llamacpp import eagle3_head_check, w4_draft_check
 
     head, w4, target = paths
     found: dict[str, Any] = {"w4": None, "head": None}

@@ -20,8 +20,8 @@ from decode.engine.errors import DecodeError
 from decode.engine.sampling import Sampling
 from decode.engine.spec import ChainSpec, SpecError
 from decode.evaluation import EvalError
-from decode.evaluation.publish import Publication
 from decode.evaluation.speedup import IntervalError, checked_confidence
+from decode.publish import Publication
 from infra.errors import ConfigError
 from infra.layout import RunLayout
 from infra.settings import Tracking, checked, device_of, layout_of, parse, plain, tracking_of
@@ -345,7 +345,7 @@ def eval_of(cfg: Any) -> EvalSettings:
 
 @dataclass(frozen=True)
 class LlamaCppBench:
-    """decode.bench.llamacpp: llama.cpp beside polyspec (decode.consumers.llamacpp_peer)."""
+    """decode.bench.llamacpp: llama.cpp beside polyspec (decode.peers.llamacpp)."""
 
     enabled: Any = "auto"
     draft_max: int = 4

@@ -78,7 +78,7 @@ def folder_mb(path: str | Path) -> float:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file() and f.suffix == ".safetensors") / 2**20
 
 
-def evaluate(
+def evaluate_w4(
     target: PreTrainedModel, w4: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, held_out: list[Conversation],
     settings: W4Evaluation,
 ) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from infra.layout import RunLayout
 from infra.tracking import replace_dir
 from quantize.checkpoint import existing_is_valid, regroup_checkpoint, static_groups, write_metadata
 from quantize.errors import QuantizeError
-from quantize.evaluation import evaluate, folder_mb, report
+from quantize.evaluation import evaluate_w4, folder_mb, report
 from quantize.gptq import calibration_samples, cpu_recipe, gptq_quantize
 from quantize.settings import Quantization, W4Settings, w4_of
 
@@ -95,7 +95,7 @@ def measured(tmp: Path, src: str, target: PreTrainedModel, held_out: list, setti
     """The W4 model in `tmp` evaluated against the target, with the numbers of how it was made."""
     q, device = settings.quantize, settings.device
     w4, _ = load_model(str(tmp), dtype=settings.model.dtype, device=device)
-    metrics = evaluate(target, w4, load_tokenizer(src), held_out, q.eval)
+    metrics = evaluate_w4(target, w4, load_tokenizer(src), held_out, q.eval)
     groups = json.loads((tmp / "config.json").read_text())["quantization_config"]["meta"]["polyspec"]["groups"]
     return metrics | {"device": str(device), "size_mb_target": folder_mb(src),
                       "size_mb_w4": folder_mb(tmp), "group_handling": groups["description"],

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("infra", "data", "train", "quantize", "decode")
+PACKAGES = ("infra", "data", "heads", "train", "quantize", "decode")
 
 
 def oversized() -> list[str]:

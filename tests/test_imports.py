@@ -1,13 +1,14 @@
-"""The packages' imports flow one way: infra <- data <- quantize, train <- decode apps; inside decode, engine <-
-backends <- apps. Read from the source (every import, lazy ones inside functions too), so nothing has to be
-imported to check."""
+"""The packages' imports flow one way: infra <- data <- heads <- quantize, train <- decode apps; inside decode,
+engine <- backends <- apps; train reaches nothing of decode. Read from the source (every import, lazy ones inside
+functions too), so nothing has to be imported to check."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("infra", "data", "train", "quantize", "decode")
+PACKAGES = ("infra", "data", "heads", "train", "quantize", "decode")
 
 
 def module_name(path: Path) -> str:
@@ -57,7 +58,7 @@ def test_no_import_cycles():
 
 def test_engine_imports_no_backend_app_or_cli():
     def allowed(dep):
-        return dep.startswith(("decode.engine", "data")) or dep.startswith("infra") and dep != "infra.cli"
+        return dep.startswith(("decode.engine", "heads", "data")) or dep.startswith("infra") and dep != "infra.cli"
 
     bad = {name: sorted(d for d in deps if not allowed(d))
            for name, deps in GRAPH.items() if name.startswith("decode.engine")}
@@ -68,12 +69,26 @@ def test_engine_imports_no_backend_app_or_cli():
 
 def test_layers_import_downward_only():
     def rank(m):
-        return (0 if m.startswith("infra") else 1 if m.startswith("data")
-                else 2 if m.startswith(("quantize", "train", "decode.engine"))
-                else 3 if m.startswith("decode.backends") else 4)
+        return (0 if m.startswith("infra") else 1 if m.startswith("data") else 2 if m.startswith("heads")
+                else 3 if m.startswith(("quantize", "train", "decode.engine"))
+                else 4 if m.startswith("decode.backends") else 5)
 
     upward = {f"{n} -> {d}" for n, deps in GRAPH.items() for d in deps if rank(d) > rank(n)}
     assert not upward, sorted(upward)
+
+
+def test_train_reaches_nothing_of_decode():
+    """The heads train/ trains live in heads/, apart from the engine: no train module imports decode, directly or
+    through another module."""
+    route = {n: n for n in GRAPH if n.split(".")[0] == "train"}  # module -> how train reaches it
+    todo = sorted(route)
+    while todo:
+        name = todo.pop()
+        for dep in sorted(GRAPH[name] - route.keys()):
+            route[dep] = f"{route[name]} -> {dep}"
+            todo.append(dep)
+    reached = sorted(r for m, r in route.items() if m.split(".")[0] == "decode")
+    assert not reached, reached
 
 
 APPS = {name for name, path in MODULES.items() if 'if __name__ == "__main__"' in path.read_text()}
@@ -88,6 +103,16 @@ def test_no_app_imports_another_app():
 def test_the_decode_root_holds_only_apps_and_their_door():
     root = {name for name, path in MODULES.items() if path.parent == ROOT / "decode" and path.stem != "__init__"}
     assert root and root <= APPS | {"decode.settings"}, sorted(root - APPS)
+
+
+def test_where_the_code_lives_names_every_package():
+    """docs/design.md's map of the house names each package and each of decode's folders (`heads`, `publish/`)."""
+    design = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+    house = design[design.index("**Where the code lives.**"):].split("\n\n")[0]
+    packages = [name for name, path in MODULES.items() if path.name == "__init__.py" and name.count(".") <= 1]
+    named = {word.rstrip("/") for word in re.findall(r"`([^`]+)`", house)}
+    unnamed = [n for n in packages if n.rpartition(".")[2] not in named]
+    assert packages and not unnamed, unnamed
 
 
 def config_parameters(path: Path) -> list[str]:

@@ -121,7 +121,7 @@ def default_path(run_dir: Path) -> tuple[Prepared, Prepared, torch.nn.Module, to
     from decode.backends import Backend
     from decode.backends.cpu.int8 import quantize_lm_head
     from decode.backends.cpu.llama import NativeLlamaRunner, native_kernels
-    from decode.engine.head3 import load_head
+    from heads.eagle3 import load_head
 
     backend = Backend("auto", native_fp32="auto", native_w4="auto", activations="int8")
     model, tokenizer = load_model(DEFAULT_MODEL, "float32")

@@ -8,7 +8,7 @@ next-token distribution over the head's draft vocabulary (`train.draft_vocab` mo
 tokens), with uniform noise on the input features. Held-out evaluations during training form a
 learning curve (metrics.json, W&B, learning_curve.png in the head folder).
 
-`train.method=eagle3` (conf/train/eagle3.yaml) trains vLLM's EAGLE-3 head (decode/engine/head3.py) with the same
+`train.method=eagle3` (conf/train/eagle3.yaml) trains vLLM's EAGLE-3 head (heads/eagle3.py) with the same
 machinery: the store adds the verifier's states entering `train.aux_layers` and its argmax; the loss is SpecForge's
 training-time test over `train.unroll` = k steps, each fed its own previous output (train/evaluation.py's unroll):
 step i's loss is -sum p log q against the verifier's distribution p renormalised over the draft vocabulary, at loss
@@ -48,8 +48,8 @@ from transformers import PreTrainedModel
 from data.models import load_model, same_vocabulary, weights_hash
 from data.settings import ModelSettings
 from data.sharegpt import load_split
-from decode.engine.head import FORMAT_VERSION, DraftHead, EagleHead, TrainingRecord, vocabulary_rows
-from decode.engine.head3 import Eagle3Head, check_aux_layers, default_aux_layers
+from heads.eagle import FORMAT_VERSION, DraftHead, EagleHead, TrainingRecord, vocabulary_rows
+from heads.eagle3 import Eagle3Head, check_aux_layers, default_aux_layers
 from infra.cli import run_main
 from infra.layout import RunLayout
 from infra.tracking import Tracker
@@ -57,7 +57,7 @@ from train import store
 from train.checkpoints import Progress, StopFlag, checkpoint_fingerprint, resume_progress, save_checkpoint
 from train.distributed import Share, backend_for, collective_device, training_device
 from train.errors import TrainError, TrainingInterrupted
-from train.evaluation import EvalSequence, evaluate, evaluate_on_rank0, prepare_eval, unroll
+from train.evaluation import EvalSequence, evaluate_head, evaluate_on_rank0, prepare_eval, unroll
 from train.examples import draft_vocabulary, load_examples, pad, step_micro_batches
 from train.plot import learning_curve_png
 from train.settings import RUN_CONTROL_KEYS, EagleTraining, TrainSettings, of
@@ -414,7 +414,7 @@ class EagleRecipe:
 
     def _write_head(self) -> dict[str, Any]:
         t, k, progress = self.t, self.t.eval.depth, self.progress
-        final = evaluate(self.head, self.eval_sequences, k)
+        final = evaluate_head(self.head, self.eval_sequences, k)
         if progress.curve[-1]["step"] != progress.step:
             progress.curve.append(curve_point(progress, final))
         metrics = final_metrics(final, progress, k, len(self.examples), self.world, self.head)

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from transformers import DynamicCache, PreTrainedModel
 
-from decode.engine.head import DraftHead, additive_mask
+from heads.eagle import DraftHead, additive_mask
 from train import replies
 from train.errors import TrainError
 
@@ -78,7 +78,7 @@ def chain_drafts(head: DraftHead, ids: torch.Tensor, features: torch.Tensor, dep
 
 
 @torch.no_grad()
-def evaluate(head: DraftHead, sequences: list[EvalSequence], depth: int) -> dict[str, float]:
+def evaluate_head(head: DraftHead, sequences: list[EvalSequence], depth: int) -> dict[str, float]:
     """Top-1 at depth 1..k of autoregressive drafting from the head's own features, and the expected
     acceptance length (accepted drafts + the verifier's bonus token) of a depth-k chain draft, over
     every start in the verifier-generated text. The draft at depth j is accepted iff it and all
@@ -111,6 +111,6 @@ def evaluate_on_rank0(head: DraftHead, sequences: list[EvalSequence], depth: int
     import deepspeed
 
     with deepspeed.zero.GatheredParameters(list(head.parameters())):
-        metrics = evaluate(head, sequences, depth) if rank == 0 else {}
+        metrics = evaluate_head(head, sequences, depth) if rank == 0 else {}
     dist.barrier()
     return metrics

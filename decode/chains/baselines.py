@@ -14,9 +14,9 @@ from infra.device import synchronized_clock
 from decode.engine.levels import Generation, GenerationStats, LevelStats
 
 from decode.engine.chain import check_new_tokens
-from decode.engine.head import softcapped
 from decode.engine.runner import Prepared, Runner, as_prepared
 from decode.engine.sampling import GREEDY, Sampling, probabilities, sample
+from heads.eagle import softcapped
 
 
 def _eos_set(eos_token_id: int | list[int] | None) -> set[int]:

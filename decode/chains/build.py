@@ -22,12 +22,12 @@ from decode.backends.cpu.dense import gemm_for, packed_with
 from decode.backends.cpu.int8 import quantize_lm_head
 from decode.engine.chain import Chain, read_features
 from decode.engine.errors import DecodeError
-from decode.engine.head import DraftHead, EagleHead, vocabulary_rows
-from decode.engine.head3 import Eagle3Head, load_head
 from decode.engine.levels import EagleLevel, Level, LevelCompute, ModelLevel, NgramLevel
 from decode.engine.runner import Prepared, as_prepared
 from decode.engine.sampling import GREEDY, Sampling
 from decode.engine.spec import ChainSpec, LevelSpec
+from heads.eagle import DraftHead, EagleHead, vocabulary_rows
+from heads.eagle3 import Eagle3Head, load_head
 from infra.layout import RunLayout
 
 if TYPE_CHECKING:

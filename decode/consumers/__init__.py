@@ -1,5 +1,5 @@
-"""The engines that serve what polyspec publishes, run for real: their environments, their runners, and the
-commands chain.json gives users to serve a chain with them."""
+"""The engines that serve what polyspec publishes, run for real: their environments, their runners and the files
+they load (GGUF export); the commands chain.json gives users are decode.publish.serving's."""
 from __future__ import annotations
 
 from infra.errors import PolyspecError

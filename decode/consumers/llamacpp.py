@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -350,27 +349,6 @@ def decode(tools: Path, model: Path, prompt: str, new_tokens: int, threads: int,
     if speculation.kind == "none" and out.drafted:
         raise LlamaCppError(f"plain decoding drafted {out.drafted} tokens (a 1024-token n-gram matched)")
     return out
-
-
-def serve_commands(target: str, draft: str, draft_max: int) -> dict[str, str]:
-    """How llama.cpp serves the target with a draft GGUF: the `llama-server` command, and the one-prompt
-    `llama-speculative-simple` command decode.bench and decode.interop run (the same speculative code)."""
-    spec = ["-md", draft, "--spec-type", "draft-simple", "--spec-draft-n-max", str(draft_max)]
-    return {"llama_server": shlex.join(["llama-server", "-m", target, *spec]),
-            "llama_speculative_simple": shlex.join(["llama-speculative-simple", "-m", target, *spec, "--temp", "0",
-                                                    "-p", "PROMPT"])}
-
-
-def eagle3_serve_commands(target: str, target_hf: str, head: str, draft_max: int) -> dict[str, str]:
-    """How llama.cpp serves the target with an EAGLE-3 head: the head folder converted by llama.cpp's own
-    converter (as decode.interop converts it), then `llama-server` drafting with it."""
-    gguf_head = str(Path(head).with_name(Path(head).name + ".eagle3.gguf"))
-    spec = ["-md", gguf_head, "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(draft_max)]
-    return {"convert": shlex.join(["python", "convert_hf_to_gguf.py", head, "--target-model-dir", target_hf,
-                                   "--outfile", gguf_head, "--outtype", "f32"]),
-            "llama_server": shlex.join(["llama-server", "-m", target, *spec]),
-            "llama_speculative_simple": shlex.join(["llama-speculative-simple", "-m", target, *spec, "--temp", "0",
-                                                    "-p", "PROMPT"])}
 
 
 def tokenize(tools: Path, model: Path, text: str) -> list[int]:

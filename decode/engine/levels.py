@@ -17,10 +17,10 @@ from transformers import DynamicCache, PreTrainedModel
 from infra.device import synchronized_clock
 from decode.engine import tree as trees
 from decode.engine.errors import DecodeError
-from decode.engine.head import softcapped, spread, vocabulary_rows
 from decode.engine.runner import Prepared, Runner, as_prepared
 from decode.engine.spec import Draft
 from decode.engine.sampling import Sampling, probabilities, sample, verify_greedy, verify_sampled
+from heads.eagle import softcapped, spread, vocabulary_rows
 
 
 @dataclass

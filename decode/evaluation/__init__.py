@@ -1,5 +1,6 @@
-"""decode.eval's parts: the runner (decode every question with every method), the aggregation of the records, the
-checks, and the gate and bundle that publish a chain. decode/eval.py is the command that strings them together."""
+"""decode.eval's parts: the decoding (every question with every method: decoding.py), the aggregation of the
+records and the checks; decode.publish publishes the chain they pick. decode/eval.py is the command that strings
+them together."""
 from __future__ import annotations
 
 from infra.errors import PolyspecError

@@ -8,7 +8,7 @@ from typing import Any
 
 from decode.evaluation import measure
 from decode.evaluation import speedup as paired
-from decode.evaluation.runner import Record
+from decode.evaluation.decoding import Record
 
 
 def summarize(records: list[Record]) -> dict[str, Any]:
@@ -27,9 +27,10 @@ def speedup(records: list[Record], reference: list[Record]) -> float:
     return statistics.fmean(r.tokens_per_s for r in records) / statistics.fmean(r.tokens_per_s for r in reference)
 
 
-def time_speedup(summary: dict[str, Any], reference: dict[str, Any]) -> float:
-    """Seconds per token of the reference over the chain's, pooled over all turns (prefill included: what
-    a user waits), and robust to load that changes during the run since methods are interleaved."""
+def time_ratio(summary: dict[str, Any], reference: dict[str, Any]) -> float:
+    """The time speedup as one number (decode.evaluation.speedup.time_speedup gives it with its interval): seconds
+    per token of the reference over the chain's, pooled over all turns (prefill included: what a user waits), and
+    robust to load that changes during the run since methods are interleaved."""
     return (reference["wall_time_s"] / reference["new_tokens"]) / (summary["wall_time_s"] / summary["new_tokens"])
 
 

@@ -1,6 +1,6 @@
 """The eval's checks, each a named pass/fail with one line per failure: lossless (greedy outputs equal AR but at a
 near-tie), insertion (Theorem 3.2 on measured T and L), agreement (predictions against measured times), and
-Theorem 3.3's variance comparison; `evaluate` computes the whole report from the decoded records."""
+Theorem 3.3's variance comparison; `evaluate_chains` computes the whole report from the decoded records."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -10,8 +10,8 @@ from decode.evaluation import speedup as paired
 from decode.evaluation import EvalError
 from decode.engine.theory import InsertionCase, TheoryError, insertion_conditions, insertion_improves
 from decode.evaluation.aggregate import (by_category, chain_result, error_intervals, record_row, speedup,
-                                         speedup_interval, summarize, theory_inputs, time_speedup)
-from decode.evaluation.runner import Decoded, Record
+                                         speedup_interval, summarize, theory_inputs, time_ratio)
+from decode.evaluation.decoding import Decoded, Record
 
 if TYPE_CHECKING:
     from decode.settings import CheckSettings
@@ -198,8 +198,8 @@ def theorem_3_3(greedy: dict[str, list[Record]], sampled: dict[str, list[Record]
     return out
 
 
-def evaluate(decoded: Decoded, reference_fn: ReferenceFn, checks: CheckSettings, near_tie: float,
-             reference: str = "ar") -> dict[str, Any]:
+def evaluate_chains(decoded: Decoded, reference_fn: ReferenceFn, checks: CheckSettings, near_tie: float,
+                    reference: str = "ar") -> dict[str, Any]:
     """Everything the report holds, computed from the decoded records: summaries, theory, checks, plans.
 
     `decoded.plans` maps a configured chain or a searched stack to its plan (decode.chains.plan.plan_chain, plus
@@ -212,12 +212,12 @@ def evaluate(decoded: Decoded, reference_fn: ReferenceFn, checks: CheckSettings,
     for name in chains:
         res = chain_result(summaries[name], summaries[reference])
         res["measured_speedup"] = speedup(records[name], records[reference])
-        res["time_speedup"] = time_speedup(summaries[name], summaries[reference])
+        res["time_speedup"] = time_ratio(summaries[name], summaries[reference])
         res["time_speedup_interval"] = speedup_interval(records[name], records[reference], confidence)
         error_intervals(res, rows[name], confidence)
         chain_results[name] = res
     baselines = {name: {"measured_speedup": speedup(records[name], records[reference]),  # e.g. ar_eager
-                        "time_speedup": time_speedup(summaries[name], summaries[reference]),
+                        "time_speedup": time_ratio(summaries[name], summaries[reference]),
                         "time_speedup_interval": speedup_interval(records[name], records[reference], confidence)}
                  for name in records if name != reference and name not in chains}
     planned = {plan["chain"] for base, plan in plans.items() if plan["chain"] != base}

@@ -57,9 +57,9 @@ def test_three_levels_refined_counts_what_the_middle_level_hands_up():
 
 def test_bench_and_eval_print_the_same_per_level_numbers_for_the_same_generations(tmp_path):
     from decode.bench import summarise, table
-    from decode.evaluation.checks import evaluate
-    from decode.evaluation.runner import Decoded, Record
-    from decode.evaluation.publish import gate
+    from decode.evaluation.checks import evaluate_chains
+    from decode.evaluation.decoding import Decoded, Record
+    from decode.publish.bundle import gate
     from decode.evaluation.report import markdown
     from decode.evaluation.speedup import Interval
 
@@ -74,7 +74,7 @@ def test_bench_and_eval_print_the_same_per_level_numbers_for_the_same_generation
                for name, gens in (("ar", ar), ("polybasic", chain))}
     checks = CheckSettings({"float32": 1e-4}, "both", 0.1, confidence=0.95)
     levels = [{"name": name} for name in ("target", "w4", "head")]
-    report = evaluate(Decoded(records, {"polybasic": levels}, 2), lambda ids: (1.0, [0, 0]), checks, 1e-4)
+    report = evaluate_chains(Decoded(records, {"polybasic": levels}, 2), lambda ids: (1.0, [0, 0]), checks, 1e-4)
     speedups = {n: Interval.from_dict(r["time_speedup_interval"]) for n, r in report["chains"].items()}
     report |= {"run_name": "t", "gate": gate(report["checks"], speedups),
                "config": {"theorem_3_3": {"temperature": 1.0}, "confidence": 0.95}}

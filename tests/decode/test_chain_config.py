@@ -131,8 +131,8 @@ def test_configured_outputs_are_where_chains_and_the_eval_look(target, tmp_path)
     """quantize.output and train.output moved out of the run dir: `model: w4` and `path: eagle` follow them,
     in the builder and in the eval's bundle (infra/layout.py)."""
     from data.models import weights_hash
-    from decode.engine.head import EagleHead
-    from decode.evaluation.publish import level_folder
+    from heads.eagle import EagleHead
+    from decode.publish.bundle import level_folder
 
     model, tokenizer = target
     w4, head = tmp_path / "elsewhere" / "quantized", tmp_path / "heads" / "first"
@@ -150,6 +150,40 @@ def test_configured_outputs_are_where_chains_and_the_eval_look(target, tmp_path)
     # the draft from config
     assert chain.levels[2].draft_spec.as_config() == {"mode": "chain", **cfg.decode.draft_defaults.chain}
     assert [level_folder(level, decoding.layout) for level in levels] == [None, w4, head]
+
+
+def test_a_chain_reports_a_damaged_head_in_one_line(target, tmp_path):
+    from data.models import weights_hash
+    from heads.eagle import EagleHead
+
+    model, _ = target
+    out = EagleHead.for_target(model).save_pretrained(tmp_path / "eagle", target_hash=weights_hash(model))
+    (out / "model.safetensors").write_bytes(b"")
+
+    with pytest.raises(DecodeError, match="cannot load the EAGLE head") as err:
+        build_chain([{"kind": "model"}, {"kind": "eagle", "path": str(out)}], model, None, RunLayout(tmp_path))
+    assert "\n" not in str(err.value) and "unreadable" in str(err.value)
+
+
+def test_chain_config_builds_an_eagle3_level_and_checks_the_aux_layers(tmp_path):
+    import torch
+
+    from data.models import weights_hash
+    from heads.eagle3 import Eagle3Head
+
+    model = tiny_model(seed=0, vocab=VOCAB, layers=6)  # aux layers (2, 3, 3) by vLLM's default rule
+    out = Eagle3Head.for_target(model, draft_vocab=torch.arange(0, VOCAB, 2)).save_pretrained(
+        tmp_path / "e3", target_hash=weights_hash(model))
+    chain = build_chain([{"kind": "model"}, {"kind": "model", "model": "target", "layers": 4, "mu": 2},
+                         {"kind": "eagle", "path": str(out), "draft": {"length": 3}}], model, tokenizer=None)
+    assert chain.levels[-1].head.method == "eagle3" and all(level.keep_hidden == (2, 3, 3)
+                                                            for level in chain.levels[:2])
+    assert len(chain.generate([5, 6, 7, 8, 9], 12).tokens) == 12
+    with pytest.raises(DecodeError, match=r"states entering layers \[2, 3, 3\], but this level's model has 3"):
+        build_chain([{"kind": "model"}, {"kind": "model", "model": "target", "layers": 3},
+                     {"kind": "eagle", "path": str(out)}], model, tokenizer=None)
+    with pytest.raises(DecodeError, match="an eagle3 head, not an eagle one"):
+        build_chain([{"kind": "model"}, {"kind": "eagle", "path": str(out), "method": "eagle"}], model, tokenizer=None)
 
 
 def test_generate_cli_reports_bad_input_in_one_line():

@@ -6,11 +6,11 @@ import shutil
 
 import pytest
 
-from decode.evaluation.runner import Record
+from decode.evaluation.decoding import Record
 from decode.evaluation.checks import (check_agreement, check_insertion, check_lossless, evaluate_insertion,
                                       find_insertions)
-from decode.evaluation.publish import clean_stale, folder_hash, gate, publish_bundle, set_aside
-from decode.evaluation.aggregate import summarize, time_speedup
+from decode.publish.bundle import clean_stale, folder_hash, gate, publish_bundle, set_aside
+from decode.evaluation.aggregate import summarize, time_ratio
 from decode.engine.levels import GenerationStats, LevelStats
 from decode.evaluation.speedup import Interval
 
@@ -42,7 +42,7 @@ def test_summarize_pools_levels_over_questions():
     assert target["L_histogram"] == {1: 2, 2: 1, 3: 1}
     assert s["draft_depth"] == pytest.approx(10 / 4) and s["new_tokens"] == 7
     assert s["tokens_per_s"] == pytest.approx(3.5)
-    assert time_speedup(s, {"wall_time_s": 7.0, "new_tokens": 7}) == pytest.approx(3.5)  # 1 s/token vs 2/7
+    assert time_ratio(s, {"wall_time_s": 7.0, "new_tokens": 7}) == pytest.approx(3.5)  # 1 s/token vs 2/7
 
 
 def scripted_ar(after: dict[tuple, int], tie_at: tuple = (1, 2), tie: tuple[float, list[int]] = (5e-5, [3, 8])):
@@ -144,8 +144,8 @@ def test_unmeasured_level_fails_insertion_with_the_theory_message():
 
 
 def result(predicted, measured, speedup=1.0, spread=None):
-    """A chain result as decode.eval.evaluate makes it: the refined prediction against the measured time
-    (`spread`: the error's interval, absent with a single turn)."""
+    """A chain result as decode.evaluation.checks.evaluate_chains makes it: the refined prediction against the
+    measured time (`spread`: the error's interval, absent with a single turn)."""
     p = {"time_s": predicted, "error": predicted / measured - 1} | ({"error_interval": spread} if spread else {})
     return {"predictions": {"refined": p, "paper": p}, "decode_time_s": measured, "time_speedup": speedup}
 
@@ -326,7 +326,7 @@ def test_the_eval_rotates_the_methods_order_from_turn_to_turn():
 
     from eval_fixtures import QUESTIONS, ByteTokenizer
 
-    from decode.evaluation.runner import decode_questions
+    from decode.evaluation.decoding import decode_questions
 
     calls = []
 

@@ -16,7 +16,7 @@ from decode.engine.levels import ModelLevel
 from decode.engine.spec import ChainSpec
 from decode.eval import conclude
 from decode.settings import eval_of
-from decode.evaluation.runner import Decoded, chain_decoder, decode_questions, decode_sampled, plan_chains
+from decode.evaluation.decoding import Decoded, chain_decoder, decode_questions, decode_sampled, plan_chains
 from infra.cli import EXIT_NOT_PUBLISHED
 from infra.tracking import Tracker
 

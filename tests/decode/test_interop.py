@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from decode.consumers import InteropError
-from decode.consumers.serving import TWO_LEVELS, serve_section
+from decode.publish.serving import TWO_LEVELS, serve_section
 from decode.interop import check_w4_layout
 from decode.settings import InteropChecks
 

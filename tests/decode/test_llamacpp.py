@@ -1,4 +1,4 @@
-"""llama.cpp as a peer (decode/consumers/llamacpp.py, decode/consumers/llamacpp_peer.py): the tools' arguments and
+"""llama.cpp as a peer (decode/consumers/llamacpp.py, decode/peers/llamacpp.py): the tools' arguments and
 reports, the build's all-or-nothing marker, the bench peer's switch; the slow tests build llama.cpp (once, cached) and
 decode."""
 from __future__ import annotations
@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from decode.consumers import llamacpp
-from decode.consumers.llamacpp import LlamaCppError, Speculation, parse_output, serve_commands
-from decode.consumers.llamacpp_peer import bench_peer
-from decode.evaluation.publish import Publication
+from decode.consumers.llamacpp import LlamaCppError, Speculation, parse_output
+from decode.peers.llamacpp import bench_peer
+from decode.publish import Publication
+from decode.publish.serving import serve_commands
 from decode.settings import InteropChecks, LlamaCppBench, decoding_of
 from infra.layout import RunLayout
 
@@ -157,7 +158,7 @@ def publication(tmp_path, model):
 
 
 def test_the_bundle_serves_llamacpp_only_where_it_can(tmp_path):
-    from decode.evaluation.publish import llamacpp_serve
+    from decode.publish.serving import llamacpp_serve
 
     where = publication(tmp_path, str(tmp_path / "hf"))
     target = {"config": {"kind": "model", "model": "target"}}
@@ -171,7 +172,7 @@ def test_the_bundle_serves_llamacpp_only_where_it_can(tmp_path):
 
 def test_the_bundle_gives_llamacpp_commands_for_an_eagle3_head(tmp_path, monkeypatch):
     from decode.consumers import llamacpp_gguf
-    from decode.evaluation.publish import llamacpp_eagle3_serve
+    from decode.publish.serving import llamacpp_eagle3_serve
 
     from data import models
 
@@ -195,7 +196,7 @@ def test_the_bundle_gives_llamacpp_commands_for_an_eagle3_head(tmp_path, monkeyp
 
 
 def test_a_bundle_entry_may_be_a_file(tmp_path):
-    from decode.evaluation.publish import publish_bundle
+    from decode.publish.bundle import publish_bundle
 
     (tmp_path / "report").mkdir()
     (tmp_path / "w4.gguf").write_bytes(b"GGUF")

@@ -191,8 +191,8 @@ def test_eagle_chains_greedy_equal_target_greedy(models, shape):
 @pytest.mark.parametrize("mode", [{"length": 4}, TREE])
 def test_eagle_with_draft_vocabulary_greedy_equals_target_greedy(models, mode, method):
     """A head that can only propose 40 of the 300 tokens: the rest must still come out, from the target."""
-    from decode.engine.head import EagleHead
-    from decode.engine.head3 import Eagle3Head
+    from heads.eagle import EagleHead
+    from heads.eagle3 import Eagle3Head
 
     target = models[0]
     levels = [{"kind": "model"}, {"kind": "eagle", "path": "untrained", "method": method, "draft": mode}]
@@ -360,7 +360,7 @@ def test_packed_grouped_query_attention_skips_repeat_kv_with_the_same_logits(mon
 def test_restricted_vocabulary_comes_from_the_chains_head_and_never_on_the_target(models, monkeypatch):
     from decode.chains import build
     from decode.engine.errors import DecodeError
-    from decode.engine.head import EagleHead
+    from heads.eagle import EagleHead
 
     target = models[0]
     config = [{"kind": "model"}, {"kind": "model", "model": "target", "layers": 3, "mu": 2, "vocab": "head"},
@@ -438,7 +438,7 @@ def test_real_packed_target_decodes_like_the_eager_target(bundled_target):
 def test_real_packed_dualistic_chain_with_draft_vocabulary_is_lossless(bundled_target):
     """The default fast path on the real model: packed target <- head with an 8k draft vocabulary (tree)."""
     from data.sharegpt import chat_prompt_ids
-    from decode.engine.head import EagleHead
+    from heads.eagle import EagleHead
     from decode_fixtures import packed as packed_copy
 
     model, tokenizer = bundled_target

@@ -127,7 +127,7 @@ def test_no_backend_attribute_is_set_on_a_model_or_head():
     linears for packed ones at most; it adds no attribute to any module that existed before."""
     from decode.backends import Backend, with_lm_head
     from decode.backends.cpu.int8 import Int8RowLinear
-    from decode.engine.head import EagleHead
+    from heads.eagle import EagleHead
 
     target = tiny_model(seed=9)
     head = EagleHead.for_target(target, draft_vocab=torch.arange(0, 300, 3)).eval()

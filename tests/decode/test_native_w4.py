@@ -385,7 +385,7 @@ def test_an_eagle3_head_below_a_native_w4_level_keeps_decoding_lossless(w4, tiny
 
     from decode.backends import Backend
     from decode.engine.chain import Chain, read_features
-    from decode.engine.head3 import Eagle3Head
+    from heads.eagle3 import Eagle3Head
     from decode.engine.levels import EagleLevel, ModelLevel
 
     target = LlamaForCausalLM.from_pretrained(tiny_source).eval()

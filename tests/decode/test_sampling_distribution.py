@@ -60,8 +60,8 @@ def draft_vocab_chain(models, draft: dict, method: str = "eagle") -> Chain:
     """target <- EAGLE head (EAGLE-2's or EAGLE-3's: `method`) that can propose only 4 of the 8 tokens: the others
     come only from residuals."""
     from decode_fixtures import build_chain
-    from decode.engine.head import EagleHead
-    from decode.engine.head3 import Eagle3Head
+    from heads.eagle import EagleHead
+    from heads.eagle3 import Eagle3Head
 
     levels = [{"kind": "model"}, {"kind": "eagle", "path": "untrained", "method": method, "draft": draft}]
     chain = build_chain(levels, models[0], tokenizer=None)

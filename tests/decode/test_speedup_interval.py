@@ -15,9 +15,9 @@ from data.prompts import load_questions
 from decode.engine.levels import GenerationStats, LevelStats
 from decode.eval import conclude
 from decode.evaluation import EvalError
-from decode.evaluation.aggregate import time_speedup as pooled_time_speedup
-from decode.evaluation.publish import gate
-from decode.evaluation.runner import Decoded, Record
+from decode.evaluation.aggregate import time_ratio
+from decode.publish.bundle import gate
+from decode.evaluation.decoding import Decoded, Record
 from decode.evaluation.speedup import Interval, IntervalError, at_confidence, holm, ratio, t_quantile, time_speedup
 from decode.settings import confidence_of, eval_of
 from infra.cli import EXIT_NOT_PUBLISHED
@@ -117,8 +117,8 @@ def test_holm_tests_the_strongest_chain_at_alpha_over_m_and_stops_at_the_first_n
 def test_the_estimate_is_the_pooled_time_speedup_and_the_interval_brackets_it():
     ar, chain = paired_turns(1.1, 0.05, 14, seed=3)
     x = time_speedup(ar, chain)
-    pooled = pooled_time_speedup({"wall_time_s": sum(s for s, _ in chain), "new_tokens": sum(n for _, n in chain)},
-                                 {"wall_time_s": sum(s for s, _ in ar), "new_tokens": sum(n for _, n in ar)})
+    pooled = time_ratio({"wall_time_s": sum(s for s, _ in chain), "new_tokens": sum(n for _, n in chain)},
+                        {"wall_time_s": sum(s for s, _ in ar), "new_tokens": sum(n for _, n in ar)})
     assert x.estimate == pytest.approx(pooled) and x.low < x.estimate < x.high and x.turns == 14
     assert math.log(x.high / x.estimate) == pytest.approx(math.log(x.estimate / x.low))  # symmetric in log
     wider = time_speedup(ar, chain, confidence=0.99)

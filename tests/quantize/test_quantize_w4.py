@@ -142,7 +142,7 @@ def test_a_failure_after_quantizing_leaves_nothing_behind(tiny_source, chat_file
     def broken(*args, **kwargs):
         raise RuntimeError("interrupted")
 
-    monkeypatch.setattr(w4, "evaluate", broken)
+    monkeypatch.setattr(w4, "evaluate_w4", broken)
     with pytest.raises(RuntimeError, match="interrupted"):
         run(w4_of(stage_config(tiny_source, chat_file, tmp_path)))
     assert not (tmp_path / "w4").exists() and not leftovers(tmp_path)

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu,
 def test_train_eagle_on_cuda_writes_a_loadable_head(tiny_setup, tmp_path):  # noqa: F811
     """One GPU, NCCL, bf16 head weights: a head that the chain loads on the GPU and drafts with."""
     import train.eagle as eagle
-    from decode.engine.head import EagleHead
+    from heads.eagle import EagleHead
     from data.models import load_model
 
     metrics = eagle.train(settings(tiny_setup, tmp_path, "device=cuda", "train.epochs=1", "train.precision=bf16"))

@@ -20,7 +20,7 @@ import train.evaluation as evaluation
 import train.examples as train_examples
 import train.settings as train_settings
 from data.models import load_tokenizer, weights_hash
-from decode.engine.head import EagleHead, HeadError
+from heads.eagle import EagleHead, HeadError
 from train.store import FeatureSource, StoreSettings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -400,7 +400,7 @@ def test_short_real_training_beats_the_untrained_head(tmp_path):
 def test_eagle3_batched_evaluation_drafts_exactly_like_sequential_decoding():
     """The training-time test's masked unroll for an EAGLE-3 head: step 1 from the target's aux states (fc), later
     steps from the head's own pre-norm output, each start seeing only its own earlier steps = drafting alone."""
-    from decode.engine.head3 import Eagle3Head
+    from heads.eagle3 import Eagle3Head
 
     target = tiny_llama(1)
     head = Eagle3Head(target, init_std=0.1, draft_vocab=torch.arange(0, 49152, 5), aux_layers=(0, 1, 1)).eval()
@@ -427,7 +427,7 @@ def test_eagle3_training_lowers_the_loss_and_writes_a_loadable_head(tiny_setup, 
     head's top-1 agreement with the target rises (the tiny random target's distributions are nearly flat, so the
     loss starts close to its floor, their entropy); the store holds the aux states and argmax beside the features,
     and the head folder is vLLM's EAGLE-3 layout."""
-    from decode.engine.head3 import load_head
+    from heads.eagle3 import load_head
 
     losses = []
 

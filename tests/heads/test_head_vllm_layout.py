@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from data.models import weights_hash
-from decode.engine.head import FORMAT_VERSION, EagleHead, HeadError
+from heads.eagle import FORMAT_VERSION, EagleHead, HeadError
 
 H, INTER, HEADS, KV, V = 64, 128, 4, 2, 300
 

@@ -1,6 +1,6 @@
 """The EAGLE-3 draft head: exactly the function vLLM's `llama_eagle3` (method "eagle3") and SGLang's compute.
 
-Pairing as EAGLE-2's (decode.engine.head): `features[:, t]` belongs to position t, `input_ids[:, t]` is token t+1,
+Pairing as EAGLE-2's (heads.eagle): `features[:, t]` belongs to position t, `input_ids[:, t]` is token t+1,
 `logits[:, t]` predicts token t+2. At the first step the features are the verifier's hidden states ENTERING its
 layers `aux_layers` (default (2, N//2, N-3), HF's `output_hidden_states[i]`), side by side [B, T, 3h], and `fc`
 (3h -> h, no bias) fuses them into g; at later steps the features are the head's own previous output, g itself
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from decode.engine.head import DraftHead, HeadError, _layer_parts, head_config
+from heads.eagle import DraftHead, HeadError, _layer_parts, head_config
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # vLLM's Eagle3LlamaForCausalLM, SGLang's LlamaForCausalLMEagle3
 LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
@@ -188,7 +188,7 @@ def _widened_layer(target: PreTrainedModel, layer_cls: type, config: Any) -> nn.
 
 def load_head(path: str | Path, target: PreTrainedModel, tokenizer: Any = None, method: str | None = None) -> DraftHead:
     """A saved head of either method, read from its config.json (`method`, if given, must match it)."""
-    from decode.engine.head import EagleHead, _read_metadata
+    from heads.eagle import EagleHead, _read_metadata
 
     saved = _read_metadata(Path(path)).get("method") or "eagle"
     cls = {"eagle": EagleHead, "eagle3": Eagle3Head}.get(method or saved)

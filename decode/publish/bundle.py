@@ -1,5 +1,6 @@
-"""Publishing: the gate that picks the chain (only one shown faster than AR, every check passed), its chain.json,
-and the bundle written all or nothing; stale temp folders cleaned, a refused bundle set aside."""
+"""Publishing: the gate that picks the chain (only one shown faster than AR, every check passed), its chain.json
+(with the serve commands of decode.publish.serving), and the bundle written all or nothing; stale temp folders
+cleaned, a refused bundle set aside."""
 from __future__ import annotations
 
 import hashlib
@@ -11,27 +12,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dataclasses import dataclass
-
 from decode.evaluation import speedup as paired
+from decode.publish import Publication
+from decode.publish.serving import LLAMACPP_W4, llamacpp_eagle3_serve, llamacpp_serve, serve_of
 from infra.layout import RunLayout
 from infra.tracking import atomic_dir
-
-LLAMACPP_W4 = "w4.Q4_0.gguf"  # the W4 level as llama.cpp loads it, in the bundle's levels/
-
-
-@dataclass(frozen=True)
-class Publication:
-    """Where a bundle comes from and goes: the target (`model` in `dtype`), the run and its folders, the bundle's
-    folder, and the draft length its llama.cpp serve command uses."""
-
-    model: str
-    dtype: str
-    run_name: str
-    layout: RunLayout
-    bundle: Path
-    llamacpp_draft_max: int = 4
-
 
 def folder_hash(path: str | Path) -> str:
     """Content hash of a folder: relative paths and bytes of every file, in sorted order (16 hex chars)."""
@@ -136,71 +121,6 @@ def chain_manifest(
     if w4_gguf is not None:
         folders[LLAMACPP_W4] = w4_gguf
     return manifest, folders
-
-
-def serve_of(where: Publication, levels: list[dict[str, Any]]) -> dict[str, Any]:
-    """chain.json's `serve` (decode.consumers.serving) for the published bundle's target, drafter and W4 level, by their
-    paths once published."""
-    from data.models import ModelSourceError, resolve_model_path
-    from decode.consumers.serving import serve_section
-
-    bundle = where.bundle.resolve()
-    paths = [str(bundle / level["bundled_as"]) if "bundled_as" in level else None for level in levels]
-    try:
-        target = resolve_model_path(where.model)  # the folder a bundled target was converted into
-    except ModelSourceError:
-        target = where.model
-    return serve_section(target, where.dtype, levels[-1]["config"], paths[-1], next(filter(None, paths[1:-1]), None))
-
-
-def llamacpp_serve(where: Publication, levels: list[dict[str, Any]]) -> tuple[dict[str, Any], Path | None]:
-    """chain.json's serve.llamacpp: llama.cpp serving the target with the chain's W4 level as its draft model (a
-    Q4_0 GGUF exported exactly, bundled as levels/w4.Q4_0.gguf), and the GGUF to bundle; where that cannot be,
-    the one reason and None."""
-    from decode.consumers.llamacpp import SDIST, serve_commands
-    from decode.consumers.llamacpp_gguf import GgufExportError, target_gguf, w4_gguf
-
-    model = where.model
-    w4 = next((Path(level["source"]) for level in levels[1:]
-               if level["config"].get("kind", "model") == "model" and "bundled_as" in level), None)
-    if w4 is None or not model.startswith("bundled:"):
-        why = "the chain has no quantized model level" if w4 is None else f"the target {model} is not a bundled GGUF"
-        return {"not_served": f"llama.cpp: {why}"}, None
-    try:
-        target = target_gguf(model.removeprefix("bundled:"))
-        draft = w4_gguf(w4, target)
-    except GgufExportError as err:
-        return {"not_served": f"llama.cpp: {err}"}, None
-    bundled = where.bundle.resolve() / "levels" / LLAMACPP_W4
-    draft_max = where.llamacpp_draft_max
-    return {"engine": f"llama.cpp (vendored by {SDIST}; checked with llama-speculative-simple: decode.bench, "
-                      "decode.interop)", **serve_commands(str(target), str(bundled), draft_max),
-            "target_gguf": str(target), "draft_gguf": f"levels/{LLAMACPP_W4}",
-            "note": "llama.cpp serves two levels: the target and the W4 level as its draft model."}, draft
-
-
-def llamacpp_eagle3_serve(where: Publication, levels: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """chain.json's serve.llamacpp_eagle3 where the chain drafts with an EAGLE-3 head: llama.cpp's converter and
-    server commands for the bundled head (None for any other drafter); where the target is not a bundled GGUF,
-    the reason."""
-    from data.models import resolve_model_path
-    from decode.consumers.llamacpp import SDIST, eagle3_serve_commands
-    from decode.consumers.llamacpp_gguf import target_gguf
-    from decode.consumers.serving import draft_length, head_method
-
-    drafter = levels[-1]
-    if drafter["config"].get("kind") != "eagle" or "bundled_as" not in drafter:
-        return None
-    if head_method(drafter["config"], drafter.get("source")) != "eagle3":
-        return None
-    model = where.model
-    if not model.startswith("bundled:"):
-        return {"not_served": f"llama.cpp: the target {model} is not a bundled GGUF"}
-    head = where.bundle.resolve() / drafter["bundled_as"]
-    commands = eagle3_serve_commands(str(target_gguf(model.removeprefix("bundled:"))), resolve_model_path(model),
-                                     str(head), draft_length(drafter["config"].get("draft") or {}))
-    return {"engine": f"llama.cpp (vendored by {SDIST}; converted and checked by decode.interop)", **commands,
-            "note": "llama.cpp serves two levels: the target and the EAGLE-3 head (--spec-type draft-eagle3)."}
 
 
 def gate(checks: list[dict[str, Any]], speedups: dict[str, paired.Interval], choice: str = "best",

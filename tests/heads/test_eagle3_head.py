@@ -11,8 +11,8 @@ from test_head_vllm_layout import HEADS, KV, H, INTER, V, rms, rotate, tiny_llam
 from transformers import DynamicCache
 
 from data.models import weights_hash
-from decode.engine.head import EagleHead, HeadError
-from decode.engine.head3 import Eagle3Head, default_aux_layers, load_head
+from heads.eagle import EagleHead, HeadError
+from heads.eagle3 import Eagle3Head, default_aux_layers, load_head
 
 N_LAYERS = 6  # aux layers (2, 3, 3) by vLLM's default rule; the tests pick their own too
 AUX = (0, 2, 5)
@@ -183,7 +183,7 @@ def test_two_layer_target_uses_a_layer_it_has():
 
 def test_published_eagle3_head_is_served_with_method_eagle3(tmp_path):
     """chain.json's serve section names vLLM's method from the head folder; a level's `method` must match it."""
-    from decode.consumers.serving import speculative_config
+    from decode.publish.serving import speculative_config
 
     target = target6()
     e3 = Eagle3Head.for_target(target).save_pretrained(tmp_path / "e3", target_hash=weights_hash(target))
@@ -192,21 +192,3 @@ def test_published_eagle3_head_is_served_with_method_eagle3(tmp_path):
     assert speculative_config(drafter, str(e3)) == {"method": "eagle3", "model": str(e3), "num_speculative_tokens": 3}
     assert speculative_config(drafter, str(e2))["method"] == "eagle"
 
-
-def test_chain_config_builds_an_eagle3_level_and_checks_the_aux_layers(tmp_path):
-    from decode_fixtures import build_chain
-    from decode.engine.errors import DecodeError
-
-    target = target6()
-    out = Eagle3Head.for_target(target, draft_vocab=torch.arange(0, V, 2)).save_pretrained(
-        tmp_path / "e3", target_hash=weights_hash(target))
-    chain = build_chain([{"kind": "model"}, {"kind": "model", "model": "target", "layers": 4, "mu": 2},
-                         {"kind": "eagle", "path": str(out), "draft": {"length": 3}}], target, tokenizer=None)
-    assert chain.levels[-1].head.method == "eagle3" and all(level.keep_hidden == (2, 3, 3)
-                                                            for level in chain.levels[:2])
-    assert len(chain.generate([5, 6, 7, 8, 9], 12).tokens) == 12
-    with pytest.raises(DecodeError, match=r"states entering layers \[2, 3, 3\], but this level's model has 3"):
-        build_chain([{"kind": "model"}, {"kind": "model", "model": "target", "layers": 3},
-                     {"kind": "eagle", "path": str(out)}], target, tokenizer=None)
-    with pytest.raises(DecodeError, match="an eagle3 head, not an eagle one"):
-        build_chain([{"kind": "model"}, {"kind": "eagle", "path": str(out), "method": "eagle"}], target, tokenizer=None)

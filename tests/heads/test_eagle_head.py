@@ -9,7 +9,7 @@ from transformers import (
     DynamicCache, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
 )
 
-from decode.engine.head import EagleHead, HeadError, TrainingRecord, additive_mask, causal_mask
+from heads.eagle import EagleHead, HeadError, TrainingRecord, additive_mask, causal_mask
 
 TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)

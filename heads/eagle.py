@@ -97,7 +97,7 @@ class DraftHead(nn.Module):
     """What every draft head shares: the target's frozen input embedding (held by reference, never saved), an
     optional draft vocabulary (sorted target ids), the folder layout (config.json with polyspec's metadata beside
     vLLM's keys, model.safetensors) and the refusals on load. Subclasses: EagleHead (vLLM method "eagle"),
-    decode.engine.head3.Eagle3Head ("eagle3"). `forward(ids, features, cache, ...)` returns (hidden, logits, cache):
+    heads.eagle3.Eagle3Head ("eagle3"). `forward(ids, features, cache, ...)` returns (hidden, logits, cache):
     `hidden` is what the next drafting step feeds back as its features."""
 
     method = ""

@@ -1,4 +1,5 @@
-"""A damaged EAGLE head folder is a one-line HeadError, and through a chain a one-line DecodeError."""
+"""A damaged EAGLE head folder is a one-line HeadError (through a chain, a one-line DecodeError:
+tests/decode/test_chain_config.py)."""
 from __future__ import annotations
 
 import pytest
@@ -6,11 +7,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from infra.layout import RunLayout
 from data.models import weights_hash
-from decode_fixtures import build_chain
-from decode.engine.errors import DecodeError
-from decode.engine.head import EagleHead, HeadError
+from heads.eagle import EagleHead, HeadError
 
 
 @pytest.fixture
@@ -64,12 +62,3 @@ def test_bad_config_json_is_one_line(saved, config):
     target, out = saved
     (out / "config.json").write_bytes(config)
     refused(out, target, r"config.json: not an EAGLE head config")
-
-
-def test_a_chain_reports_a_damaged_head_in_one_line(saved, tmp_path):
-    target, out = saved
-    (out / "model.safetensors").write_bytes(b"")
-
-    with pytest.raises(DecodeError, match="cannot load the EAGLE head") as err:
-        build_chain([{"kind": "model"}, {"kind": "eagle", "path": str(out)}], target, None, RunLayout(tmp_path))
-    assert "\n" not in str(err.value) and "unreadable" in str(err.value)
