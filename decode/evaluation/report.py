@@ -119,7 +119,8 @@ def _plan_section(report: dict[str, Any]) -> list[str]:
             if side not in plan:  # a searched stack: only the planner's knobs
                 continue
             k, pr = plan[side]["knobs"], plan[side]
-            rows.append([f"{name} ({'stack' if plan.get('stack') else side})", ", ".join(f"{n}={m}" for n, m in k["mu"].items()) or "-",
+            label = "stack" if plan.get("stack") else side
+            rows.append([f"{name} ({label})", ", ".join(f"{n}={m}" for n, m in k["mu"].items()) or "-",
                          ", ".join(f"{a}={b}" for a, b in k["draft"].items() if a != "mode")
                          + f" ({k['draft']['mode']})",
                          _ms(pr["predicted"]["s_per_token"]), _ms(pr.get("measured_s_per_token")),
@@ -129,9 +130,9 @@ def _plan_section(report: dict[str, Any]) -> list[str]:
     lines += _table(["chain", "mu", "draft", "predicted ms/token", "measured ms/token", "error", "predicted speedup",
                      "measured speedup"], rows)
     lines += ["", "Decoding time after the first token; speedups over AR's own decoding (predicted: the target's "
-              "1-token forward from the same cost curve), which cancels load that changed since the calibration. A stack is "
-              "a chain the configured chains' levels allow that none of them is (eval.plan.stacks: the fastest "
-              "predicted are decoded; the others show no measurement).", ""]
+              "1-token forward from the same cost curve), which cancels load that changed since the calibration. "
+              "A stack is a chain the configured chains' levels allow that none of them is (eval.plan.stacks: the "
+              "fastest predicted are decoded; the others show no measurement).", ""]
     for base, plan in report["plans"].items():
         cal = plan["calibration"]
         costs = ", ".join(f"{n} ({c['source']}, x{c['scale']:.2f})" for n, c in cal["costs"].items())
