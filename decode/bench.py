@@ -5,13 +5,15 @@ assistant), transformers prompt lookup, the two-level chain, the three-level cha
 chains (decode.bench.two_level / three_level / extra; a chain or assistant whose artifacts are
 missing is replaced by its configured stand-in, and the table says so). All methods run in one
 process, interleaved per prompt (the order rotates from prompt to prompt), and the table reports
-medians, so machine noise hits every method alike, and each method's pooled time speedup over AR with its
+medians, so machine noise hits every method alike (llama.cpp, where it runs, gets a phase of its own after
+polyspec's methods in each round, decode.peers.llamacpp), and each method's pooled time speedup over AR with its
 paired interval over prompts (decode.evaluation.speedup, level decode.bench.confidence). Each chain's per-level
 numbers and its measured decoding time next to both predictions (Theorem 3.1 and the refined one) come
 from decode.evaluation.measure, the same code decode.eval reports them with.
 """
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 from typing import Callable
@@ -149,17 +151,21 @@ def run(settings: BenchSettings) -> dict:
     names = list(decoders)
     runs: dict[str, list[Generation]] = {name: [] for name in names}
     ar_tokens: list[list[int]] = []
-    n = b.max_new_tokens
-    work = [(r, i) for r in range(b.repeats) for i in range(len(prompts))]
-    for step, (_, i) in enumerate(tqdm(work, desc="bench", unit="prompt")):
-        order = names[step % len(names):] + names[: step % len(names)]  # rotate: no method always runs first
-        for name in order:
-            runs[name].append(decoders[name](prompts[i], n))
-        ar_tokens.append(runs["ar"][-1].tokens)
-        if peer:
-            peer.decode_all(texts[i], n)
+    n, step = b.max_new_tokens, 0
+    progress = tqdm(total=b.repeats * len(prompts), desc="bench", unit="prompt")
+    for _ in range(b.repeats):
+        for prompt in prompts:
+            order = names[step % len(names):] + names[: step % len(names)]  # rotate: no method always runs first
+            for name in order:
+                runs[name].append(decoders[name](prompt, n))
+            ar_tokens.append(runs["ar"][-1].tokens)
+            step += 1
+            progress.update()
+        for text in texts if peer else ():  # a phase of its own: nothing of polyspec's runs beside llama.cpp
+            peer.decode_all(text, n)
+    progress.close()
     summary = summarise(runs, ar_tokens, confidence)
-    print(f"\n{len(work)} prompts x {len(names)} methods, {n} new tokens, temperature {decoding.sampling.temperature}, "
+    print(f"\n{step} prompts x {len(names)} methods, {n} new tokens, temperature {decoding.sampling.temperature}, "
           f"{torch.get_num_threads()} threads; medians (x AR = median per-prompt ratio; sb = Spec-Bench mean ratio; "
           f"time x AR = pooled seconds per token of AR over the method's, {confidence:.0%} paired interval over "
           f"prompts, + shown faster, - shown slower)")
@@ -169,6 +175,9 @@ def run(settings: BenchSettings) -> dict:
     if peer:
         ar_texts = [llamacpp.reply_text(tokenizer, tokens) for tokens in ar_tokens]
         result["llamacpp"] = {"summary": llamacpp.summary(peer, runs["ar"], ar_texts), "notes": peer.notes}
+        policy = os.environ.get("OMP_WAIT_POLICY", "unset")
+        print(f"\nllama.cpp in a phase of its own after polyspec's on the same prompts, {peer.threads} threads, the "
+              f"same environment (OMP_WAIT_POLICY={policy}) for both engines")
         print(llamacpp.table(result["llamacpp"]["summary"], peer.notes))
     write_json_atomic(b.out, result)
     print(f"written {b.out}")

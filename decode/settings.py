@@ -349,6 +349,7 @@ class LlamaCppBench:
 
     enabled: Any = "auto"
     draft_max: int = 4
+    sweep: tuple[int, ...] = (2, 4, 6, 8)
     ngram: dict[str, Any] = field(default_factory=dict)
 
 

@@ -334,20 +334,35 @@ def decode(tools: Path, model: Path, prompt: str, new_tokens: int, threads: int,
            speculation: Speculation = Speculation()) -> LlamaOutput:
     """Greedy decoding of `prompt` (text; special tokens such as <|im_start|> are parsed) with llama.cpp's
     llama-speculative-simple: `new_tokens` tokens (fewer at an end of generation), `threads` threads, drafting as
-    `speculation` says (by default not at all: plain decoding in the same program, the fair AR). Its OpenMP threads
-    sleep while they wait (OMP_WAIT_POLICY=PASSIVE unless set): spinning threads stall each other's barriers on
-    shared cores."""
+    `speculation` says (by default not at all: plain decoding in the same program, the fair AR). It runs in the
+    caller's environment, so both engines of a comparison use the same OpenMP settings; the caller runs nothing of
+    its own beside it (decode.bench gives llama.cpp a phase of its own)."""
     args = [str(tools / "llama-speculative-simple"), "-m", str(model), "-p", prompt, "-n", str(max(new_tokens - 1, 0)),
             "--temp", "0", "--seed", "0", "-t", str(threads), "-tb", str(threads), "-c", str(CONTEXT),
             *speculation.args(threads)]
-    env = {"OMP_WAIT_POLICY": "PASSIVE"} | dict(os.environ)
-    done = subprocess.run(args, capture_output=True, text=True, errors="replace", env=env)
+    done = subprocess.run(args, capture_output=True, text=True, errors="replace")
     if done.returncode:
         raise LlamaCppError(f"llama-speculative-simple exited {done.returncode} on {model.name} "
                             f"({speculation.kind}): {_last_line(done.stderr)}")
     out = parse_output(done.stdout, done.stderr, prompt)
     if speculation.kind == "none" and out.drafted:
         raise LlamaCppError(f"plain decoding drafted {out.drafted} tokens (a 1024-token n-gram matched)")
+    return out
+
+
+def quantized(tools: Path, source: Path, kind: str) -> Path:
+    """`source` (an F32 GGUF) quantized to `kind` (Q8_0, Q4_0, ...) by llama.cpp's own llama-quantize, as a user
+    makes one; written once beside it (through a temporary file) and reused."""
+    out = source.with_name(f"{source.stem.removesuffix('-F32')}-{kind}.gguf")
+    if not out.exists():
+        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+        done = subprocess.run([str(tools / "llama-quantize"), str(source), str(tmp), kind], capture_output=True,
+                              text=True, errors="replace")
+        if done.returncode:
+            tmp.unlink(missing_ok=True)
+            raise LlamaCppError(f"llama-quantize exited {done.returncode} on {source.name} ({kind}): "
+                                f"{_last_line(done.stderr)}")
+        tmp.rename(out)
     return out
 
 

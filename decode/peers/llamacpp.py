@@ -1,13 +1,17 @@
-"""llama.cpp beside polyspec in decode.bench: the same prompts, new-token count and threads, three ways.
+"""llama.cpp beside polyspec in decode.bench: the same prompts, new-token count and threads, these ways.
 
   llamacpp_ar      the F32 target alone (llama-speculative-simple drafting nothing: plain greedy decoding)
-  llamacpp_w4      the target drafted for by the W4 level as a Q4_0 GGUF (exported exactly from the GPTQ
+  llamacpp_q8_0    the target quantized to Q8_0 by llama-quantize, alone: lossy with respect to the fp32 target
+  llamacpp_q4_1    the bundled Q4_1 file the target comes from, alone: lossy, the model as it is distributed
+  llamacpp_w4      the F32 target drafted for by the W4 level as a Q4_0 GGUF (exported exactly from the GPTQ
                    checkpoint; where the run has none, the bundled Q4_1 GGUF stands in, and the table says so)
-  llamacpp_ngram   the target drafted for by llama.cpp's n-gram mode
+  llamacpp_ngram   the F32 target drafted for by llama.cpp's n-gram mode
 
-Each llama.cpp engine is checked against llama.cpp's own AR (greedy: the same text), and its speed is given as a
-ratio to polyspec's AR and to llama.cpp's AR on the same prompts in the same run. Times are llama.cpp's own (prompt
-evaluation plus decoding, model loading left out), as polyspec's AR times prefill plus decoding.
+The drafting engines run at every draft length of decode.bench.llamacpp.sweep and the table gives each one's best
+(bench.json keeps the sweep). Each engine is checked against llama.cpp's own AR (greedy: the same text; the lossy
+rows are expected to differ), and its speed is given as a ratio to polyspec's AR and to llama.cpp's AR on the same
+prompts in the same run. Times are llama.cpp's own (prompt evaluation plus decoding, model loading left out), as
+polyspec's AR times prefill plus decoding.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from decode.engine.levels import Generation
 from decode.consumers.llamacpp import (
-    LlamaCppError, LlamaOutput, Speculation, decode, default_folder, ensure_built, is_ready, same_greedy,
+    LlamaCppError, LlamaOutput, Speculation, decode, default_folder, ensure_built, is_ready, quantized, same_greedy,
 )
 from infra.layout import RunLayout
 
@@ -36,15 +40,17 @@ class LlamaPeer:
     tools: Path
     target: Path
     threads: int
-    engines: dict[str, Speculation]
+    engines: dict[str, Speculation]  # a sweep's engines are named "<family> k<draft length>"
     notes: dict[str, str]
+    models: dict[str, Path] = field(default_factory=dict)  # engines that decode another file than `target`
     runs: dict[str, list[LlamaOutput]] = field(default_factory=dict)
     new_tokens: int = 0  # the token limit of the kept runs
 
     def decode_all(self, prompt: str, new_tokens: int, keep: bool = True) -> None:
         """Every engine once on `prompt`; kept for the table unless `keep` is false (warm-up)."""
         for name, speculation in self.engines.items():
-            out = decode(self.tools, self.target, prompt, new_tokens, self.threads, speculation)
+            model = self.models.get(name, self.target)
+            out = decode(self.tools, model, prompt, new_tokens, self.threads, speculation)
             if keep:
                 self.runs.setdefault(name, []).append(out)
                 self.new_tokens = new_tokens
@@ -88,12 +94,16 @@ def bench_peer(decoding: Decoding, llamacpp: LlamaCppBench | None, threads: int)
     draft, draft_note = w4_draft(decoding.model, _w4_folder(decoding.layout), target)
     kind = str(llamacpp.ngram["kind"])
     ngram = {str(k): int(v) for k, v in llamacpp.ngram.items() if k != "kind"}
-    engines = {AR: Speculation(),
-               "llamacpp_w4": Speculation("draft-simple", draft=draft, draft_max=llamacpp.draft_max),
-               "llamacpp_ngram": Speculation(kind, ngram=tuple(sorted(ngram.items())))}
-    notes = {AR: f"llama.cpp, {target.name} alone", "llamacpp_w4": f"k {llamacpp.draft_max}, {draft_note}",
-             "llamacpp_ngram": f"{kind} {ngram}"}
-    return LlamaPeer(tools, target, threads, engines, notes)
+    models = {"llamacpp_q8_0": quantized(tools, target, "Q8_0"), "llamacpp_q4_1": _bundled_draft(decoding.model)}
+    engines = {AR: Speculation()} | {name: Speculation() for name in models}
+    engines |= {f"llamacpp_w4 k{k}": Speculation("draft-simple", draft=draft, draft_max=k) for k in llamacpp.sweep}
+    drafts = {f"llamacpp_ngram k{k}": ngram | {"size-m": k} for k in llamacpp.sweep} if "size-m" in ngram \
+        else {"llamacpp_ngram": ngram}  # size-m: the n-gram mode's draft length
+    engines |= {name: Speculation(kind, ngram=tuple(sorted(values.items()))) for name, values in drafts.items()}
+    notes = {AR: f"llama.cpp, {target.name} alone",
+             **{name: f"{path.name} alone: lossy vs the fp32 target" for name, path in models.items()},
+             "llamacpp_w4": draft_note, "llamacpp_ngram": f"{kind} {ngram}"}
+    return LlamaPeer(tools, target, threads, engines, notes, models)
 
 
 def _checked_peer(section: InteropSection, target: Path, name: str, speculation: Speculation,
@@ -191,9 +201,10 @@ def reply_text(tokenizer: Any, tokens: list[int]) -> str:
 
 
 def summary(peer: LlamaPeer, polyspec_ar: list[Generation], polyspec_ar_texts: list[str]) -> dict[str, dict]:
-    """Per engine: median tokens/s, median per-prompt ratio to polyspec's AR and to llama.cpp's AR, how many
-    outputs agree with llama.cpp's AR (the lossless check) and polyspec's AR (by text; see same_greedy),
-    acceptance where it drafts."""
+    """Per engine, a sweep's fastest (by median tokens/s) standing for its family: median tokens/s, median
+    per-prompt ratio to polyspec's AR and to llama.cpp's AR, how many outputs agree with llama.cpp's AR (the
+    lossless check) and polyspec's AR (by text; see same_greedy), acceptance where it drafts; `sweep` gives every
+    draft length's median tokens/s."""
     ar, n = peer.runs[AR], peer.new_tokens
     polyspec = [LlamaOutput(text, g.stats.new_tokens, 0, 0.0, 0.0) for text, g in zip(polyspec_ar_texts, polyspec_ar)]
     found = {}
@@ -208,7 +219,23 @@ def summary(peer: LlamaPeer, polyspec_ar: list[Generation], polyspec_ar_texts: l
             "acceptance": _acceptance(outs), "runs": len(outs),
             "new_tokens": sum(o.new_tokens for o in outs),
         }
-    return found
+    return best_of_sweeps(found)
+
+
+def best_of_sweeps(found: dict[str, dict]) -> dict[str, dict]:
+    """Engines named "<family> k<n>" folded into one row per family: the fastest, with `best` (its name) and
+    `sweep` (every member's median tokens/s)."""
+    families: dict[str, dict[str, dict]] = {}
+    for name, row in found.items():
+        families.setdefault(name.split(" ")[0], {})[name] = row
+    folded = {}
+    for family, rows in families.items():
+        if len(rows) == 1 and family in rows:
+            folded[family] = rows[family]
+            continue
+        best = max(rows, key=lambda n: rows[n]["median_tokens_per_s"])
+        folded[family] = rows[best] | {"best": best, "sweep": {n: r["median_tokens_per_s"] for n, r in rows.items()}}
+    return folded
 
 
 def _acceptance(outs: list[LlamaOutput]) -> float | None:
@@ -220,8 +247,10 @@ def table(found: dict[str, dict], notes: dict[str, str]) -> str:
     rows = [f"{'llama.cpp':<17} {'tok/s':>7} {'x AR':>6} {'x lcpp AR':>9} {'same':>6} {'accept':>7}  details"]
     for name, s in found.items():
         accept = f"{s['acceptance']:.0%}" if s["acceptance"] is not None else "-"
+        best = f"best {s['best'].split(' ')[1]} of " + ", ".join(n.split(" ")[1] for n in s["sweep"]) + "; " \
+            if "best" in s else ""
         rows.append(f"{name:<17} {s['median_tokens_per_s']:>7.2f} {s['median_ratio_vs_polyspec_ar']:>6.2f} "
                     f"{s['median_ratio_vs_llamacpp_ar']:>9.2f} {s['identical_to_llamacpp_ar']:>3}/{s['runs']:<2} "
-                    f"{accept:>7}  {notes.get(name, '')}; "
+                    f"{accept:>7}  {best}{notes.get(name, '')}; "
                     f"same text as polyspec AR {s['same_text_as_polyspec_ar']}/{s['runs']}")
     return "\n".join(rows)

@@ -157,6 +157,23 @@ def publication(tmp_path, model):
     return Publication(model, "float32", "default", RunLayout(tmp_path / "run"), tmp_path / "p")
 
 
+def test_a_sweep_is_reported_by_its_fastest_member():
+    from decode.peers.llamacpp import best_of_sweeps, table
+
+    def row(tps):
+        return {"median_tokens_per_s": tps, "median_ratio_vs_polyspec_ar": 1.0, "median_ratio_vs_llamacpp_ar": 1.0,
+                "identical_to_llamacpp_ar": 6, "same_text_as_polyspec_ar": 6, "acceptance": 0.5, "runs": 6}
+
+    found = {"llamacpp_ar": row(40.0), "llamacpp_w4 k2": row(35.0), "llamacpp_w4 k4": row(38.0),
+             "llamacpp_w4 k8": row(30.0), "llamacpp_ngram": row(41.0)}
+    folded = best_of_sweeps(found)
+    assert list(folded) == ["llamacpp_ar", "llamacpp_w4", "llamacpp_ngram"]
+    assert folded["llamacpp_w4"]["best"] == "llamacpp_w4 k4" and folded["llamacpp_w4"]["median_tokens_per_s"] == 38.0
+    assert folded["llamacpp_w4"]["sweep"] == {"llamacpp_w4 k2": 35.0, "llamacpp_w4 k4": 38.0, "llamacpp_w4 k8": 30.0}
+    assert "best" not in folded["llamacpp_ar"] and "best" not in folded["llamacpp_ngram"]
+    assert "best k4 of k2, k4, k8" in table(folded, {}).splitlines()[2]
+
+
 def test_the_bundle_serves_llamacpp_only_where_it_can(tmp_path):
     from decode.publish.serving import llamacpp_serve
 
@@ -338,3 +355,20 @@ def test_the_projects_build_decodes_a_quantized_gguf():
     prompt = "<|im_start|>user\nWrite a short poem about the sea.<|im_end|>\n<|im_start|>assistant\n"
     out = decode(ensure_built(), bundled_gguf("smollm2-135m-instruct"), prompt, 16, 2)
     assert out.new_tokens == 16 and out.text.strip() and out.drafted == 0
+
+
+@pytest.mark.slow
+def test_the_target_quantized_by_llama_quantize_decodes(tmp_path):
+    """decode.bench's lossy Q8_0 row: llama-quantize makes the file once (beside the F32 one) and it decodes."""
+    import shutil
+
+    from decode.consumers.llamacpp import decode, ensure_built, quantized
+    from decode.consumers.llamacpp_gguf import target_gguf
+
+    tools, f32 = ensure_built(), tmp_path / "smollm2-F32.gguf"
+    shutil.copy(target_gguf(), f32)
+    q8 = quantized(tools, f32, "Q8_0")
+    assert q8 == tmp_path / "smollm2-Q8_0.gguf" and q8.stat().st_size < f32.stat().st_size / 3
+    assert quantized(tools, f32, "Q8_0") == q8 and not list(tmp_path.glob(".*tmp*"))  # made once, no leftovers
+    prompt = "<|im_start|>user\nName two colours.<|im_end|>\n<|im_start|>assistant\n"
+    assert decode(tools, q8, prompt, 8, 2).new_tokens == 8
