@@ -138,12 +138,12 @@ def steps_for(settings: CostsSettings) -> tuple[dict[str, Step], dict[str, str],
     """The forwards to time, a note per row on what it is, and what is measured beside them: the configured target's
     weight-streaming floor and the round costs of decode.chain."""
     from data.models import load_model
-    from data.sharegpt import load_conversations, split_conversations
+    from data.sharegpt import load_split
 
     decoding = settings.decoding
     device, backend = decoding.device, decoding.backend
     # the data before any model or kernel build: refused in seconds
-    _, held_out = split_conversations(load_conversations(settings.data_source), settings.held_out_fraction)
+    _, held_out = load_split(settings.data)
     target, tokenizer = load_model(decoding.model, decoding.dtype, device)
     context = context_ids(held_out, tokenizer, settings.section.context)
     steps = {"target eager": cached_forward(target, context)}

@@ -13,6 +13,7 @@ import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from data.settings import DataSettings, data_of
 from decode.backends import Backend
 from decode.backends.cpu.dense import GEMMS
 from decode.engine.chain import check_new_tokens
@@ -400,14 +401,12 @@ class CostsSettings:
 
     decoding: Decoding
     section: CostsSection
-    data_source: str
-    held_out_fraction: float
+    data: DataSettings
 
 
 def costs_of(cfg: Any) -> CostsSettings:
     section = parse(CostsSection, plain(cfg.decode.costs), "decode.costs", DecodeError)
-    return CostsSettings(decoding_of(cfg), section, checked(str, cfg.data.source, "data.source"),
-                         checked(float, cfg.data.held_out_fraction, "data.held_out_fraction"))
+    return CostsSettings(decoding_of(cfg), section, data_of(cfg))
 
 
 @dataclass(frozen=True)
