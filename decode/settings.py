@@ -23,7 +23,7 @@ from decode.engine.spec import ChainSpec, SpecError
 from decode.evaluation import EvalError
 from decode.evaluation.publish import Publication
 from decode.evaluation.speedup import IntervalError, checked_confidence
-from infra.errors import ConfigError
+from infra.device import checked_threads
 from infra.layout import RunLayout
 from infra.settings import Tracking, checked, device_of, layout_of, parse, plain, tracking_of
 
@@ -117,13 +117,6 @@ def sampling_of(d: DecodeSection) -> Sampling:
         raise DecodeError(f"decode.{err}") from None
 
 
-def threads_of(value: Any, key: str) -> int | None:
-    """A `threads` setting: null (torch's default) or an integer >= 1."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ConfigError(f"{key} must be null or an integer >= 1, got {value!r}")
-    return value
-
-
 def decode_section(cfg: Any) -> DecodeSection:
     d = cfg.decode
     try:
@@ -147,7 +140,7 @@ def decoding_of(cfg: Any) -> Decoding:
                 raise DecodeError(str(err)) from None
     return Decoding(model=str(cfg.model.name), dtype=str(cfg.model.dtype), device=device, layout=layout_of(cfg),
                     run_name=str(cfg.get("run_name", "")), fast=d.fast, backend=backend_of(d, device),
-                    sampling=sampling_of(d), threads=threads_of(d.threads, "decode.threads"), chain=d.chain,
+                    sampling=sampling_of(d), threads=checked_threads(d.threads, "decode.threads"), chain=d.chain,
                     chains=chains, draft_defaults=d.draft_defaults, section=d)
 
 
