@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from data.settings import DataSettings, data_of
-from decode.backends import Backend
+from decode.backends import Backend, BackendFieldError
 from decode.backends.cpu.dense import GEMMS
 from decode.engine.chain import check_new_tokens
 from decode.engine.errors import DecodeError
@@ -100,9 +100,8 @@ def backend_of(d: DecodeSection, device: torch.device) -> Backend:
         return Backend()
     try:
         return Backend(gemm, d.native_fp32, d.native, d.w4_activations)
-    except ValueError as err:
-        field_name = str(err).split(" ", 1)[0]
-        raise DecodeError(f"decode.{BACKEND_KEYS.get(field_name, field_name)} {str(err).split(' ', 1)[1]}") from None
+    except BackendFieldError as err:
+        raise DecodeError(f"decode.{BACKEND_KEYS[err.field]} {err.problem}") from None
 
 
 def sampling_of(d: DecodeSection) -> Sampling:
