@@ -11,7 +11,6 @@ import torch
 from omegaconf import OmegaConf
 
 from data.settings import DataSettings, ModelSettings, data_of, model_of
-from infra.cli import flag
 from infra.layout import RunLayout
 from infra.settings import Tracking, checked, device_of, layout_of, parse, tracking_of
 from train.errors import TrainError
@@ -120,9 +119,8 @@ def as_json(value: Any) -> Any:
 
 
 def validate(t: Any) -> None:
-    """The checks of the train section the stage has always made, each with its own one-line TrainError."""
-    for key in RUN_CONTROL_KEYS:  # strictly boolean: the string 'false' would be truthy
-        flag(t, key, error=TrainError)
+    """The checks of the train section the stage has always made, each with its own one-line TrainError (its
+    switches, strictly true or false, are parse's)."""
     choose("method", t.method, Method)
     if t.method == "eagle3" and t.init != "random":
         raise TrainError(f"train.init={t.init!r}: an EAGLE-3 head (q/k/v over 2h inputs) starts random")
