@@ -53,13 +53,13 @@ def methods(settings: BenchSettings, prepared, tokenizer) -> tuple[dict[str, Met
         assistant_level = b.assistant
         try:
             assistant = level_model(parse(LevelSpec, assistant_level, "decode.bench.assistant"), target, tokenizer,
-                                    builder.artifacts, decoding.dtype)
+                                    builder.artifacts, decoding.model.dtype)
         except DecodeError as err:
             print(f"hf_assisted: assistant unavailable ({err}); using stand-in {b.assistant_stand_in}",
                   file=sys.stderr)
             assistant_level = b.assistant_stand_in
             assistant = level_model(parse(LevelSpec, assistant_level, "decode.bench.assistant_stand_in"), target,
-                                    tokenizer, builder.artifacts, decoding.dtype)
+                                    tokenizer, builder.artifacts, decoding.model.dtype)
         Backend(builder.backend.gemm).prepare(assistant)  # packed as the target is
         found["hf_assisted"] = lambda p, n: hf_assisted(target, assistant, p, n, sampling, eos_token_id=eos)
         notes["hf_assisted"] = f"assistant {assistant_level}"

@@ -81,7 +81,7 @@ def conclude(settings: EvalSettings, decoded: Decoded, reference_fn: ReferenceFn
 
     section, publish, run_name = settings.section, settings.publish, settings.decoding.run_name
     removed = clean_stale([section.out_dir, publish.dir])
-    report = evaluate(decoded, reference_fn, settings.checks, settings.checks.near_tie(settings.decoding.dtype))
+    report = evaluate(decoded, reference_fn, settings.checks, settings.checks.near_tie(settings.decoding.model.dtype))
     speedups = {n: paired.Interval.from_dict(r["time_speedup_interval"]) for n, r in report["chains"].items()}
     decision = gate(report["checks"], speedups, publish.chain, publish.force)
     report |= {"run_name": run_name, "gate": decision, "config": settings.config,

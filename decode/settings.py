@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from data.settings import DataSettings, data_of
+from data.settings import DataSettings, ModelSettings, data_of, model_of
 from decode.backends import Backend, BackendFieldError
 from decode.backends.cpu.dense import GEMMS
 from decode.engine.chain import check_new_tokens
@@ -55,11 +55,11 @@ class DecodeSection:
 
 @dataclass(frozen=True)
 class Decoding:
-    """What every decode app shares: the target (`model` in `dtype` on `device`), how models run (`backend`; nothing
-    packed without `fast`), how tokens are drawn, the run's folders, and the named chains as specs."""
+    """What every decode app shares: the target (`model`, as data's door reads it, on `device`), how models run
+    (`backend`; nothing packed without `fast`), how tokens are drawn, the run's folders, and the named chains as
+    specs."""
 
-    model: str
-    dtype: str
+    model: ModelSettings
     device: torch.device
     layout: RunLayout
     run_name: str
@@ -137,8 +137,8 @@ def decoding_of(cfg: Any) -> Decoding:
                 chains[name] = ChainSpec.parse(plain(levels), d.draft_defaults, f"decode.chains.{name}")
             except SpecError as err:
                 raise DecodeError(str(err)) from None
-    return Decoding(model=str(cfg.model.name), dtype=str(cfg.model.dtype), device=device, layout=layout_of(cfg),
-                    run_name=str(cfg.get("run_name", "")), fast=d.fast, backend=backend_of(d, device),
+    return Decoding(model=model_of(cfg), device=device, layout=layout_of(cfg), run_name=str(cfg.get("run_name", "")),
+                    fast=d.fast, backend=backend_of(d, device),
                     sampling=sampling_of(d), threads=checked_threads(d.threads, "decode.threads"), chain=d.chain,
                     chains=chains, draft_defaults=d.draft_defaults, section=d)
 
@@ -318,7 +318,7 @@ def eval_of(cfg: Any) -> EvalSettings:
                         f"({', '.join(section.chains)}) nor 'best'")
     decoding = decoding_of(cfg)
     checks = parse(CheckSettings, {**section.checks, "confidence": confidence}, "eval.checks", EvalError)
-    checks.near_tie(decoding.dtype)
+    checks.near_tie(decoding.model.dtype)
     specs = {}
     for name, levels in section.chains.items():
         if name == "ar":
@@ -327,9 +327,10 @@ def eval_of(cfg: Any) -> EvalSettings:
             specs[name] = decoding.parse_chain(levels, f"eval.chains.{name}")
     if not specs:
         raise EvalError("eval.chains is empty: nothing to evaluate")
-    draft_max = OmegaConf.select(cfg, "decode.bench.llamacpp.draft_max", default=4)
-    publication = Publication(decoding.model, decoding.dtype, decoding.run_name, decoding.layout, section.publish.dir,
-                              checked(int, draft_max, "decode.bench.llamacpp.draft_max", DecodeError))
+    draft_max = checked(int, OmegaConf.select(cfg, "decode.bench.llamacpp.draft_max", default=4),
+                        "decode.bench.llamacpp.draft_max", DecodeError)
+    publication = Publication(decoding.model.name, decoding.model.dtype, decoding.run_name, decoding.layout,
+                              section.publish.dir, draft_max)
     return EvalSettings(decoding, specs, checks, section, publication, tracking_of(cfg), plain(cfg.eval))
 
 
