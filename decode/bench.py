@@ -135,7 +135,7 @@ def run(settings: BenchSettings) -> dict:
 
     b, decoding, confidence = settings.section, settings.decoding, settings.confidence
     check_writable(b.out, "decode.bench.out", kind="file")  # refuse before minutes of decoding, not after
-    use_threads(decoding.threads, "decode.threads")
+    use_threads(decoding.section.threads, "decode.threads")
     questions = load_questions(b.prompts, per_category=b.per_category)  # before any model: a bad file fails fast
     peer = llamacpp_peer.bench_peer(decoding, b.llamacpp, torch.get_num_threads())  # None (said why) where it is off
     target, tokenizer = load_target(decoding)

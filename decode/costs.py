@@ -119,7 +119,7 @@ def round_costs(settings: CostsSettings, target: Any, tokenizer: Any, prompt: li
     from decode.engine.head import HeadError
 
     decoding = settings.decoding
-    name = decoding.chain
+    name = decoding.section.chain
     try:
         chain = builder_for(decoding, target, tokenizer).build(decoding.spec(name))
     except (DecodeError, HeadError) as err:
@@ -233,7 +233,7 @@ def run(settings: CostsSettings) -> dict:
 
     c = settings.section
     check_writable(c.out, "decode.costs.out", kind="file")  # refuse before minutes of timing, not after
-    use_threads(settings.decoding.threads, "decode.threads")
+    use_threads(settings.decoding.section.threads, "decode.threads")
     steps, notes, beside = steps_for(settings)
     ks = list(c.ks)
     ms = median_ms(steps, ks, c.repeats)

@@ -51,7 +51,7 @@ def run(settings: EvalSettings) -> int:
     check_writable(section.out_dir, "eval.out_dir", error=EvalError)  # fail now, not after the decoding
     check_writable(section.publish.dir, "eval.publish.dir", error=EvalError)
     questions = load_questions(section.prompts, section.per_category)
-    use_threads(decoding.threads, "decode.threads")
+    use_threads(decoding.section.threads, "decode.threads")
     prepared, tokenizer = load_target(decoding)
     target = prepared.model
     builder, eos = builder_for(decoding, prepared, tokenizer), eos_of(target, tokenizer)

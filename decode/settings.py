@@ -56,20 +56,16 @@ class DecodeSection:
 @dataclass(frozen=True)
 class Decoding:
     """What every decode app shares: the target (`model`, as data's door reads it, on `device`), how models run
-    (`backend`; nothing packed without `fast`), how tokens are drawn, the run's folders, and the named chains as
-    specs."""
+    (`backend`; nothing packed without decode.fast), how tokens are drawn, the run's folders, the named chains as
+    specs, and decode.*'s own keys (`section`: fast, threads, the chain to run, draft_defaults)."""
 
     model: ModelSettings
     device: torch.device
     layout: RunLayout
     run_name: str
-    fast: bool
     backend: Backend
     sampling: Sampling
-    threads: int | None
-    chain: str
     chains: dict[str, ChainSpec]
-    draft_defaults: dict[str, Any]
     section: DecodeSection
 
     def spec(self, name: str) -> ChainSpec:
@@ -81,7 +77,7 @@ class Decoding:
 
     def parse_chain(self, levels: Any, where: str = "chain") -> ChainSpec:
         """A level list (a config's or a manifest's) as a spec, the drafter's missing draft keys from draft_defaults."""
-        return ChainSpec.parse(plain(levels), self.draft_defaults, where)
+        return ChainSpec.parse(plain(levels), self.section.draft_defaults, where)
 
 
 def gemm_choice(gemm: Any, device: torch.device) -> str | None:
@@ -129,6 +125,7 @@ def decode_section(cfg: Any) -> DecodeSection:
 def decoding_of(cfg: Any) -> Decoding:
     """decode.*, model.*, device and run_dir as one Decoding, every value and every named chain checked."""
     d = decode_section(cfg)
+    checked_threads(d.threads, "decode.threads")
     device = device_of(cfg)
     chains = {}
     for name, levels in (cfg.decode.get("chains") or {}).items():
@@ -138,9 +135,7 @@ def decoding_of(cfg: Any) -> Decoding:
             except SpecError as err:
                 raise DecodeError(str(err)) from None
     return Decoding(model=model_of(cfg), device=device, layout=layout_of(cfg), run_name=str(cfg.get("run_name", "")),
-                    fast=d.fast, backend=backend_of(d, device),
-                    sampling=sampling_of(d), threads=checked_threads(d.threads, "decode.threads"), chain=d.chain,
-                    chains=chains, draft_defaults=d.draft_defaults, section=d)
+                    backend=backend_of(d, device), sampling=sampling_of(d), chains=chains, section=d)
 
 
 @dataclass(frozen=True)

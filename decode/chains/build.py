@@ -72,7 +72,7 @@ def reference_decoders(decoding: Decoding, target: Prepared, eos: Any, sampling:
     from decode.chains.baselines import autoregressive
 
     models: dict[str, Prepared | PreTrainedModel] = {"ar": target}
-    if decoding.fast:
+    if decoding.section.fast:
         models["ar_eager"] = load_model(decoding.model.name, decoding.model.dtype, target.model.device)[0]
     if onednn and (other := onednn_target(decoding, target.model)) is not None:
         models["ar_onednn"] = other
