@@ -55,13 +55,13 @@ def methods(settings: BenchSettings, prepared, tokenizer) -> tuple[dict[str, Met
         assistant_level = b.assistant
         try:
             assistant = level_model(parse(LevelSpec, assistant_level, "decode.bench.assistant"), target, tokenizer,
-                                    builder.artifacts, decoding.dtype)
+                                    builder.artifacts, decoding.model.dtype)
         except DecodeError as err:
             print(f"hf_assisted: assistant unavailable ({err}); using stand-in {b.assistant_stand_in}",
                   file=sys.stderr)
             assistant_level = b.assistant_stand_in
             assistant = level_model(parse(LevelSpec, assistant_level, "decode.bench.assistant_stand_in"), target,
-                                    tokenizer, builder.artifacts, decoding.dtype)
+                                    tokenizer, builder.artifacts, decoding.model.dtype)
         Backend(builder.backend.gemm).prepare(assistant)  # packed as the target is
         found["hf_assisted"] = lambda p, n: hf_assisted(target, assistant, p, n, sampling, eos_token_id=eos)
         notes["hf_assisted"] = f"assistant {assistant_level}"
@@ -137,7 +137,7 @@ def run(settings: BenchSettings) -> dict:
 
     b, decoding, confidence = settings.section, settings.decoding, settings.confidence
     check_writable(b.out, "decode.bench.out", kind="file")  # refuse before minutes of decoding, not after
-    use_threads(decoding.threads, "decode.threads")
+    use_threads(decoding.section.threads, "decode.threads")
     questions = load_questions(b.prompts, per_category=b.per_category)  # before any model: a bad file fails fast
     peer = llamacpp.bench_peer(decoding, b.llamacpp, torch.get_num_threads())  # None (said why) where it is off
     target, tokenizer = load_target(decoding)

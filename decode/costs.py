@@ -92,13 +92,13 @@ def _target_steps(decoding: Decoding, context: list[int], steps: dict[str, Step]
     from decode.chains.build import onednn_target
     from decode.engine.levels import ModelLevel
 
-    device, dtype, backend = decoding.device, decoding.dtype, decoding.backend
-    fast_target = backend.prepare(load_model(decoding.model, dtype, device)[0])
+    device, dtype, backend = decoding.device, decoding.model.dtype, decoding.backend
+    fast_target = backend.prepare(load_model(decoding.model.name, dtype, device)[0])
     packed = f"{dtype}, packed (decode.fast, {packed_with(fast_target.model)})"
     if backends.runs_natively(fast_target):
         steps["target"] = level_forward(ModelLevel("target", fast_target), context)
         notes["target"] = f"{packed}, native runner (decode.native_fp32)"
-        hf_target = Backend(backend.gemm).prepare(load_model(decoding.model, dtype, device)[0]).model
+        hf_target = Backend(backend.gemm).prepare(load_model(decoding.model.name, dtype, device)[0]).model
         steps["target hf layers"] = cached_forward(hf_target, context)
         notes["target hf layers"] = f"{packed}, the HF layers (decode.native_fp32=off)"
     else:
@@ -119,7 +119,7 @@ def round_costs(settings: CostsSettings, target: Any, tokenizer: Any, prompt: li
     from heads.eagle import HeadError
 
     decoding = settings.decoding
-    name = decoding.chain
+    name = decoding.section.chain
     try:
         chain = builder_for(decoding, target, tokenizer).build(decoding.spec(name))
     except (DecodeError, HeadError) as err:
@@ -138,21 +138,21 @@ def steps_for(settings: CostsSettings) -> tuple[dict[str, Step], dict[str, str],
     """The forwards to time, a note per row on what it is, and what is measured beside them: the configured target's
     weight-streaming floor and the round costs of decode.chain."""
     from data.models import load_model
-    from data.sharegpt import load_conversations, split_conversations
+    from data.sharegpt import load_split
 
     decoding = settings.decoding
     device, backend = decoding.device, decoding.backend
     # the data before any model or kernel build: refused in seconds
-    _, held_out = split_conversations(load_conversations(settings.data_source), settings.held_out_fraction)
-    target, tokenizer = load_model(decoding.model, decoding.dtype, device)
+    _, held_out = load_split(settings.data)
+    target, tokenizer = load_model(decoding.model.name, decoding.model.dtype, device)
     context = context_ids(held_out, tokenizer, settings.section.context)
     steps = {"target eager": cached_forward(target, context)}
-    notes = {"target eager": f"{decoding.dtype}, plain nn.Linear"}
+    notes = {"target eager": f"{decoding.model.dtype}, plain nn.Linear"}
     fast_target = _target_steps(decoding, context, steps, notes)
     beside = {"bandwidth": _bandwidth(), "round": round_costs(settings, fast_target, tokenizer, context)}
     w4, w4_dir = None, decoding.layout.output("w4")
     if (w4_dir / "config.json").is_file():
-        w4 = backend.drafting(fast_target).prepare(load_model(str(w4_dir), decoding.dtype, device)[0])
+        w4 = backend.drafting(fast_target).prepare(load_model(str(w4_dir), decoding.model.dtype, device)[0])
         _w4_steps(w4, context, steps, notes)
     else:
         print(f"costs: no W4 model in {w4_dir}; skipping it", file=sys.stderr)
@@ -233,7 +233,7 @@ def run(settings: CostsSettings) -> dict:
 
     c = settings.section
     check_writable(c.out, "decode.costs.out", kind="file")  # refuse before minutes of timing, not after
-    use_threads(settings.decoding.threads, "decode.threads")
+    use_threads(settings.decoding.section.threads, "decode.threads")
     steps, notes, beside = steps_for(settings)
     ks = list(c.ks)
     ms = median_ms(steps, ks, c.repeats)

@@ -51,7 +51,7 @@ def run(settings: EvalSettings) -> int:
     check_writable(section.out_dir, "eval.out_dir", error=EvalError)  # fail now, not after the decoding
     check_writable(section.publish.dir, "eval.publish.dir", error=EvalError)
     questions = load_questions(section.prompts, section.per_category)
-    use_threads(decoding.threads, "decode.threads")
+    use_threads(decoding.section.threads, "decode.threads")
     prepared, tokenizer = load_target(decoding)
     target = prepared.model
     builder, eos = builder_for(decoding, prepared, tokenizer), eos_of(target, tokenizer)
@@ -81,7 +81,8 @@ def conclude(settings: EvalSettings, decoded: Decoded, reference_fn: ReferenceFn
 
     section, publish, run_name = settings.section, settings.publish, settings.decoding.run_name
     removed = clean_stale([section.out_dir, publish.dir])
-    report = evaluate_chains(decoded, reference_fn, settings.checks, settings.checks.near_tie(settings.decoding.dtype))
+    report = evaluate_chains(decoded, reference_fn, settings.checks,
+                             settings.checks.near_tie(settings.decoding.model.dtype))
     speedups = {n: paired.Interval.from_dict(r["time_speedup_interval"]) for n, r in report["chains"].items()}
     decision = gate(report["checks"], speedups, publish.chain, publish.force)
     report |= {"run_name": run_name, "gate": decision, "config": settings.config,

@@ -56,12 +56,12 @@ def run(settings: GenerateSettings) -> None:
 
     decoding, new_tokens = settings.decoding, settings.max_new_tokens
     sampling = decoding.sampling
-    use_threads(decoding.threads, "decode.threads")
+    use_threads(decoding.section.threads, "decode.threads")
     prepared, tokenizer = load_target(decoding)
     target = prepared.model
     prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": settings.prompt}])
     check_context(prompt, new_tokens, target)
-    chain = builder_for(decoding, prepared, tokenizer).build(decoding.spec(decoding.chain))
+    chain = builder_for(decoding, prepared, tokenizer).build(decoding.spec(decoding.section.chain))
     eos = eos_of(target, tokenizer)
     shown: list[int] = []
     printed = ""
@@ -75,7 +75,7 @@ def run(settings: GenerateSettings) -> None:
         printed = text
 
     result = chain.generate(prompt, new_tokens, sampling, eos_token_id=eos, on_tokens=stream)
-    print(f"\n\nchain {decoding.chain}: " + " <- ".join(level.name for level in chain.levels))
+    print(f"\n\nchain {decoding.section.chain}: " + " <- ".join(level.name for level in chain.levels))
     print(level_table(result))
     if settings.compare_ar:
         reference = autoregressive(prepared, prompt, new_tokens, sampling, eos_token_id=eos)

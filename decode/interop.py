@@ -142,7 +142,7 @@ def polyspec_side(settings: InteropSettings, head: Path, w4: Path | None, prompt
     result["chain"]["acceptance_length"] = sum(rounds) / max(len(rounds), 1)
     result["chain"]["levels"] = levels
     if w4 is not None:
-        w4_model = load_model(str(w4), dtype=decoding.dtype)[0]
+        w4_model = load_model(str(w4), dtype=decoding.model.dtype)[0]
         result["w4_teacher_forced"] = [teacher_forced_matches(w4_model, p, t)
                                        for p, t in zip(prompts, result["ar"]["tokens"])]
     return result
@@ -356,7 +356,7 @@ def inputs(settings: InteropSettings) -> tuple[Path, Path | None, dict[str, Any]
     head = head_folder(section.head, levels, settings.bundle)
     w4 = w4_folder(section.w4, levels, settings.decoding.layout) if section.checks.w4 else None
     layout = check_w4_layout(w4) if w4 is not None else None
-    model = settings.decoding.model
+    model = settings.decoding.model.name
     target = resolve_model_path(model)
     if not Path(target).is_dir():
         raise InteropError(f"model.name={model}: vLLM needs the target as a local folder")
@@ -400,7 +400,7 @@ def report(settings: InteropSettings, found: list[dict[str, Any]], rows: list[di
           f"({platform.processor() or platform.machine()}); vLLM: {section.dtype} target, {section.w4_dtype} W4")
     print(render(rows, found, prompts))
     print(f"vLLM's AR output = polyspec's AR output on {record['vllm_ar_equals_polyspec_ar']}/{prompts} prompts "
-          f"({section.dtype} vs {settings.decoding.dtype}; informational)")
+          f"({section.dtype} vs {settings.decoding.model.dtype}; informational)")
 
 
 def run(settings: InteropSettings) -> int:

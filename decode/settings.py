@@ -13,7 +13,8 @@ import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from decode.backends import Backend
+from data.settings import DataSettings, ModelSettings, data_of, model_of
+from decode.backends import Backend, BackendFieldError
 from decode.backends.cpu.dense import GEMMS
 from decode.engine.chain import check_new_tokens
 from decode.engine.errors import DecodeError
@@ -22,7 +23,7 @@ from decode.engine.spec import ChainSpec, SpecError
 from decode.evaluation import EvalError
 from decode.evaluation.speedup import IntervalError, checked_confidence
 from decode.publish import Publication
-from infra.errors import ConfigError
+from infra.device import checked_threads
 from infra.layout import RunLayout
 from infra.settings import Tracking, checked, device_of, layout_of, parse, plain, tracking_of
 
@@ -54,21 +55,17 @@ class DecodeSection:
 
 @dataclass(frozen=True)
 class Decoding:
-    """What every decode app shares: the target (`model` in `dtype` on `device`), how models run (`backend`; nothing
-    packed without `fast`), how tokens are drawn, the run's folders, and the named chains as specs."""
+    """What every decode app shares: the target (`model`, as data's door reads it, on `device`), how models run
+    (`backend`; nothing packed without decode.fast), how tokens are drawn, the run's folders, the named chains as
+    specs, and decode.*'s own keys (`section`: fast, threads, the chain to run, draft_defaults)."""
 
-    model: str
-    dtype: str
+    model: ModelSettings
     device: torch.device
     layout: RunLayout
     run_name: str
-    fast: bool
     backend: Backend
     sampling: Sampling
-    threads: int | None
-    chain: str
     chains: dict[str, ChainSpec]
-    draft_defaults: dict[str, Any]
     section: DecodeSection
 
     def spec(self, name: str) -> ChainSpec:
@@ -80,7 +77,7 @@ class Decoding:
 
     def parse_chain(self, levels: Any, where: str = "chain") -> ChainSpec:
         """A level list (a config's or a manifest's) as a spec, the drafter's missing draft keys from draft_defaults."""
-        return ChainSpec.parse(plain(levels), self.draft_defaults, where)
+        return ChainSpec.parse(plain(levels), self.section.draft_defaults, where)
 
 
 def gemm_choice(gemm: Any, device: torch.device) -> str | None:
@@ -99,9 +96,8 @@ def backend_of(d: DecodeSection, device: torch.device) -> Backend:
         return Backend()
     try:
         return Backend(gemm, d.native_fp32, d.native, d.w4_activations)
-    except ValueError as err:
-        field_name = str(err).split(" ", 1)[0]
-        raise DecodeError(f"decode.{BACKEND_KEYS.get(field_name, field_name)} {str(err).split(' ', 1)[1]}") from None
+    except BackendFieldError as err:
+        raise DecodeError(f"decode.{BACKEND_KEYS[err.field]} {err.problem}") from None
 
 
 def sampling_of(d: DecodeSection) -> Sampling:
@@ -114,13 +110,6 @@ def sampling_of(d: DecodeSection) -> Sampling:
         return Sampling(**args)
     except DecodeError as err:
         raise DecodeError(f"decode.{err}") from None
-
-
-def threads_of(value: Any, key: str) -> int | None:
-    """A `threads` setting: null (torch's default) or an integer >= 1."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ConfigError(f"{key} must be null or an integer >= 1, got {value!r}")
-    return value
 
 
 def decode_section(cfg: Any) -> DecodeSection:
@@ -136,6 +125,7 @@ def decode_section(cfg: Any) -> DecodeSection:
 def decoding_of(cfg: Any) -> Decoding:
     """decode.*, model.*, device and run_dir as one Decoding, every value and every named chain checked."""
     d = decode_section(cfg)
+    checked_threads(d.threads, "decode.threads")
     device = device_of(cfg)
     chains = {}
     for name, levels in (cfg.decode.get("chains") or {}).items():
@@ -144,10 +134,8 @@ def decoding_of(cfg: Any) -> Decoding:
                 chains[name] = ChainSpec.parse(plain(levels), d.draft_defaults, f"decode.chains.{name}")
             except SpecError as err:
                 raise DecodeError(str(err)) from None
-    return Decoding(model=str(cfg.model.name), dtype=str(cfg.model.dtype), device=device, layout=layout_of(cfg),
-                    run_name=str(cfg.get("run_name", "")), fast=d.fast, backend=backend_of(d, device),
-                    sampling=sampling_of(d), threads=threads_of(d.threads, "decode.threads"), chain=d.chain,
-                    chains=chains, draft_defaults=d.draft_defaults, section=d)
+    return Decoding(model=model_of(cfg), device=device, layout=layout_of(cfg), run_name=str(cfg.get("run_name", "")),
+                    backend=backend_of(d, device), sampling=sampling_of(d), chains=chains, section=d)
 
 
 @dataclass(frozen=True)
@@ -328,7 +316,7 @@ def eval_of(cfg: Any) -> EvalSettings:
                         f"({', '.join(section.chains)}) nor 'best'")
     decoding = decoding_of(cfg)
     checks = parse(CheckSettings, {**section.checks, "confidence": confidence}, "eval.checks", EvalError)
-    checks.near_tie(decoding.dtype)
+    checks.near_tie(decoding.model.dtype)
     specs = {}
     for name, levels in section.chains.items():
         if name == "ar":
@@ -337,9 +325,10 @@ def eval_of(cfg: Any) -> EvalSettings:
             specs[name] = decoding.parse_chain(levels, f"eval.chains.{name}")
     if not specs:
         raise EvalError("eval.chains is empty: nothing to evaluate")
-    draft_max = OmegaConf.select(cfg, "decode.bench.llamacpp.draft_max", default=4)
-    publication = Publication(decoding.model, decoding.dtype, decoding.run_name, decoding.layout, section.publish.dir,
-                              checked(int, draft_max, "decode.bench.llamacpp.draft_max", DecodeError))
+    draft_max = checked(int, OmegaConf.select(cfg, "decode.bench.llamacpp.draft_max", default=4),
+                        "decode.bench.llamacpp.draft_max", DecodeError)
+    publication = Publication(decoding.model.name, decoding.model.dtype, decoding.run_name, decoding.layout,
+                              section.publish.dir, draft_max)
     return EvalSettings(decoding, specs, checks, section, publication, tracking_of(cfg), plain(cfg.eval))
 
 
@@ -349,8 +338,8 @@ class LlamaCppBench:
 
     enabled: Any = "auto"
     draft_max: int = 4
-    sweep: tuple[int, ...] = (2, 4, 6, 8)
     ngram: dict[str, Any] = field(default_factory=dict)
+    sweep: tuple[int, ...] = (2, 4, 6, 8)
 
 
 @dataclass(frozen=True)
@@ -404,14 +393,12 @@ class CostsSettings:
 
     decoding: Decoding
     section: CostsSection
-    data_source: str
-    held_out_fraction: float
+    data: DataSettings
 
 
 def costs_of(cfg: Any) -> CostsSettings:
     section = parse(CostsSection, plain(cfg.decode.costs), "decode.costs", DecodeError)
-    return CostsSettings(decoding_of(cfg), section, checked(str, cfg.data.source, "data.source"),
-                         checked(float, cfg.data.held_out_fraction, "data.held_out_fraction"))
+    return CostsSettings(decoding_of(cfg), section, data_of(cfg))
 
 
 @dataclass(frozen=True)

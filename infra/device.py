@@ -33,12 +33,17 @@ def resolve_device(spec: str | None) -> torch.device:
     return torch.device("cuda", index)
 
 
-def use_threads(threads: Any, key: str) -> int:
-    """`threads` checked (None: torch's default; else an integer >= 1, a ConfigError naming `key`) and given to torch's
-    intra-op pool, the one place a run sets it; returns the count in use."""
+def checked_threads(threads: Any, key: str) -> int | None:
+    """A `threads` setting: None (torch's default) or an integer >= 1; anything else a ConfigError naming `key`."""
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ConfigError(f"{key} must be null or an integer >= 1, got {threads!r}")
-    if threads:
+    return threads
+
+
+def use_threads(threads: Any, key: str) -> int:
+    """`threads` checked (checked_threads) and given to torch's intra-op pool, the one place a run sets it; returns
+    the count in use."""
+    if checked_threads(threads, key):
         torch.set_num_threads(threads)
     return torch.get_num_threads()
 

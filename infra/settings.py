@@ -60,3 +60,18 @@ def layout_of(cfg: Any) -> RunLayout:
 def device_of(cfg: Any) -> torch.device:
     """The run's device from its config (`device`, top level; absent = auto)."""
     return resolve_device(cfg.get("device", "auto") if hasattr(cfg, "get") else "auto")
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What a stage's run is beside its own section (train.eagle's, quantize.w4's): the seed, the run's folders, the
+    device and W&B."""
+
+    seed: int
+    layout: RunLayout
+    device: torch.device
+    tracking: Tracking
+
+
+def run_of(cfg: Any) -> RunSettings:
+    return RunSettings(checked(int, cfg.seed, "seed"), layout_of(cfg), device_of(cfg), tracking_of(cfg))

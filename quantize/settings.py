@@ -6,15 +6,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from data.settings import DataSettings, ModelSettings, data_of, model_of
-from infra.cli import flag
 from infra.layout import RunLayout
-from infra.settings import Tracking, checked, device_of, layout_of, parse, tracking_of
+from infra.settings import RunSettings, layout_of, parse, run_of
 from quantize.errors import QuantizeError
-
-FLAGS = ("overwrite", "skip_if_valid", "sym", "desc_act", "act_group_aware", "true_sequential")
 
 
 @dataclass(frozen=True)
@@ -72,10 +67,7 @@ class W4Settings:
     quantize: Quantization
     model: ModelSettings
     data: DataSettings
-    seed: int
-    layout: RunLayout
-    device: torch.device
-    tracking: Tracking
+    run: RunSettings
 
 
 @dataclass(frozen=True)
@@ -90,11 +82,10 @@ class KernelsSettings:
 
 
 def w4_of(cfg: Any) -> W4Settings:
-    """The flags first, each strictly true or false ('false' would be truthy) with its one-line QuantizeError."""
-    for key in FLAGS:
-        flag(cfg.quantize, key, error=QuantizeError)
+    """Every value checked by parse, each refusal a one-line QuantizeError (a flag strictly true or false: the
+    string 'false' would be truthy)."""
     return W4Settings(parse(Quantization, cfg.quantize, "quantize", QuantizeError), model_of(cfg), data_of(cfg),
-                      checked(int, cfg.seed, "seed"), layout_of(cfg), device_of(cfg), tracking_of(cfg))
+                      run_of(cfg))
 
 
 def kernels_of(cfg: Any) -> KernelsSettings:

@@ -93,7 +93,7 @@ def quantize_into(tmp: Path, src: str, calibration: list[list[int]], meta: dict[
 
 def measured(tmp: Path, src: str, target: PreTrainedModel, held_out: list, settings: W4Settings) -> dict[str, Any]:
     """The W4 model in `tmp` evaluated against the target, with the numbers of how it was made."""
-    q, device = settings.quantize, settings.device
+    q, device = settings.quantize, settings.run.device
     w4, _ = load_model(str(tmp), dtype=settings.model.dtype, device=device)
     metrics = evaluate_w4(target, w4, load_tokenizer(src), held_out, q.eval)
     groups = json.loads((tmp / "config.json").read_text())["quantization_config"]["meta"]["polyspec"]["groups"]
@@ -105,8 +105,8 @@ def measured(tmp: Path, src: str, target: PreTrainedModel, held_out: list, setti
 def run(settings: W4Settings) -> Path:
     from infra.tracking import Tracker, write_json_atomic
 
-    q, device = settings.quantize, settings.device
-    out = validated_output(q, settings.layout)
+    q, device = settings.quantize, settings.run.device
+    out = validated_output(q, settings.run.layout)
     train, held_out = load_split(settings.data)  # the data before any model: a bad source is refused in seconds
     src = source_model_path(settings.model.name)
     tokenizer = load_tokenizer(src)
@@ -118,13 +118,13 @@ def run(settings: W4Settings) -> Path:
             return out
         check_output(out, q.overwrite)
     c = q.calibration
-    calibration = calibration_samples(train, tokenizer, c.samples, c.min_len, c.max_len, settings.seed)
+    calibration = calibration_samples(train, tokenizer, c.samples, c.min_len, c.max_len, settings.run.seed)
     tokens = sum(map(len, calibration))
     print(f"w4: {len(calibration)} calibration samples, {tokens} tokens (mean {tokens / len(calibration):.0f})")
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    tracker = Tracker(settings.tracking, "quantize")
+    tracker = Tracker(settings.run.tracking, "quantize")
     try:
         quantize_s = quantize_into(tmp, src, calibration, meta, q, device)
         metrics = measured(tmp, src, target, held_out, settings) | {

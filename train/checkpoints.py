@@ -37,7 +37,7 @@ def checkpoint_fingerprint(settings: TrainSettings, world: int) -> dict[str, Any
     keys = ("feature_source", "max_conversations", "max_len", "epochs", "max_steps", "lr", "warmup_steps",
             "min_lr_ratio", "draft_vocab", "init", "store_dtype", "unroll")
     return {**{k: getattr(t, k) for k in keys}, "global_batch": t.micro_batch * t.grad_accum * world,
-            "seed": settings.seed, "data_source": settings.data.source, "model": settings.model.name}
+            "seed": settings.run.seed, "data_source": settings.data.source, "model": settings.model.name}
 
 
 def save_checkpoint(engine: Any, ckpt_dir: Path, step: int, client_state: dict, keep: int, rank: int) -> None:

@@ -185,7 +185,7 @@ def deepspeed_config(t: EagleTraining) -> dict[str, Any]:
 
 def head_is_current(settings: TrainSettings, target_hash: str) -> bool:
     """True when train.output holds a finished head for this target and this training config."""
-    out_dir = settings.layout.output("eagle")
+    out_dir = settings.run.layout.output("eagle")
     try:
         saved = json.loads((out_dir / "config.json").read_text()).get("polyspec", {})
         json.loads((out_dir / "metrics.json").read_text())
@@ -237,7 +237,7 @@ class EagleRecipe:
     (held-out evaluations, checkpoints, Ctrl-C), `save` writes the head with its final evaluation (rank 0)."""
 
     def __init__(self, settings: TrainSettings):
-        self.settings, self.t, self.layout = settings, settings.train, settings.layout
+        self.settings, self.t, self.layout = settings, settings.train, settings.run.layout
         method = self.t.method  # each method keeps its own store and checkpoints in the run dir
         self.store_root, self.checkpoints = ((self.layout.feature_store, self.layout.checkpoints) if method == "eagle"
                                              else (self.layout.run_dir / f"{method}_features",
@@ -247,12 +247,12 @@ class EagleRecipe:
 
     def setup(self) -> bool:
         """Everything the steps need; False (and nothing loaded beyond the target) when train.output is current."""
-        device = training_device(self.settings.device)
+        device = training_device(self.settings.run.device)
         self.rank, self.world = init_distributed(device)
         import deepspeed
 
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-        torch.manual_seed(self.settings.seed)
+        torch.manual_seed(self.settings.run.seed)
         split = load_split(self.settings.data)  # the data before any model: a bad source is refused in seconds
         self.target, self.tokenizer, feature_model = load_verifiers(self.settings.model, self.t.feature_source,
                                                                     self.layout, device)
@@ -273,7 +273,7 @@ class EagleRecipe:
         self.progress = resume_progress(self.engine, self.settings, self.checkpoints, self.world, self.total_steps,
                                         self.rank)
         if self.rank == 0:
-            self.tracker = Tracker(self.settings.tracking, "train.eagle")
+            self.tracker = Tracker(self.settings.run.tracking, "train.eagle")
             print(f"train.eagle: {len(self.examples)} conversations, {self.total_steps} steps of {self._per_step()} "
                   f"(micro {self.t.micro_batch} x accum {self.t.grad_accum} x {self.world} ranks), "
                   f"features from {self.t.feature_source}")
@@ -360,7 +360,7 @@ class EagleRecipe:
 
     def _optimizer_step(self) -> dict[str, float]:
         """One optimizer step over this rank's micro batches; the sums of their statistics over all ranks."""
-        t, seed, engine, examples = self.t, self.settings.seed, self.engine, self.examples
+        t, seed, engine, examples = self.t, self.settings.run.seed, self.engine, self.examples
         engine.train()
         sums = {"loss": 0.0, "feature_loss": 0.0, "ce": 0.0, "correct": 0, "predicted": 0, "tokens": 0}
         for chunk, indices in step_micro_batches(self.progress.step, len(examples), t, seed, self.rank, self.world):

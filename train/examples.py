@@ -66,7 +66,7 @@ def verifier_examples(settings: TrainSettings, conversations: list[Any], tokeniz
     pairs = [(conv.id, ids) for conv in conversations
              if (ids := first_turn_prompt(tokenizer, conv)) is not None and len(ids) < max_len - 2]
     answers = replies.regenerate(source, tokenizer, [ids for _, ids in pairs], settings.train.regenerate,
-                                 settings.layout.feature_store, share)
+                                 settings.run.layout.feature_store, share)
     examples = []
     for (conv_id, prompt), reply in zip(pairs, answers):
         reply = reply[: max_len - len(prompt)]

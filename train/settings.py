@@ -7,13 +7,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-import torch
 from omegaconf import OmegaConf
 
 from data.settings import DataSettings, ModelSettings, data_of, model_of
-from infra.cli import flag
-from infra.layout import RunLayout
-from infra.settings import Tracking, checked, device_of, layout_of, parse, tracking_of
+from infra.settings import RunSettings, parse, run_of
 from train.errors import TrainError
 
 Method = Literal["eagle", "eagle3"]  # vLLM's names: EAGLE-1/2 and EAGLE-3 heads
@@ -89,15 +86,12 @@ class EagleTraining:
 
 @dataclass(frozen=True)
 class TrainSettings:
-    """`python -m train.eagle`: the training, its target and data, the seed, and the run (folders, device, W&B)."""
+    """`python -m train.eagle`: the training, its target and data, and the run (seed, folders, device, W&B)."""
 
     train: EagleTraining
     model: ModelSettings
     data: DataSettings
-    seed: int
-    layout: RunLayout
-    device: torch.device
-    tracking: Tracking
+    run: RunSettings
 
     @property
     def token_cap(self) -> int:
@@ -107,7 +101,7 @@ class TrainSettings:
     def record(self) -> dict[str, Any]:
         """The training config as a head records it (config.json: the train section, seed, data; JSON types), what
         train.skip_if_valid compares with."""
-        return as_json({**asdict(self.train), "seed": self.seed, "data": asdict(self.data)})
+        return as_json({**asdict(self.train), "seed": self.run.seed, "data": asdict(self.data)})
 
 
 def as_json(value: Any) -> Any:
@@ -120,9 +114,8 @@ def as_json(value: Any) -> Any:
 
 
 def validate(t: Any) -> None:
-    """The checks of the train section the stage has always made, each with its own one-line TrainError."""
-    for key in RUN_CONTROL_KEYS:  # strictly boolean: the string 'false' would be truthy
-        flag(t, key, error=TrainError)
+    """The checks of the train section the stage has always made, each with its own one-line TrainError (its
+    switches, strictly true or false, are parse's)."""
     choose("method", t.method, Method)
     if t.method == "eagle3" and t.init != "random":
         raise TrainError(f"train.init={t.init!r}: an EAGLE-3 head (q/k/v over 2h inputs) starts random")
@@ -155,5 +148,4 @@ def choose(key: str, value: Any, choices: Any) -> None:
 
 def of(cfg: Any) -> TrainSettings:
     validate(cfg.train)
-    return TrainSettings(parse(EagleTraining, cfg.train, "train", TrainError), model_of(cfg), data_of(cfg),
-                         checked(int, cfg.seed, "seed"), layout_of(cfg), device_of(cfg), tracking_of(cfg))
+    return TrainSettings(parse(EagleTraining, cfg.train, "train", TrainError), model_of(cfg), data_of(cfg), run_of(cfg))

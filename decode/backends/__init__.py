@@ -22,6 +22,14 @@ def on_cpu(module: nn.Module) -> bool:
     return next(module.parameters()).device.type == "cpu"
 
 
+class BackendFieldError(ValueError):
+    """A Backend value that is not one of its choices: `field` names it, `problem` says what is wrong with it."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field} {problem}")
+        self.field, self.problem = field, problem
+
+
 @dataclass(frozen=True)
 class Backend:
     """How models run, resolved once from a run's settings. `gemm`: the packed product of CPU dense linears (None:
@@ -36,11 +44,12 @@ class Backend:
     def __post_init__(self) -> None:
         for key in ("native_fp32", "native_w4"):
             if getattr(self, key) not in NATIVE:
-                raise ValueError(f"{key} must be one of {', '.join(NATIVE)}, got {getattr(self, key)!r}")
+                raise BackendFieldError(key, f"must be one of {', '.join(NATIVE)}, got {getattr(self, key)!r}")
         from decode.backends.cpu.llama import ACTIVATIONS
 
         if self.activations not in ACTIVATIONS:
-            raise ValueError(f"w4_activations must be one of {', '.join(ACTIVATIONS)}, got {self.activations!r}")
+            raise BackendFieldError("activations", f"must be one of {', '.join(ACTIVATIONS)}, "
+                                                   f"got {self.activations!r}")
 
     def drafting(self, target: Prepared) -> "Backend":
         """The backend of a chain's other levels: fp32 ones run natively where they can when the target does."""

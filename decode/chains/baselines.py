@@ -42,12 +42,13 @@ def autoregressive(
     as a chain's target level does (a runner of the prepared target, its LM head): the reference is the chain's own
     forward. `runner`: one of the target's to reuse, reset first (a CUDA runner keeps its captured graphs); None: a
     new one."""
-    gen = sampling.generator(as_prepared(target).model.device)
+    prepared = as_prepared(target)
+    gen = sampling.generator(prepared.model.device)
 
     def choose(logits: torch.Tensor, _: int) -> int:
         return int(logits.argmax()) if sampling.greedy else sample(probabilities(logits, sampling), gen)
 
-    return _one_token_at_a_time(as_prepared(target), prompt_ids, max_new_tokens, eos_token_id, runner, choose)
+    return _one_token_at_a_time(prepared, prompt_ids, max_new_tokens, eos_token_id, runner, choose)
 
 
 def greedy_margins(

@@ -42,7 +42,7 @@ def load_target(decoding: Decoding) -> tuple[Prepared, PreTrainedTokenizerBase]:
             gemm_for(torch.float32, "avx2")  # builds the kernels on first use
         except RuntimeError as err:  # avx2 where it cannot run
             raise DecodeError(f"decode.{err}") from None
-    target, tokenizer = load_model(decoding.model, decoding.dtype, decoding.device)
+    target, tokenizer = load_model(decoding.model.name, decoding.model.dtype, decoding.device)
     try:
         return decoding.backend.prepare(target), tokenizer
     except ValueError as err:  # native_fp32=on where the native runner cannot run the target
@@ -53,7 +53,7 @@ def onednn_target(decoding: Decoding, target: PreTrainedModel) -> PreTrainedMode
     """The target packed with oneDNN, for a side-by-side row, when `target` itself runs on the AVX2 kernels."""
     if packed_with(target) != "avx2":
         return None
-    model = load_model(decoding.model, decoding.dtype)[0]
+    model = load_model(decoding.model.name, decoding.model.dtype)[0]
     pack(model, "onednn")
     return model
 
@@ -72,8 +72,8 @@ def reference_decoders(decoding: Decoding, target: Prepared, eos: Any, sampling:
     from decode.chains.baselines import autoregressive
 
     models: dict[str, Prepared | PreTrainedModel] = {"ar": target}
-    if decoding.fast:
-        models["ar_eager"] = load_model(decoding.model, decoding.dtype, target.model.device)[0]
+    if decoding.section.fast:
+        models["ar_eager"] = load_model(decoding.model.name, decoding.model.dtype, target.model.device)[0]
     if onednn and (other := onednn_target(decoding, target.model)) is not None:
         models["ar_onednn"] = other
     runners = {name: as_prepared(model).new_runner() for name, model in models.items()}  # one each, reused
@@ -83,7 +83,7 @@ def reference_decoders(decoding: Decoding, target: Prepared, eos: Any, sampling:
 
 def builder_for(decoding: Decoding, target: Prepared, tokenizer: PreTrainedTokenizerBase) -> ChainBuilder:
     """A builder for the run: its artifacts, model dtype and backend."""
-    return ChainBuilder(target, tokenizer, decoding.layout, LevelSettings(decoding.dtype, decoding.backend))
+    return ChainBuilder(target, tokenizer, decoding.layout, LevelSettings(decoding.model.dtype, decoding.backend))
 
 
 @dataclass(frozen=True)

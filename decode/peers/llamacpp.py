@@ -86,15 +86,15 @@ def w4_draft(model: str, w4_folder: Path | None, target: Path) -> tuple[Path, st
 
 def bench_peer(decoding: Decoding, llamacpp: LlamaCppBench | None, threads: int) -> LlamaPeer | None:
     """decode.bench.llamacpp as a peer of `decoding`'s target, or None where it is off or cannot run (see usable)."""
-    if llamacpp is None or not usable(llamacpp.enabled, decoding.model, decoding.dtype,
+    if llamacpp is None or not usable(llamacpp.enabled, decoding.model.name, decoding.model.dtype,
                                       "decode.bench.llamacpp.enabled"):
         return None
     tools = ensure_built()
-    target = _target(decoding.model)
-    draft, draft_note = w4_draft(decoding.model, _w4_folder(decoding.layout), target)
+    target = _target(decoding.model.name)
+    draft, draft_note = w4_draft(decoding.model.name, _w4_folder(decoding.layout), target)
     kind = str(llamacpp.ngram["kind"])
     ngram = {str(k): int(v) for k, v in llamacpp.ngram.items() if k != "kind"}
-    models = {"llamacpp_q8_0": quantized(tools, target, "Q8_0"), "llamacpp_q4_1": _bundled_draft(decoding.model)}
+    models = {"llamacpp_q8_0": quantized(tools, target, "Q8_0"), "llamacpp_q4_1": _bundled_draft(decoding.model.name)}
     engines = {AR: Speculation()} | {name: Speculation() for name in models}
     engines |= {f"llamacpp_w4 k{k}": Speculation("draft-simple", draft=draft, draft_max=k) for k in llamacpp.sweep}
     drafts = {f"llamacpp_ngram k{k}": ngram | {"size-m": k} for k in llamacpp.sweep} if "size-m" in ngram \
@@ -125,7 +125,8 @@ def _target(model: str) -> Path:
 
 
 def _enabled(settings: InteropSettings) -> bool:
-    return usable(settings.section.llamacpp, settings.decoding.model, settings.decoding.dtype, "interop.llamacpp")
+    model = settings.decoding.model
+    return usable(settings.section.llamacpp, model.name, model.dtype, "interop.llamacpp")
 
 
 def w4_draft_check(settings: InteropSettings, w4_folder: Path, prompts: list[str]) -> dict[str, Any] | None:
@@ -136,7 +137,7 @@ def w4_draft_check(settings: InteropSettings, w4_folder: Path, prompts: list[str
 
     if not _enabled(settings):
         return None
-    target = _target(settings.decoding.model)
+    target = _target(settings.decoding.model.name)
     try:
         draft = w4_gguf(w4_folder, target)
     except GgufExportError as err:
@@ -169,7 +170,7 @@ def eagle3_head_check(settings: InteropSettings, head: Path, target: Path, promp
     except LlamaCppError as err:
         return {"error": str(err)}
     k = section.num_speculative_tokens
-    peer, same = _checked_peer(section, _target(settings.decoding.model), "eagle3",
+    peer, same = _checked_peer(section, _target(settings.decoding.model.name), "eagle3",
                                Speculation("draft-eagle3", gguf_head, k), prompts)
     acceptance = _acceptance(peer.runs["eagle3"])
     return {"gguf": str(gguf_head), "identical": same, "prompts": len(prompts), "acceptance": acceptance,

@@ -372,3 +372,18 @@ def test_the_target_quantized_by_llama_quantize_decodes(tmp_path):
     assert quantized(tools, f32, "Q8_0") == q8 and not list(tmp_path.glob(".*tmp*"))  # made once, no leftovers
     prompt = "<|im_start|>user\nName two colours.<|im_end|>\n<|im_start|>assistant\n"
     assert decode(tools, q8, prompt, 8, 2).new_tokens == 8
+
+
+@pytest.mark.slow
+def test_the_bench_peer_runs_every_engine_of_its_sweep():
+    """decode.bench's llama.cpp rows: the F32 AR, the lossy Q8_0 and Q4_1 files alone, and the W4 draft (the bundled
+    Q4_1 file standing in: no W4 checkpoint here) and n-gram modes at each draft length of the sweep."""
+    from decode.settings import LlamaCppBench
+
+    peer = bench_peer(decoding(), LlamaCppBench(True, 4, {"kind": "ngram-simple", "size-n": 3, "size-m": 6}, (2, 4)), 1)
+    assert set(peer.engines) == {"llamacpp_ar", "llamacpp_q8_0", "llamacpp_q4_1", "llamacpp_w4 k2", "llamacpp_w4 k4",
+                                 "llamacpp_ngram k2", "llamacpp_ngram k4"}
+    assert peer.engines["llamacpp_ngram k4"].ngram == (("size-m", 4), ("size-n", 3))
+    assert peer.models["llamacpp_q8_0"].name.endswith("-Q8_0.gguf") and "stand-in" in peer.notes["llamacpp_w4"]
+    peer.decode_all("<|im_start|>user\nName two colours.<|im_end|>\n<|im_start|>assistant\n", 6)
+    assert all(len(runs) == 1 and runs[0].new_tokens > 0 for runs in peer.runs.values()) and len(peer.runs) == 7
