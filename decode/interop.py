@@ -17,8 +17,10 @@ On the default prompts' first turns, greedy, single stream, same threads:
       with the W4 level as a Q4_0 GGUF, losslessly).
 
 It prints those and a tokens/s table: polyspec's AR and dualistic chain next to vLLM's AR, n-gram and head
-(and its W4 AR) and llama.cpp's AR and EAGLE-3 head, and writes everything to interop.out. Exit 0 when every
-check passed, 4 when one failed.
+(and its W4 AR) and llama.cpp's AR, W4 draft and EAGLE-3 head, and writes everything to interop.out. What each
+artifact gains in its engine (tokens/s over that engine's AR, acceptance) goes into the checked bundle's chain.json
+(serve.measured), and a line says when an artifact makes its engine slower. Exit 0 when every check passed, 4 when
+one failed.
 """
 from __future__ import annotations
 
@@ -314,20 +316,60 @@ def table(vllm: dict[str, dict], poly: dict[str, Any], k: int) -> list[dict[str,
     return out
 
 
-def llamacpp_rows(head: dict[str, Any] | None, k: int) -> list[dict[str, Any]]:
-    """llama.cpp's AR and EAGLE-3-drafted decoding (from the head check's runs) as table rows."""
-    if not head or "runs" not in head:
-        return []
+def llamacpp_rows(llama: dict[str, Any], k: int) -> list[dict[str, Any]]:
+    """llama.cpp's AR and its decoding drafted by the W4 GGUF and by the EAGLE-3 head (from the checks' runs, where
+    they ran) as table rows."""
 
     def speed(outs: list[dict[str, Any]]) -> float:
         return sum(o["new_tokens"] for o in outs) / max(sum(o["prompt_s"] + o["decode_s"] for o in outs), 1e-9)
 
-    ar, drafted = head["runs"]["llamacpp_ar"], head["runs"]["eagle3"]
-    base = {"engine": "llama.cpp", "tokens": 0}
-    return [base | {"method": "AR (F32 GGUF)", "tokens_per_s": speed(ar), "x_ar": 1.0, "same_as_ar": len(ar)},
-            base | {"method": f"draft-eagle3 head k={k}", "tokens_per_s": speed(drafted),
-                    "x_ar": speed(drafted) / speed(ar), "same_as_ar": head["identical"],
-                    "L": head["acceptance_length"]}]
+    base, rows = {"engine": "llama.cpp", "tokens": 0}, []
+    for check, name, method in ((llama.get("w4"), "w4", f"draft-simple W4 k={k}"),
+                                (llama.get("head"), "eagle3", f"draft-eagle3 head k={k}")):
+        if not check or "runs" not in check:
+            continue
+        ar, drafted = check["runs"]["llamacpp_ar"], check["runs"][name]
+        if not rows:
+            rows.append(base | {"method": "AR (F32 GGUF)", "tokens_per_s": speed(ar), "x_ar": 1.0,
+                                "same_as_ar": len(ar)})
+        rows.append(base | {"method": method, "tokens_per_s": speed(drafted), "x_ar": speed(drafted) / speed(ar),
+                            "same_as_ar": check["identical"]}
+                    | ({"L": check["acceptance_length"]} if "acceptance_length" in check else {}))
+    return rows
+
+
+def engine_speedups(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per serving engine, each published artifact's measured effect: tokens/s over the same engine's AR on the same
+    prompts, and the acceptance length where the engine reports one (for chain.json's serve section)."""
+    found: dict[str, dict[str, dict[str, Any]]] = {}
+    for row in rows:
+        if row["engine"] == "polyspec" or row.get("x_ar") is None or row["method"].startswith("AR"):
+            continue
+        found.setdefault(row["engine"], {})[row["method"]] = {
+            "speedup_over_its_ar": row["x_ar"], "tokens_per_s": row["tokens_per_s"], "acceptance_length": row.get("L")}
+    return found
+
+
+def slower_lines(speedups: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """One line per artifact that makes its engine slower than the engine's own plain decoding."""
+    return [f"{engine}: {method} makes it slower: {s['speedup_over_its_ar']:.2f}x its own AR"
+            for engine, methods in speedups.items() for method, s in methods.items() if s["speedup_over_its_ar"] < 1]
+
+
+def record_in_bundle(bundle: Path, speedups: dict[str, dict[str, dict[str, Any]]], interop_out: Path) -> bool:
+    """chain.json's serve section gains `measured`: each engine's speedups with the bundle's artifacts (rewritten
+    through a temporary file). False where the bundle has no chain.json."""
+    from infra.tracking import write_json_atomic
+
+    manifest = bundle / "chain.json"
+    if not manifest.exists():
+        return False
+    data = json.loads(manifest.read_text())
+    data.setdefault("serve", {})["measured"] = {
+        "engines": speedups, "by": f"python -m decode.interop ({interop_out})",
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    write_json_atomic(manifest, data)
+    return True
 
 
 def render(rows: list[dict[str, Any]], found: list[dict[str, Any]], prompts: int) -> str:
@@ -420,7 +462,7 @@ def run(settings: InteropSettings) -> int:
     texts = [tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
     llama = llamacpp_side(settings, vllm, (head, w4, target), texts, python)
     k = section.num_speculative_tokens
-    found, rows = checks(section.checks, vllm, poly, llama), table(vllm, poly, k) + llamacpp_rows(llama["head"], k)
+    found, rows = checks(section.checks, vllm, poly, llama), table(vllm, poly, k) + llamacpp_rows(llama, k)
     same = ("failed" if "error" in vllm["ar"]
             else sum(a == b for a, b in zip(vllm["ar"]["tokens"], poly["ar"]["tokens"])))
     record = {"created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "target": target, "head": str(head),
@@ -428,8 +470,13 @@ def run(settings: InteropSettings) -> int:
               "checks": found, "table": rows, "vllm_ar_equals_polyspec_ar": same, "polyspec": poly, "vllm": vllm,
               "llamacpp_w4": llama["w4"], "llamacpp_head": llama["head"]}
     report(settings, found, rows, record)
+    speedups = engine_speedups(rows)
+    for line in slower_lines(speedups):
+        print(line)
     write_json_atomic(section.out, record)
     print(f"written {section.out}")
+    if section.head is None and record_in_bundle(settings.bundle, speedups, section.out):  # the bundle's own head
+        print(f"recorded each engine's measured speedup in {settings.bundle / 'chain.json'} (serve.measured)")
     return EXIT_CHECK_FAILED if any(c["passed"] is False for c in found) else 0
 
 

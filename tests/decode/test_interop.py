@@ -155,3 +155,32 @@ def test_the_w4_kernel_is_missing_only_on_a_cpu_without_avx512(monkeypatch, tmp_
         monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: f"processor: 0\nflags\t: {flags}\n"
                             if str(self) == "/proc/cpuinfo" else real_open(self, *a, **k))
         assert (vllm_venv.w4_kernel_missing() is not None) == missing
+
+
+def test_each_engines_speedups_go_into_the_bundle_and_a_slower_artifact_is_said(tmp_path):
+    from decode.interop import engine_speedups, llamacpp_rows, record_in_bundle, slower_lines
+
+    def outs(n, seconds):
+        return [{"new_tokens": n, "prompt_s": 0.0, "decode_s": seconds}]
+
+    llama = {"w4": {"runs": {"llamacpp_ar": outs(60, 1.0), "w4": outs(60, 2.0)}, "identical": 1},
+             "head": {"runs": {"llamacpp_ar": outs(60, 1.0), "eagle3": outs(60, 0.5)}, "identical": 1,
+                      "acceptance_length": 1.8}}
+    rows = [{"engine": "polyspec", "method": "AR", "x_ar": 1.0, "tokens_per_s": 30.0},
+            {"engine": "vLLM", "method": "AR", "x_ar": 1.0, "tokens_per_s": 40.0},
+            {"engine": "vLLM", "method": "eagle head k=3", "x_ar": 1.25, "tokens_per_s": 50.0, "L": 1.9},
+            {"engine": "vLLM", "method": "W4 AR", "x_ar": None, "error": "not applicable"}] + llamacpp_rows(llama, 3)
+    speedups = engine_speedups(rows)
+    assert speedups == {
+        "vLLM": {"eagle head k=3": {"speedup_over_its_ar": 1.25, "tokens_per_s": 50.0, "acceptance_length": 1.9}},
+        "llama.cpp": {"draft-simple W4 k=3": {"speedup_over_its_ar": 0.5, "tokens_per_s": 30.0,
+                                              "acceptance_length": None},
+                      "draft-eagle3 head k=3": {"speedup_over_its_ar": 2.0, "tokens_per_s": 120.0,
+                                                "acceptance_length": 1.8}}}
+    assert slower_lines(speedups) == ["llama.cpp: draft-simple W4 k=3 makes it slower: 0.50x its own AR"]
+    assert not record_in_bundle(tmp_path, speedups, tmp_path / "interop.json")  # no chain.json: nothing written
+    (tmp_path / "chain.json").write_text(json.dumps({"chain": "polybasic", "serve": {"vllm_serve": "vllm serve x"}}))
+    assert record_in_bundle(tmp_path, speedups, tmp_path / "interop.json")
+    manifest = json.loads((tmp_path / "chain.json").read_text())
+    assert manifest["chain"] == "polybasic" and manifest["serve"]["vllm_serve"] == "vllm serve x"
+    assert manifest["serve"]["measured"]["engines"] == speedups and not list(tmp_path.glob(".*tmp*"))
