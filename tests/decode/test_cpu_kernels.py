@@ -1,4 +1,4 @@
-"""The AVX2 kernels of decode.fast (decode/kernels.cpp): the packed linears' product and attention give the
+"""The AVX2 kernels of decode.fast (decode/backends/cpu/kernels.cpp): the packed linears' product and attention give the
 right values, and each output row is independent of how many rows, threads or tiles compute it, so a packed
 target's verification of k tokens (a chain, or a tree) gives exactly the logits of k one-token forwards."""
 from __future__ import annotations

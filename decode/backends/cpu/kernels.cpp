@@ -1,13 +1,13 @@
-// CPU kernels for decoding with AVX2 + FMA (shared helpers: kernels.h), built on first use by
-// decode/backends/cpu/kernels.py into two extensions: the fp32 product and attention alone (kernels_module.cpp),
-// and inside the native decoder (decoder.cpp).
+// The fp32 kernels for decoding with AVX2 + FMA (entry points: kernels.h; vectors: simd.h; tile driver: tiles.h),
+// built on first use by decode/backends/cpu/kernels.py into two extensions: alone (kernels_module.cpp), and inside
+// the native decoder (decoder_module.cpp).
 //
-// `linear`: small-M fp32 products, y = x W^T (+ b), with W packed once into 8-column panels. Decoding forwards
-// multiply 1-16 rows by weights read from memory once per forward: the product must stream W at memory speed
-// whatever the row count. Each tile keeps 4 rows x 3 panels of accumulators in 12 of AVX2's 16 registers (3
-// more hold the panels' weights, 1 the broadcast input), so three weight streams run per thread and a weight
-// loaded once serves up to 4 rows. Threads split the panels (OpenMP, torch's thread count). Each step prefetches
-// the same line of the next panels, so memory keeps streaming while a second row tile computes from cache.
+// `linear`: small-M fp32 products, y = x W^T (+ b), with W packed once into 8-column panels (`pack`, pack.cpp).
+// Decoding forwards multiply 1-16 rows by weights read from memory once per forward: the product must stream W at
+// memory speed whatever the row count. Each tile keeps 4 rows x 3 panels of accumulators in 12 of AVX2's 16
+// registers (3 more hold the panels' weights, 1 the broadcast input), so three weight streams run per thread and a
+// weight loaded once serves up to 4 rows. Threads split the panels (OpenMP, torch's thread count). Each step
+// prefetches the same line of the next panels, so memory keeps streaming while a second row tile computes from cache.
 //
 // `attend`: attention of a few query rows against a KV cache, grouped-query heads read in place, any
 // bool/additive mask or causal. The rows of one K/V head share each chunk of 8 keys and values (read once, from L1
@@ -25,18 +25,18 @@
 // exactly the logits plain decoding would.
 #include "kernels.h"
 
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "pack.h"
+#include "simd.h"
+#include "tiles.h"
+
 namespace polyspec {
 
 constexpr int kPanels = 3;  // panels per tile: 4 x 3 accumulators + 3 weights + 1 broadcast = 16 registers
-
-// W [N, K] -> panels [ceil(N / 8), K, 8], the last one zero-padded.
-torch::Tensor pack(const torch::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat, "pack: a 2-D float32 weight");
-  const int64_t n = weight.size(0), k = weight.size(1), panels = (n + kPanel - 1) / kPanel;
-  auto padded = torch::zeros({panels * kPanel, k}, weight.options());
-  padded.narrow(0, 0, n).copy_(weight);
-  return padded.view({panels, kPanel, k}).transpose(1, 2).contiguous();
-}
 
 // Rows row .. row + MR - 1 of x [M, K] against NP panels from panel p: one FMA chain per output over k.
 template <int MR, int NP>
@@ -263,27 +263,15 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
   return out;
 }
 
-#if defined(__AVX512F__)
-using StreamVec = __m512;
-constexpr int64_t kStreamLanes = 16;
-static inline __m512 stream_add(__m512 a, const float* p) { return _mm512_add_ps(a, _mm512_load_ps(p)); }
-static inline __m512 stream_zero() { return _mm512_setzero_ps(); }
-#else
-using StreamVec = __m256;
-constexpr int64_t kStreamLanes = 8;
-static inline __m256 stream_add(__m256 a, const float* p) { return _mm256_add_ps(a, _mm256_load_ps(p)); }
-static inline __m256 stream_zero() { return _mm256_setzero_ps(); }
-#endif
-
-// The sum of a contiguous float32 CPU tensor (64-byte aligned, as torch allocates), each lane and chunk summed in
-// float32: exact where those partial sums are (small integers). A thread reads its chunk as kStreams quarters side by
-// side, as the packed product reads several panels at once: one sequential stream per core leaves memory idle on some
-// hosts (its prefetcher runs too few lines ahead).
+// The sum of a contiguous float32 CPU tensor (64-byte aligned, as torch allocates) in the build's widest vectors
+// (Vec, simd.h), each lane and chunk summed in float32: exact where those partial sums are (small integers). A thread
+// reads its chunk as kStreams quarters side by side, as the packed product reads several panels at once: one
+// sequential stream per core leaves memory idle on some hosts (its prefetcher runs too few lines ahead).
 double stream_sum(const torch::Tensor& data) {
   TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == torch::kFloat && data.is_contiguous() &&
               reinterpret_cast<uintptr_t>(data.data_ptr()) % 64 == 0,
               "stream_sum: a contiguous, 64-byte aligned float32 CPU tensor");
-  constexpr int64_t kStreams = 4, kPer = 2, kLine = 16, kStep = kPer * kStreamLanes;  // a stream's floats per step
+  constexpr int64_t kStreams = 4, kPer = 2, kLine = 16, kStep = kPer * kLanes;  // a stream's floats per step
   const float* p = data.data_ptr<float>();
   const int64_t n = data.numel(), threads = at::get_num_threads();
   std::vector<double> partial(threads, 0.0);
@@ -292,24 +280,24 @@ double stream_sum(const torch::Tensor& data) {
       const int64_t begin = n * t / threads / kLine * kLine;
       const int64_t end = t + 1 == threads ? n : n * (t + 1) / threads / kLine * kLine;
       const int64_t quarter = (end - begin) / kStreams / kStep * kStep;
-      StreamVec acc[kStreams][kPer];
+      Vec acc[kStreams][kPer];
 #pragma GCC unroll 8
       for (int s = 0; s < kStreams; ++s)
 #pragma GCC unroll 8
-        for (int a = 0; a < kPer; ++a) acc[s][a] = stream_zero();
+        for (int a = 0; a < kPer; ++a) acc[s][a] = vzero();
       for (int64_t i = begin; i < begin + quarter; i += kStep) {
 #pragma GCC unroll 8
         for (int s = 0; s < kStreams; ++s)
 #pragma GCC unroll 8
-          for (int a = 0; a < kPer; ++a) acc[s][a] = stream_add(acc[s][a], p + i + s * quarter + a * kStreamLanes);
+          for (int a = 0; a < kPer; ++a) acc[s][a] = vadd(acc[s][a], vload_aligned(p + i + s * quarter + a * kLanes));
       }
       double sum = 0.0;
       for (int64_t i = begin + kStreams * quarter; i < end; ++i) sum += p[i];
-      alignas(64) float lanes[kStreamLanes];
+      alignas(64) float lanes[kLanes];
       for (int s = 0; s < kStreams; ++s)
         for (int a = 0; a < kPer; ++a) {
           store(lanes, acc[s][a]);
-          for (int64_t l = 0; l < kStreamLanes; ++l) sum += lanes[l];
+          for (int64_t l = 0; l < kLanes; ++l) sum += lanes[l];
         }
       partial[t] = sum;
     }

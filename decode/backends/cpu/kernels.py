@@ -1,9 +1,17 @@
 """Build the project's C++ kernels for this machine, once: compiled with the machine's gcc on first use and
 cached under the project's cache dir, keyed by every source and header, the flags and the torch version.
 
-The C++ is headers plus sources: kernels.h (the helpers every kernel shares), kernels.cpp (the packed fp32 product,
-attention and the read-bandwidth probe), kernels_module.cpp (their Python module) and decoder.cpp (the native
-decoder, its own module, linked with kernels.cpp)."""
+The C++ is headers plus sources, one job each:
+  simd.h               the one SIMD map: the build's vectors (AVX-512 or AVX2) and the fixed 8-lane helpers
+  tiles.h              the tile driver every product shares (which tile computes which rows and panels)
+  pack.h, pack.cpp     weight packing: fp32 panels, int4 codes (fp32 or int8 activations), int8 rows
+  kernels.h, .cpp      the packed fp32 product, attention and the read-bandwidth probe
+  kernels_module.cpp   their Python module (decode.fast): `avx2_kernel`
+  quantized_tiles.h    the int4 and int8 tile products and the rows' int8 quantization
+  packed_linear.h, .cpp  a PackedWeight of either kind and the product through it
+  layers.h             the decoder's per-row layers: RMS norm, rotary, residual add, SiLU gate
+  decoder.h, .cpp      the native decoder's forward over the caller's KV cache
+  decoder_module.cpp   its Python module: decode.backends.cpu.llama's `native_kernels`"""
 from __future__ import annotations
 
 import functools
@@ -18,7 +26,8 @@ import torch
 from data.models import cache_dir
 
 HERE = Path(__file__).parent
-HEADERS = (HERE / "kernels.h",)
+HEADERS = tuple(sorted(HERE.glob("*.h")))
+FP32_SOURCES = (HERE / "kernels.cpp", HERE / "pack.cpp")  # what both extensions link
 
 
 def build_extension(name: str, sources: tuple[Path, ...], flags: list[str]) -> tuple[Any | None, str]:
@@ -49,9 +58,9 @@ def build_extension(name: str, sources: tuple[Path, ...], flags: list[str]) -> t
 
 @functools.cache
 def avx2_kernel() -> tuple[Any | None, str]:
-    """(kernels.cpp built for this machine: the packed fp32 product and `attend`, "") or (None, why not).
+    """(kernels.cpp built for this machine: `pack`, the packed fp32 product and `attend`, "") or (None, why not).
     gcc must be told -fopenmp: without it ATen's parallel_for compiles to a serial loop in an extension."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None, f"the CPU lacks AVX2+FMA ({torch.backends.cpu.get_cpu_capability()})"
-    return build_extension("polyspec_kernels", (HERE / "kernels.cpp", HERE / "kernels_module.cpp"),
+    return build_extension("polyspec_kernels", (*FP32_SOURCES, HERE / "kernels_module.cpp"),
                            ["-O3", "-mavx2", "-mfma", "-fopenmp"])

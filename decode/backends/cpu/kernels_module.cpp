@@ -1,5 +1,8 @@
-// The Python module of the fp32 kernels alone (kernels.cpp): decode.fast's packed linears and attention.
+// The Python module of the fp32 kernels alone (kernels.cpp, pack.cpp): decode.fast's packed linears and attention.
+#include <torch/extension.h>
+
 #include "kernels.h"
+#include "pack.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &polyspec::pack, "W [N, K] -> 8-column panels");

@@ -32,7 +32,7 @@ from transformers import PretrainedConfig
 
 from decode.backends.cpu.dense import PackedLinear, pack_weight
 from decode.backends.cpu.fusion import StackedProduct
-from decode.backends.cpu.kernels import HERE, avx2_kernel, build_extension
+from decode.backends.cpu.kernels import FP32_SOURCES, HERE, avx2_kernel, build_extension
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
 STATIC_ROPE = ("default", "linear", "llama3")  # rotary tables that depend on the position only
@@ -54,12 +54,14 @@ def _has_avx512_vnni() -> bool:
 
 @functools.cache
 def native_kernels() -> tuple[Any | None, str]:
-    """(the decoder.cpp extension for this machine, "") or (None, why not); AVX-512 where the CPU has its BW and
-    VNNI parts, else AVX2."""
+    """(the native decoder's extension for this machine, "") or (None, why not): decoder.cpp and what it runs on
+    (packed_linear.cpp, pack.cpp, kernels.cpp), with decoder_module.cpp; AVX-512 where the CPU has its BW and VNNI
+    parts, else AVX2."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None, f"the CPU lacks AVX2+FMA ({torch.backends.cpu.get_cpu_capability()})"
     wide = ["-mavx512f", "-mavx512bw", "-mavx512vnni"] if _has_avx512_vnni() else []
-    return build_extension("polyspec_decoder", (HERE / "kernels.cpp", HERE / "decoder.cpp"),
+    sources = (*FP32_SOURCES, HERE / "packed_linear.cpp", HERE / "decoder.cpp", HERE / "decoder_module.cpp")
+    return build_extension("polyspec_decoder", sources,
                            ["-O3", "-mavx2", "-mfma", "-fopenmp", *wide])
 
 
