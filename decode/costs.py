@@ -131,7 +131,7 @@ def round_costs(settings: CostsSettings, target: Any, tokenizer: Any, prompt: li
     forwards = {level.name: (level.draft_time_s + level.verify_time_s) * 1000 / rounds for level in stats.levels}
     round_ms = (stats.wall_time_s - stats.time_to_first_token_s) * 1000 / rounds
     return {"chain": name, "rounds": rounds, "tokens_per_round": stats.new_tokens / rounds, "round_ms": round_ms,
-            "forward_ms": forwards, "overhead_ms": round_ms - sum(forwards.values())}
+            "forward_ms": forwards, "overhead_ms": stats.beside_forwards_s * 1000 / rounds}
 
 
 def steps_for(settings: CostsSettings) -> tuple[dict[str, Step], dict[str, str], dict]:

@@ -11,7 +11,7 @@ export WANDB_MODE=disabled
 run() {  # run SELECTION [ENV=VALUE...]: pytest -m SELECTION, with the environment given
     local selection=$1 rc
     shift
-    env "$@" python -m pytest -m "$selection" -p no:cacheprovider
+    env "$@" python -m pytest -m "$selection" -p no:cacheprovider --durations=12
     rc=$?
     if [ "$rc" -eq 5 ]; then
         echo "no tests collected for -m '$selection': treating as a failure" >&2

@@ -47,8 +47,7 @@ def _per_round(stats: list[GenerationStats], i: int, value: str) -> float:
 
 def _overhead(stats: list[GenerationStats], last: int) -> float:
     """Seconds per round of the last verifying level that the decodes spent beside every level's forwards."""
-    beside = sum(s.wall_time_s - s.time_to_first_token_s
-                 - sum(level.draft_time_s + level.verify_time_s for level in s.levels) for s in stats)
+    beside = sum(s.beside_forwards_s for s in stats)
     rounds = sum(len(s.levels[last].acceptance_lengths) for s in stats)
     return max(beside, 0.0) / rounds if rounds else 0.0
 

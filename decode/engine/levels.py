@@ -65,6 +65,12 @@ class GenerationStats:
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
 
+    @property
+    def beside_forwards_s(self) -> float:
+        """Decoding time after the prefill spent outside every level's forwards: the engine's own work per decode."""
+        forwards = sum(level.draft_time_s + level.verify_time_s for level in self.levels)
+        return self.wall_time_s - self.time_to_first_token_s - forwards
+
 
 @dataclass
 class Generation:

@@ -6,8 +6,9 @@ import dataclasses
 
 import pytest
 
+from decode.chains.plan import _overhead, plan_chain
+from decode.engine.levels import GenerationStats, LevelStats
 from decode.engine.planner import ChainModel, Shape, best, capped, first_passage, predict
-from decode.chains.plan import plan_chain
 from decode.settings import PlanSettings
 
 
@@ -32,6 +33,17 @@ def test_two_level_prediction_by_hand():
     assert p["s_per_token"] == pytest.approx((0.012 + 3 * 0.001) / 3)
     busy = dataclasses.replace(model, overhead=0.0015)  # the engine's own 1.5 ms a round, beside the forwards
     assert predict(busy, (), shape)["s_per_token"] == pytest.approx((0.012 + 3 * 0.001 + 0.0015) / 3)
+
+
+def test_overhead_is_what_a_decode_spends_beside_every_forward_per_round_of_the_last_verifier():
+    # 1.0 s wall, 0.2 s prefill, forwards 0.3 + 0.1 + 0.2 s: 0.2 s beside them, over the middle level's 4 rounds
+    levels = [LevelStats("target", "model", verify_time_s=0.3, acceptance_lengths=[3, 2]),
+              LevelStats("w4", "model", draft_time_s=0.1, verify_time_s=0.2, acceptance_lengths=[1, 2, 1, 3]),
+              LevelStats("head", "eagle", draft_time_s=0.0)]
+    stats = GenerationStats(wall_time_s=1.0, time_to_first_token_s=0.2, new_tokens=5, levels=levels)
+    assert stats.beside_forwards_s == pytest.approx(0.2)
+    assert _overhead([stats, stats], last=1) == pytest.approx(0.4 / 8)
+    assert _overhead([stats], last=0) == pytest.approx(0.2 / 2)
 
 
 def test_three_level_prediction_by_hand():
