@@ -142,7 +142,7 @@ def stacks(chains: Iterable[ChainSpec]) -> dict[str, list[dict[str, Any]]]:
     middles = [level for level in pool.values() if level.kind == "model"]
     found: dict[str, list[dict[str, Any]]] = {}
     for drafter in pool.values():
-        others = [level for level in middles if _identity(level) != _identity(drafter)]
+        others = [level for level in middles if level is not drafter]
         for size in range(len(others) + 1):
             for chosen in itertools.combinations(others, size):
                 levels = (chains[0].levels[0], *chosen, drafter)
