@@ -23,7 +23,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from decode.chains.build import builder_for, eos_of, level_model, load_target, reference_decoders
+from decode.chains.build import builder_for, eos_of, level_model, load_target, onednn_target, reference_decoders
 from decode.engine.errors import DecodeError
 from decode.engine.levels import Generation
 from decode.evaluation.measure import level_line, prediction_line, summarize
@@ -45,7 +45,9 @@ def methods(settings: BenchSettings, prepared, tokenizer) -> tuple[dict[str, Met
 
     target, decoding, b = prepared.model, settings.decoding, settings.section
     eos, sampling = eos_of(target, tokenizer), decoding.sampling
-    found: dict[str, Method] = reference_decoders(decoding, prepared, eos, sampling, onednn=True)
+    onednn = onednn_target(decoding, target)  # the other packed product, where the target runs on the AVX2 one
+    found: dict[str, Method] = reference_decoders(decoding, prepared, eos, sampling,
+                                                  {"ar_onednn": onednn} if onednn is not None else None)
     notes = {"ar": "target alone" + (f" (packed: {packed_with(target)})" if packed_with(target) else ""),
              "ar_eager": "target alone, plain eager nn.Linear",
              "ar_onednn": "target alone, packed with oneDNN (decode.gemm=onednn)"}

@@ -66,16 +66,15 @@ def eos_of(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> int |
 
 
 def reference_decoders(decoding: Decoding, target: Prepared, eos: Any, sampling: Sampling = GREEDY,
-                       onednn: bool = False) -> dict[str, Callable]:
-    """The autoregressive reference on the configured target (`ar`), and beside it, where they differ, AR on the
-    plain eager target (`ar_eager`, when decode.fast) and on oneDNN (`ar_onednn`, asked for and the target on AVX2)."""
+                       others: dict[str, PreTrainedModel] | None = None) -> dict[str, Callable]:
+    """The autoregressive reference on the configured target (`ar`), and beside it AR on the plain eager target
+    (`ar_eager`, when decode.fast, where the two differ) and on each of `others` by name (the bench's oneDNN one)."""
     from decode.chains.baselines import autoregressive
 
     models: dict[str, Prepared | PreTrainedModel] = {"ar": target}
     if decoding.section.fast:
         models["ar_eager"] = load_model(decoding.model.name, decoding.model.dtype, target.model.device)[0]
-    if onednn and (other := onednn_target(decoding, target.model)) is not None:
-        models["ar_onednn"] = other
+    models |= others or {}
     runners = {name: as_prepared(model).new_runner() for name, model in models.items()}  # one each, reused
     return {name: (lambda p, n, s=sampling, m=model, r=runners[name]: autoregressive(m, p, n, s, eos, r))
             for name, model in models.items()}
