@@ -117,6 +117,8 @@ struct A8Nibbles {  // GPTQ int4: byte (lane, i) = input i's code | input 4 + i'
   struct Codes { IVec low, high; };
   static inline Codes unpack(const uint8_t* w) { const IVec v = ivload(w); return {nibbles(v, 0), nibbles(v, 4)}; }
   static inline IVec dot(IVec acc, const Codes& c, const int8_t* x) { return dot4(dot4(acc, c.low, x), c.high, x + 4); }
+  static inline IVec widen(IVec sums) { return widen_codes(sums); }  // AVX2: a block's int16 pair sums to int32
+  static_assert(kA8Block / kStep * 2 <= 4, "AVX2's int16 pair sums hold at most 4 dot4 calls a block (simd.h)");
 };
 
 struct A8Bytes {  // int8 rows (an LM head): byte (lane, i) = input i's weight + kByteZero (128 on AVX-512: VNNI
@@ -126,6 +128,7 @@ struct A8Bytes {  // int8 rows (an LM head): byte (lane, i) = input i's weight +
   struct Codes { IVec v; };
   static inline Codes unpack(const uint8_t* w) { return {ivload(w)}; }
   static inline IVec dot(IVec acc, const Codes& c, const int8_t* x) { return dot4_bytes(acc, c.v, x); }
+  static inline IVec widen(IVec sums) { return sums; }  // int32 already
 };
 
 // Rows row .. row + MR - 1 of the quantized x against NP panels from panel p into y (stride ldy). Each step also
@@ -144,14 +147,11 @@ struct A8Tile {
       Vec part[MR][NP];  // this group's sum over its blocks of dot * s_x, scaled by s_w once at its end
       zero_tile(part);
       for (int64_t block = bounds[g]; block < bounds[g + 1]; block += kA8Block) {
-        IVec dot[MR][NP];
+        IVec dot[MR][NP];  // the block's sums of code x input, in F::dot's own form until F::widen
 #pragma GCC unroll 16
-        for (int m = 0; m < MR; ++m) {
-          // sum (q - z) x = sum q x - z sum x
-          const IVec start = ivset(-F::kZero * x.sum[((row + m) * K + block) / kA8Block]);
+        for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 16
-          for (int j = 0; j < NP; ++j) dot[m][j] = start;
-        }
+          for (int j = 0; j < NP; ++j) dot[m][j] = ivzero();
 #pragma GCC unroll 4
         for (int64_t k = block; k < block + kA8Block; k += F::kStep) {
           typename F::Codes codes[NP];
@@ -169,9 +169,12 @@ struct A8Tile {
         }
 #pragma GCC unroll 16
         for (int m = 0; m < MR; ++m) {
-          const Vec xs = vset(x.scale[((row + m) * K + block) / kA8Block]);
+          const int64_t at = ((row + m) * K + block) / kA8Block;
+          const IVec zero_point = ivset(-F::kZero * x.sum[at]);  // sum (q - z) x = sum q x - z sum x
+          const Vec xs = vset(x.scale[at]);
 #pragma GCC unroll 16
-          for (int j = 0; j < NP; ++j) part[m][j] = vfma(ivfloat(dot[m][j]), xs, part[m][j]);
+          for (int j = 0; j < NP; ++j)
+            part[m][j] = vfma(ivfloat(ivadd(F::widen(dot[m][j]), zero_point)), xs, part[m][j]);
         }
       }
 #pragma GCC unroll 16

@@ -79,6 +79,9 @@ static inline IVec dot4(IVec acc, IVec codes, const int8_t* x) {  // acc += 4 co
   return _mm512_dpbusd_epi32(acc, codes, _mm512_set1_epi32(load_i32(x)));
 }
 static inline IVec dot4_bytes(IVec acc, IVec weights, const int8_t* x) { return dot4(acc, weights, x); }
+static inline IVec widen_codes(IVec sums) { return sums; }  // dot4 sums in int32 already
+static inline IVec ivzero() { return _mm512_setzero_si512(); }
+static inline IVec ivadd(IVec a, IVec b) { return _mm512_add_epi32(a, b); }
 static inline IVec ivset(int32_t v) { return _mm512_set1_epi32(v); }
 static inline Vec ivfloat(IVec v) { return _mm512_cvtepi32_ps(v); }
 #else
@@ -87,16 +90,19 @@ static inline IVec ivload(const uint8_t* p) { return _mm256_loadu_si256(reinterp
 static inline IVec nibbles(IVec v, int shift) {
   return _mm256_and_si256(_mm256_srli_epi16(v, shift), _mm256_set1_epi8(15));
 }
-static inline IVec add_pairs(IVec acc, IVec pairs) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+static inline IVec widen_codes(IVec pairs) { return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)); }
+// acc += 4 codes (uint8) . 4 inputs (int8) per lane, as two int16 pair sums: a code is at most 15 and an input at
+// most 127 in magnitude, so a pair sums to at most 3810 and a block of 16 inputs (4 calls) to 15240, inside int16.
+// The tile widens them to int32 once a block (widen_codes): exactly the sum that widening every call would give.
+static inline IVec dot4(IVec acc, IVec codes, const int8_t* x) {
+  return _mm256_add_epi16(acc, _mm256_maddubs_epi16(codes, _mm256_set1_epi32(load_i32(x))));
 }
-static inline IVec dot4(IVec acc, IVec codes, const int8_t* x) {  // codes <= 15: the int16 pair sums cannot saturate
-  return add_pairs(acc, _mm256_maddubs_epi16(codes, _mm256_set1_epi32(load_i32(x))));
-}
-static inline IVec dot4_bytes(IVec acc, IVec weights, const int8_t* x) {
+static inline IVec dot4_bytes(IVec acc, IVec weights, const int8_t* x) {  // int8 pairs reach 32258: widened at once
   const IVec xs = _mm256_set1_epi32(load_i32(x));
-  return add_pairs(acc, _mm256_maddubs_epi16(_mm256_abs_epi8(xs), _mm256_sign_epi8(weights, xs)));
+  return _mm256_add_epi32(acc, widen_codes(_mm256_maddubs_epi16(_mm256_abs_epi8(xs), _mm256_sign_epi8(weights, xs))));
 }
+static inline IVec ivzero() { return _mm256_setzero_si256(); }
+static inline IVec ivadd(IVec a, IVec b) { return _mm256_add_epi32(a, b); }
 static inline IVec ivset(int32_t v) { return _mm256_set1_epi32(v); }
 static inline Vec ivfloat(IVec v) { return _mm256_cvtepi32_ps(v); }
 #endif
