@@ -152,19 +152,21 @@ struct A8Tile {
         for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 16
           for (int j = 0; j < NP; ++j) dot[m][j] = ivzero();
-#pragma GCC unroll 4
-        for (int64_t k = block; k < block + kA8Block; k += F::kStep) {
+        // the block's chunks, a constant count: fully unrolled, the addresses moved by constants
+        const uint8_t* wb = wp + block / F::kStep * kLanes * 4;
+        const int8_t* xb = x.q.data() + row * K + block;
+#pragma GCC unroll 16
+        for (int step = 0; step < kA8Block / F::kStep; ++step) {
           typename F::Codes codes[NP];
 #pragma GCC unroll 16
           for (int j = 0; j < NP; ++j) {
-            codes[j] = F::unpack(wp + j * panel + k / F::kStep * kLanes * 4);
-            _mm_prefetch(reinterpret_cast<const char*>(wp + (NP + j) * panel + k / F::kStep * kLanes * 4), _MM_HINT_T1);
+            codes[j] = F::unpack(wb + j * panel + step * kLanes * 4);
+            _mm_prefetch(reinterpret_cast<const char*>(wb + (NP + j) * panel + step * kLanes * 4), _MM_HINT_T1);
           }
 #pragma GCC unroll 16
           for (int m = 0; m < MR; ++m) {
-            const int8_t* xr = x.q.data() + (row + m) * K + k;
 #pragma GCC unroll 16
-            for (int j = 0; j < NP; ++j) dot[m][j] = F::dot(dot[m][j], codes[j], xr);
+            for (int j = 0; j < NP; ++j) dot[m][j] = F::dot(dot[m][j], codes[j], xb + m * K + step * F::kStep);
           }
         }
 #pragma GCC unroll 16
