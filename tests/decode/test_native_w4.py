@@ -173,6 +173,25 @@ def test_the_int8_activation_product_is_the_exact_product_of_the_quantized_rows(
     assert ((ours - exact).abs().max() / exact.abs().max()) < 1e-5
 
 
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_the_int8_activation_products_hold_their_largest_integer_sums(kind, sign):
+    """Every weight at its largest code (int4 15, int8 127) against inputs all at +-127 (constant rows): the
+    integer sums are the largest the kernels accumulate (on AVX2, int4 blocks in int16 until the block ends), and
+    the products stay within fp32 rounding of the exact value. An accumulator widened too late saturates here."""
+    kernels, k, n = native_kernels()[0], 128, 24
+    x = torch.full((3, k), sign * 0.5)
+    if kind == "int4":
+        words, scales = kernels.pack_int4_a8(torch.full((n, k), 15, dtype=torch.int32), torch.full((n, 2), 0.25))
+        weight = kernels.PackedWeight(words=words, scales=scales, bounds=torch.tensor([0, 64, k]), n=n)
+        exact = sign * 0.5 * (15 - 8) * 0.25 * k
+    else:
+        words, scales = kernels.pack_int8(torch.full((n, k), 127, dtype=torch.int8), torch.full((n,), 0.25))
+        weight = kernels.PackedWeight(words=words, scales=scales, bounds=torch.tensor([0, k]), n=n)
+        exact = sign * 0.5 * 127 * 0.25 * k
+    assert torch.allclose(kernels.packed_mm(x, weight), torch.full((3, n), exact), rtol=1e-6, atol=0)
+
+
 def test_int8_activations_stay_close_to_fp32_ones(w4, one_thread):
     """The same W4 model on int8 activations: hidden states near the exact ones, the same greedy tokens nearly
     everywhere (the real model's agreement with GPTQModel: the slow test)."""
