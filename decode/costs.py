@@ -13,15 +13,17 @@ Writes `decode.costs.out` (json).
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import sys
 from typing import Any
 
 import hydra
 import torch
 from omegaconf import DictConfig
-from transformers import DynamicCache
 
 from decode.backends import Backend
+from decode.engine.runner import HFHeadRunner, PreparedHead
 from decode.settings import CostsSettings, Decoding, costs_of
 from infra.cli import check_writable, run_main
 from infra.device import use_threads
@@ -29,31 +31,31 @@ from infra.timing import (Bandwidth, CountedStep, Step, cache_bytes, cached_forw
                           module_bytes, read_bandwidth)
 
 
-def head_forward(head, lm_head: Any, context: list[int], features: torch.Tensor) -> Step:
-    """A step: one head forward of k new tokens (with k features) after a cached context, its logits through
-    `lm_head` (the backend's; None: the head's own)."""
-    cache = DynamicCache()
+def head_forward(prepared: PreparedHead, context: list[int], features: torch.Tensor) -> Step:
+    """A step: one forward of k new tokens (with k features) of a prepared head's runner after a cached context, its
+    logits through the LM head the backend runs it with."""
+    runner, head = prepared.new_runner(), prepared.head
     ids = torch.tensor([context], device=features.device)
     with torch.inference_mode():
-        head(ids[:, 1:], features[:, :-1], cache)
-    n = cache.get_seq_length()
+        runner.forward(ids[:, 1:], features[:, :-1], None, None)
+    n = runner.cached()
 
     def step(k: int) -> object:
-        extra = cache.get_seq_length() - n
-        if extra:
-            cache.crop(-extra)
+        runner.crop(n)
         with torch.inference_mode():
-            hidden = head(ids[:, -k:], features[:, -k:], cache, compute_logits=False)[0]
-            return head.logits(hidden, lm_head)
+            return head.logits(runner.forward(ids[:, -k:], features[:, -k:], None, None), prepared.lm_head)
 
-    return CountedStep(step, _head_bytes(head, lm_head) + cache_bytes(cache))
+    return CountedStep(step, _head_bytes(prepared, runner))
 
 
-def _head_bytes(head, lm_head: Any) -> int:
-    """The bytes of a head's one-token forward: its own modules (fc, layer, norms; the target's embedding is read a
-    row a token) and the LM head its logits run through (`lm_head`, else its own)."""
-    used = lm_head if lm_head is not None else head.lm_head
-    return module_bytes(head, skip=(used,)) + module_bytes(used)
+def _head_bytes(prepared: PreparedHead, runner: Any) -> int:
+    """The bytes of a head's one-token forward: its runner's own count where it keeps one (the native runner), else
+    the head's modules (fc, layer, norms; the target's embedding is read a row a token) and KV cache; and the LM head
+    its logits run through (the backend's, else its own)."""
+    used = prepared.lm_head if prepared.lm_head is not None else prepared.head.lm_head
+    if hasattr(runner, "streamed_bytes"):
+        return runner.streamed_bytes() + module_bytes(used)
+    return module_bytes(prepared.head, skip=(used,)) + module_bytes(used) + cache_bytes(runner.cache)
 
 
 def context_ids(held_out: list, tokenizer, length: int) -> list[int]:
@@ -158,7 +160,7 @@ def steps_for(settings: CostsSettings) -> tuple[dict[str, Step], dict[str, str],
         print(f"costs: no W4 model in {w4_dir}; skipping it", file=sys.stderr)
     with torch.inference_mode():
         states = target(torch.tensor([context], device=device), output_hidden_states=True).hidden_states
-    vocab = _head_steps(settings, (fast_target.model, tokenizer), (context, states), (steps, notes))
+    vocab = _head_steps(settings, (fast_target, tokenizer), (context, states), (steps, notes))
     if w4 is not None and vocab is not None:
         from heads.eagle import vocabulary_rows
         from decode.engine.levels import LevelCompute, ModelLevel
@@ -172,26 +174,34 @@ def steps_for(settings: CostsSettings) -> tuple[dict[str, Step], dict[str, str],
 
 def _head_steps(settings: CostsSettings, target: tuple, inputs: tuple, rows: tuple) -> torch.Tensor | None:
     """The rows of the run's head (either method) and of untrained heads with `decode.costs.head_vocab`'s draft
-    vocabularies, each on the run's backend (`target`: model and tokenizer; `inputs`: the context and the target's
-    hidden states on it; `rows`: the steps and notes to add to); returns the run's head's draft vocabulary, if any."""
+    vocabularies, each as a chain's drafter runs on the run's backend (`target`: the prepared target and tokenizer;
+    `inputs`: the context and the target's hidden states on it; `rows`: the steps and notes to add to); returns the
+    run's head's draft vocabulary, if any."""
     from heads.eagle import EagleHead
     from heads.eagle3 import load_head
 
-    (model, tokenizer), (context, states), (steps, notes) = target, inputs, rows
+    (prepared_target, tokenizer), (context, states), (steps, notes) = target, inputs, rows
+    model, backend = prepared_target.model, settings.decoding.backend.drafting(prepared_target)
     head_dir, heads = settings.decoding.layout.output("eagle"), {}
     if (head_dir / "config.json").is_file():
         heads["head"] = load_head(head_dir, model, tokenizer)
         n = heads["head"].draft_vocab
-        notes["head"] = f"{head_dir}, packed, draft vocabulary {'full' if n is None else len(n)}"
+        notes["head"] = f"{head_dir}, draft vocabulary {'full' if n is None else len(n)}"
     for size in settings.section.head_vocab:
         vocab = None if size is None else torch.arange(int(size))  # cost depends on the size only
         heads[f"head V={size or 'full'}"] = EagleHead.for_target(model, draft_vocab=vocab)
-        notes[f"head V={size or 'full'}"] = "untrained head, packed, timing only"
+        notes[f"head V={size or 'full'}"] = "untrained head, timing only"
     for name, head in heads.items():
-        lm_head = settings.decoding.backend.prepare_head(head)
+        prepared = backend.prepare_head(head.eval())
         layers = getattr(head, "aux_layers", None)  # an EAGLE-3 head drafts from the aux states first
         features = torch.cat([states[i] for i in layers], -1) if layers else states[-1]
-        steps[name] = head_forward(head.eval(), lm_head, context, features)
+        steps[name] = head_forward(prepared, context, features)
+        runner = getattr(prepared.new_runner, "func", prepared.new_runner)
+        notes[name] += f", {runner.__name__}"
+        if name == "head" and runner is not HFHeadRunner:  # beside it, the head's own forward
+            own = dataclasses.replace(prepared, new_runner=functools.partial(HFHeadRunner, prepared.head))
+            steps["head hf layer"] = head_forward(own, context, features)
+            notes["head hf layer"] = "the run's head on its own forward (decode.native_fp32=off)"
     return heads["head"].draft_vocab if "head" in heads else None
 
 

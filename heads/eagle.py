@@ -145,6 +145,11 @@ class DraftHead(nn.Module):
             attention_mask = causal_mask(T, past, dtype, input_ids.device)
         return position_ids, attention_mask.to(dtype)
 
+    def position_embeddings(self, x: torch.Tensor, position_ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of the head's rotary embedding at these positions, in x's dtype (its layer attends fully)."""
+        args = ("full_attention",) if self._rotary_takes_layer_type else ()
+        return self.rotary_emb(x, position_ids, *args)
+
     def token_ids(self, index: torch.Tensor) -> torch.Tensor:
         """Target token ids of positions in `logits`' last dimension."""
         return index if self.draft_vocab is None else self.draft_vocab[index]
@@ -287,15 +292,13 @@ class EagleHead(DraftHead):
         position_ids, attention_mask = self.step_inputs(input_ids, past_key_values, position_ids, attention_mask)
         dtype = self.fc.weight.dtype
         x = self.fc(torch.cat([self.embed_tokens(input_ids).to(dtype), features.to(dtype)], dim=-1))
-        rotary_args = ("full_attention",) if self._rotary_takes_layer_type else ()
-        position_embeddings = self.rotary_emb(x, position_ids, *rotary_args)
         out = self.layer(
             x,
             attention_mask=attention_mask,
             position_ids=position_ids,
             past_key_values=past_key_values,
             use_cache=past_key_values is not None,
-            position_embeddings=position_embeddings,
+            position_embeddings=self.position_embeddings(x, position_ids),
         )
         out = out[0] if isinstance(out, tuple) else out  # MLP output + residual: the predicted feature, no final norm
         hidden = out.to(self.lm_head.weight.dtype)

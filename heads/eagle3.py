@@ -95,10 +95,9 @@ class Eagle3Head(DraftHead):
             g = self.fc(g)
         layer = self.midlayer
         x = torch.cat([layer.input_layernorm(self.embed_tokens(input_ids).to(dtype)), layer.hidden_norm(g)], dim=-1)
-        rotary_args = ("full_attention",) if self._rotary_takes_layer_type else ()
         attended = layer.self_attn(hidden_states=x, attention_mask=attention_mask, position_ids=position_ids,
                                    past_key_values=past_key_values, use_cache=past_key_values is not None,
-                                   position_embeddings=self.rotary_emb(g, position_ids, *rotary_args))[0]
+                                   position_embeddings=self.position_embeddings(g, position_ids))[0]
         h = g + attended  # the residual is g before hidden_norm (norm_before_residual: false)
         out = h + layer.mlp(layer.post_attention_layernorm(h))
         return out, self.logits(out) if compute_logits else None, past_key_values

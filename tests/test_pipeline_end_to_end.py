@@ -17,7 +17,7 @@ from lossless_fixtures import chi_square_pvalue, greedy_equal, handed_up, self_c
 from decode.consumers.vllm_venv import w4_kernel_missing
 from decode.engine.chain import Chain
 from decode.engine.levels import EagleLevel, ModelLevel
-from decode.engine.runner import Prepared
+from decode.engine.runner import Prepared, PreparedHead
 from decode.engine.sampling import Sampling
 
 REPO = Path(__file__).resolve().parents[1]
@@ -113,13 +113,15 @@ SHAPES = {  # the W4 level's mu (None: no W4 level), the head's draft
 }
 
 
-def default_path(run_dir: Path) -> tuple[Prepared, Prepared, torch.nn.Module, torch.nn.Module | None, object]:
+def default_path(run_dir: Path) -> tuple[Prepared, Prepared, torch.nn.Module, PreparedHead, object]:
     """The pipeline's artifacts as decode.fast's defaults run them (decode.gemm auto, native_fp32 and native auto,
     int8 W4 activations), without a config: the fp32 target and the W4 model prepared by the backend, the W4 level's
-    LM head on int8 rows (as the polybasic chain has it), the head with its draft-vocabulary LM head."""
+    LM head on int8 rows (as the polybasic chain has it), the head on its native runner with its draft-vocabulary LM
+    head."""
     from data.models import DEFAULT_MODEL, load_model
     from decode.backends import Backend
     from decode.backends.cpu.int8 import quantize_lm_head
+    from decode.backends.cpu.eagle_head import NativeHeadRunner
     from decode.backends.cpu.llama import NativeLlamaRunner, native_kernels
     from heads.eagle3 import load_head
 
@@ -131,20 +133,23 @@ def default_path(run_dir: Path) -> tuple[Prepared, Prepared, torch.nn.Module, to
     if native_kernels()[0] is not None:  # the default path is the native one wherever it builds
         assert all(isinstance(m.new_runner(), NativeLlamaRunner) for m in (target, middle))
     head = load_head(run_dir / "eagle", model, tokenizer).eval()
-    return target, middle, head, backend.prepare_head(head), tokenizer
+    prepared_head = backend.prepare_head(head)
+    if native_kernels()[0] is not None:
+        assert isinstance(prepared_head.new_runner(), NativeHeadRunner)
+    return target, middle, head, prepared_head, tokenizer
 
 
 def default_chain(levels: tuple, shape: str) -> Chain:
     """One of SHAPES on the default path's pieces; the head reads the nearest model level's features first."""
     from decode.engine.chain import read_features
 
-    target, middle, head, head_lm, _ = levels
+    target, middle, head, prepared_head, _ = levels
     mu, head_draft = SHAPES[shape]
     above = [ModelLevel("target", target).keeping(True)]
     if mu is not None:
         above.append(ModelLevel("w4", middle, mu=mu).keeping(True))
     features = read_features(above[::-1], head.feature_size, torch.float32)
-    return Chain([*above, EagleLevel("head", head, features, head_draft, head_lm)])
+    return Chain([*above, EagleLevel("head", prepared_head, features, head_draft)])
 
 
 def assert_default_path_lossless(run_dir: Path) -> None:

@@ -13,7 +13,7 @@ from typing import Callable
 from torch import nn
 from transformers import PreTrainedModel
 
-from decode.engine.runner import HFRunner, Prepared, Runner
+from decode.engine.runner import HeadRunner, HFHeadRunner, HFRunner, Prepared, PreparedHead, Runner
 
 NATIVE = ("auto", "on", "off")
 
@@ -66,17 +66,17 @@ class Backend:
         new_runner = self._runner_factory(model)
         return Prepared(model, new_runner, _fast_lm_head(model.get_output_embeddings(), new_runner))
 
-    def prepare_head(self, head: nn.Module) -> nn.Module | None:
-        """A draft head packed in place; returns its draft-vocabulary LM head rows on the packed product (None: the
-        head computes its logits as it is)."""
+    def prepare_head(self, head: nn.Module) -> PreparedHead:
+        """A draft head as it runs here: packed in place on the CPU, its draft-vocabulary LM head rows on the packed
+        product (None: the head computes its logits as it is), and the native runner for an EAGLE-2 head where fp32
+        models may run natively (`native_fp32` auto or on) and it can, else its own forward (said on stderr)."""
         if self.gemm and on_cpu(head):
             from decode.backends.cpu import pack
 
             pack(head, self.gemm)
         vocab = getattr(head, "draft_vocab", None)
-        if vocab is None or not hasattr(head, "draft_rows"):
-            return None
-        return self.linear(head, head.draft_rows())
+        rows = None if vocab is None or not hasattr(head, "draft_rows") else self.linear(head, head.draft_rows())
+        return PreparedHead(head, self._head_runner_factory(head), rows)
 
     def linear(self, module: nn.Module, linear: nn.Linear) -> nn.Module:
         """A linear built later for `module` (a vocabulary's LM-head rows), on the packed product where one runs."""
@@ -107,6 +107,18 @@ class Backend:
             raise ValueError(f"native=on: the native runner cannot run {model.name_or_path}: {why}")
         print(f"decode: {model.name_or_path} runs the eager HF forward (native runner: {why})", file=sys.stderr)
         return hf
+
+
+    def _head_runner_factory(self, head: nn.Module) -> Callable[[], HeadRunner]:
+        if not (self.gemm and on_cpu(head)) or self.native_fp32 == "off":
+            return functools.partial(HFHeadRunner, head)
+        from decode.backends.cpu.eagle_head import head_unsupported, native_head_runners
+
+        why = head_unsupported(head)
+        if why is None:
+            return native_head_runners(head)
+        print(f"decode: the draft head runs its own forward (native runner: {why})", file=sys.stderr)
+        return functools.partial(HFHeadRunner, head)
 
 
 def with_lm_head(prepared: Prepared, head: nn.Module) -> Prepared:

@@ -109,7 +109,7 @@ class ChainBuilder:
 
     def build(self, spec: ChainSpec) -> Chain:
         loaded = [self.load(level) for level in spec.levels]
-        heads = [source[0] for level, source in zip(spec.levels, loaded) if level.kind == "eagle"]
+        heads = [source.head for level, source in zip(spec.levels, loaded) if level.kind == "eagle"]
         # the levels above the last EAGLE level keep features for it
         read = max((i for i, level in enumerate(spec.levels) if level.kind == "eagle"), default=-1)
         kept = heads[-1].aux_layers if heads and isinstance(heads[-1], Eagle3Head) else True  # what they keep
@@ -121,17 +121,16 @@ class ChainBuilder:
                                                 first=i == 0))
             elif level.kind == "eagle":
                 above = [model_level for model_level in levels[::-1] if isinstance(model_level, ModelLevel)]
-                head, lm_head = source
-                order = _feature_order(level.features, level.name, head, above)
-                features = read_features(order, head.feature_size, self.target.dtype)
-                levels.append(EagleLevel(level.name, head, features, level.draft, lm_head))
+                order = _feature_order(level.features, level.name, source.head, above)
+                features = read_features(order, source.head.feature_size, self.target.dtype)
+                levels.append(EagleLevel(level.name, source, features, level.draft))
             else:
                 levels.append(NgramLevel(level.name, level.max_ngram, level.min_ngram, level.draft))
         return Chain(levels)
 
     def load(self, level: LevelSpec) -> Any:
-        """What a level runs, loaded once: its prepared model (model levels), its head and the LM head the backend
-        runs it with (eagle levels), nothing (ngram)."""
+        """What a level runs, loaded once: its prepared model (model levels), its head as the backend runs it (eagle
+        levels), nothing (ngram)."""
         key = (level.kind, level.model, level.dtype, level.layers, level.lm_head, level.path, level.method)
         if level.kind != "ngram" and key not in self._loaded:
             self._loaded[key] = self._load(level)
@@ -148,8 +147,7 @@ class ChainBuilder:
                 return self.backend.prepare(model)
             except ValueError as err:  # native=on where the native runner cannot run a W4 level
                 raise DecodeError(f"decode.{err}") from None
-        head = _eagle_head(level, self.tokenizer, self.artifacts, self.target)
-        return head, self.backend.prepare_head(head)
+        return self.backend.prepare_head(_eagle_head(level, self.tokenizer, self.artifacts, self.target))
 
     def _model_level(self, level: LevelSpec, model: Prepared, heads: list[DraftHead],
                      keep_hidden: bool | tuple[int, ...], first: bool) -> ModelLevel:

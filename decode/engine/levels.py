@@ -12,12 +12,12 @@ from typing import Callable
 
 import torch
 from torch import nn
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from infra.device import synchronized_clock
 from decode.engine import tree as trees
 from decode.engine.errors import DecodeError
-from decode.engine.runner import Prepared, Runner, as_prepared
+from decode.engine.runner import Prepared, PreparedHead, Runner, as_prepared, as_prepared_head
 from decode.engine.spec import Draft
 from decode.engine.sampling import Sampling, probabilities, sample, verify_greedy, verify_sampled
 from heads.eagle import softcapped, spread, vocabulary_rows
@@ -115,12 +115,6 @@ def common_prefix(a: list[int], b: list[int]) -> int:
         else:
             hi = mid
     return lo
-
-
-def crop_cache(cache: DynamicCache, length: int) -> None:
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
 
 
 class Level:
@@ -339,25 +333,26 @@ class EagleLevel(Level):
 
     kind = "eagle"
 
-    def __init__(self, name: str, head: torch.nn.Module, features: Features, draft: Draft | dict | None = None,
-                 lm_head: nn.Module | None = None):
-        """`lm_head`: the head's LM head as a backend runs it (Backend.prepare_head; None: the head's own)."""
+    def __init__(self, name: str, head: torch.nn.Module | PreparedHead, features: Features,
+                 draft: Draft | dict | None = None):
+        """`head`: as a backend prepared it (its runner and LM head: Backend.prepare_head), or a plain head module on
+        its own forward."""
         super().__init__(name, 1, draft)
-        self.head, self.features, self.lm_head = head, features, lm_head
-        self.device = next(head.parameters()).device
+        prepared = as_prepared_head(head)
+        self.head, self.lm_head, self.runner = prepared.head, prepared.lm_head, prepared.new_runner()
+        self.features = features
+        self.device = next(self.head.parameters()).device
         self.reset()
 
     def reset(self) -> None:
         super().reset()
-        self.cache = DynamicCache()
+        self.runner.reset()
         self.tokens: list[int] = []  # head position t holds (feature of t, token t+1) for tokens[:t+2]
 
     def _head(self, ids: list[int], feats: torch.Tensor, positions: list[int], mask: torch.Tensor | None = None):
         start = synchronized_clock(self.device)
-        hidden, _, self.cache = self.head(
-            torch.tensor([ids], device=self.device), feats, past_key_values=self.cache,
-            position_ids=torch.tensor([positions], device=self.device), attention_mask=mask, compute_logits=False,
-        )
+        hidden = self.runner.forward(torch.tensor([ids], device=self.device), feats, mask,
+                                     torch.tensor([positions], device=self.device))
         logits = self.head.logits(hidden, self.lm_head)
         elapsed = synchronized_clock(self.device) - start
         self.stats.forward_calls += 1
@@ -369,7 +364,7 @@ class EagleLevel(Level):
         """Feed the positions with real features the head has not seen; return the last (hidden, logits)."""
         real = len(ctx) - 1  # positions 0..len-2 have verifier features
         keep = max(min(common_prefix(self.tokens, ctx) - 1, real - 1), 0)
-        crop_cache(self.cache, keep)
+        self.runner.crop(keep)
         feats = self.features(ctx, keep, real)
         hidden, logits = self._head(ctx[keep + 1 :], feats, list(range(keep, real)))
         self.tokens = list(ctx)
@@ -392,7 +387,7 @@ class EagleLevel(Level):
                 index = choose(logits, sampling, gen, qs)  # a position in the head's draft vocabulary
                 tokens.append(int(self.head.token_ids(torch.tensor(index, device=self.device))))
             proposal = Proposal(tokens, self.head.full_vocab(torch.stack(qs)) if qs else None)
-        crop_cache(self.cache, real)  # drafted positions used predicted features: never keep them
+        self.runner.crop(real)  # drafted positions used predicted features: never keep them
         self.stats.bookkeeping_time_s += time.perf_counter() - start - (self.stats.draft_time_s - fwd)
         return proposal
 

@@ -60,6 +60,13 @@ def as_prepared(model: PreTrainedModel | Prepared) -> Prepared:
     return Prepared(model, functools.partial(HFRunner, model), model.get_output_embeddings())
 
 
+def crop_cache(cache: DynamicCache, length: int) -> None:
+    """Forget a DynamicCache's positions >= length."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
 class HFRunner:
     """A transformers causal LM's decoder on a DynamicCache: crop = rollback, keep = index-select (a tree's path)."""
 
@@ -80,9 +87,7 @@ class HFRunner:
         self.layers = tuple(layers)
 
     def crop(self, length: int) -> None:
-        extra = self.cached() - length
-        if extra > 0:
-            self.cache.crop(-extra)
+        crop_cache(self.cache, length)
 
     def keep(self, index: torch.Tensor) -> None:
         for layer in self.cache.layers:
@@ -94,3 +99,58 @@ class HFRunner:
         if self.layers:
             self.captured = torch.cat([out.hidden_states[i] for i in self.layers], dim=-1)
         return out.last_hidden_state
+
+
+class HeadRunner(Protocol):
+    """A draft head's decoder with its KV cache: `forward` feeds ids [1, T] with the features they pair with
+    [1, T, feature size] after the cached positions (mask and positions as a Runner's) and returns the head's hidden
+    states [1, T, hidden], the features its next step feeds back. The LM head is the level's."""
+
+    def cached(self) -> int: ...
+
+    def crop(self, length: int) -> None: ...
+
+    def reset(self) -> None: ...
+
+    def forward(self, ids: torch.Tensor, features: torch.Tensor, mask: torch.Tensor | None,
+                positions: torch.Tensor | None) -> torch.Tensor: ...
+
+
+class HFHeadRunner:
+    """A draft head module's own forward on a DynamicCache (any head: EAGLE-2's, EAGLE-3's)."""
+
+    def __init__(self, head: nn.Module):
+        self.head = head
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = DynamicCache()
+
+    def cached(self) -> int:
+        return self.cache.get_seq_length()
+
+    def crop(self, length: int) -> None:
+        crop_cache(self.cache, length)
+
+    def forward(self, ids: torch.Tensor, features: torch.Tensor, mask: torch.Tensor | None,
+                positions: torch.Tensor | None) -> torch.Tensor:
+        hidden, _, self.cache = self.head(ids, features, past_key_values=self.cache, position_ids=positions,
+                                          attention_mask=mask, compute_logits=False)
+        return hidden
+
+
+@dataclass(frozen=True)
+class PreparedHead:
+    """A draft head as a backend runs it: `new_runner()` gives a head runner with its own KV cache (one per chain),
+    `lm_head` its draft-vocabulary rows as the backend runs them (None: the head computes its logits itself)."""
+
+    head: nn.Module
+    new_runner: Callable[[], HeadRunner]
+    lm_head: nn.Module | None = None
+
+
+def as_prepared_head(head: nn.Module | PreparedHead) -> PreparedHead:
+    """A prepared head as it is; a plain head module on its own forward."""
+    if isinstance(head, PreparedHead):
+        return head
+    return PreparedHead(head, functools.partial(HFHeadRunner, head))

@@ -68,12 +68,21 @@ def prompts(vocab: int, n: int = 3, seed: int = 0) -> list[list[int]]:
 
 
 def build_chain(levels: list[dict], target, tokenizer, artifacts=None, gemm: str | None = None,
-                draft_defaults: dict | None = None):
+                draft_defaults: dict | None = None, head: torch.nn.Module | None = None):
     """A chain from a level list (conf/decode/chain.yaml's form; decode.engine.spec.LevelSpec documents the keys),
-    through the ChainBuilder the apps use, on a backend that packs with `gemm` (None: nothing packed)."""
-    from decode.backends import Backend
-    from decode.chains.build import ChainBuilder, LevelSettings
+    through the ChainBuilder the apps use, on a backend that packs with `gemm` (None: nothing packed, but avx2 beside
+    a target on the native runner, as the apps run a native target's drafters). `head`: the module every eagle level
+    loads, prepared by the builder's backend as a loaded one is (None: as the level's spec says)."""
+    import pytest
+
+    from decode.backends import Backend, runs_natively
+    from decode.chains import build
     from decode.engine.spec import ChainSpec
 
-    builder = ChainBuilder(target, tokenizer, artifacts, LevelSettings(backend=Backend(gemm)))
-    return builder.build(ChainSpec.parse(levels, draft_defaults))
+    if gemm is None and isinstance(target, Prepared) and runs_natively(target):
+        gemm = "avx2"
+    builder = build.ChainBuilder(target, tokenizer, artifacts, build.LevelSettings(backend=Backend(gemm)))
+    with pytest.MonkeyPatch.context() as patch:
+        if head is not None:
+            patch.setattr(build, "_eagle_head", lambda *args: head)
+        return builder.build(ChainSpec.parse(levels, draft_defaults))

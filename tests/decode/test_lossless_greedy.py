@@ -196,9 +196,9 @@ def test_eagle_with_draft_vocabulary_greedy_equals_target_greedy(models, mode, m
 
     target = models[0]
     levels = [{"kind": "model"}, {"kind": "eagle", "path": "untrained", "method": method, "draft": mode}]
-    chain = build_chain(levels, target, tokenizer=None)
     head_cls = Eagle3Head if method == "eagle3" else EagleHead
-    chain.levels[-1].head = head_cls.for_target(as_prepared(target).model, draft_vocab=torch.arange(0, VOCAB, 7)).eval()
+    head = head_cls.for_target(as_prepared(target).model, draft_vocab=torch.arange(0, VOCAB, 7)).eval()
+    chain = build_chain(levels, target, tokenizer=None, head=head)
     assert tokens_outside(chain, target, every=7) > 0, ("every token was inside the draft vocabulary; "
                                                         "the test exercises nothing")
 
@@ -444,8 +444,9 @@ def test_real_packed_dualistic_chain_with_draft_vocabulary_is_lossless(bundled_t
     model, tokenizer = bundled_target
     fast = packed_copy(model)
     prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": "Give two tips for writing clear emails."}])
-    chain = build_chain([{"kind": "model"}, {"kind": "eagle", "path": "untrained", "draft": TREE}], fast, tokenizer)
-    chain.levels[-1].head = EagleHead.for_target(fast, draft_vocab=torch.arange(8192)).eval()
+    head = EagleHead.for_target(fast, draft_vocab=torch.arange(8192)).eval()
+    chain = build_chain([{"kind": "model"}, {"kind": "eagle", "path": "untrained", "draft": TREE}], fast, tokenizer,
+                        head=head)
     generation = chain.generate(prompt, 32, eos_token_id=tokenizer.eos_token_id)
     ok, _ = greedy_equal(fast, prompt, generation.tokens)
     assert ok, "the packed chain changed the packed target's greedy output at a clear margin"

@@ -134,8 +134,9 @@ def test_no_backend_attribute_is_set_on_a_model_or_head():
     before = {m: set(vars(m)) for module in (target, head) for m in module.modules()}  # keeps every module alive
     prepared = Backend("avx2", native_fp32="on", native_w4="on").prepare(target)
     with_lm_head(prepared, Int8RowLinear(target.lm_head))
-    rows = Backend("avx2").prepare_head(head)
-    assert rows is not None and rows.out_features == 100
+    prepared_head = Backend("avx2", native_fp32="on").prepare_head(head)
+    prepared_head.new_runner()
+    assert prepared_head.lm_head is not None and prepared_head.lm_head.out_features == 100
     after = {m: set(vars(m)) for module in (target, head) for m in module.modules() if m in before}
     assert after == {key: before[key] for key in after}
     assert len(after) > 10  # the modules' own layers were compared, not only new ones

@@ -64,12 +64,10 @@ def draft_vocab_chain(models, draft: dict, method: str = "eagle") -> Chain:
     from heads.eagle3 import Eagle3Head
 
     levels = [{"kind": "model"}, {"kind": "eagle", "path": "untrained", "method": method, "draft": draft}]
-    chain = build_chain(levels, models[0], tokenizer=None)
     torch.manual_seed(0)
     head_cls = Eagle3Head if method == "eagle3" else EagleHead
     head = head_cls(as_prepared(models[0]).model, init_std=0.5, draft_vocab=torch.tensor([0, 2, 3, 6]))
-    chain.levels[-1].head = head.eval()
-    return chain
+    return build_chain(levels, models[0], tokenizer=None, head=head.eval())
 
 
 def three_level(models) -> Chain:

@@ -31,22 +31,29 @@ static int64_t width(const std::vector<PackedWeight>& ws) {
   return n;
 }
 
-Decoder::Decoder(torch::Tensor embed, torch::Tensor final_norm, torch::Tensor cos, torch::Tensor sin, int64_t heads,
-                 int64_t kv_heads, double eps, int64_t layers)
-    : embed_(embed.contiguous()), final_norm_(final_norm.contiguous()), cos_(cos.contiguous()),
+static torch::Tensor optional_weight(const c10::optional<torch::Tensor>& weight) {
+  return weight.has_value() ? weight->contiguous() : torch::Tensor();
+}
+
+static int64_t optional_bytes(const torch::Tensor& weight) { return weight.defined() ? weight.nbytes() : 0; }
+
+Decoder::Decoder(torch::Tensor embed, const c10::optional<torch::Tensor>& final_norm, torch::Tensor cos,
+                 torch::Tensor sin, int64_t heads, int64_t kv_heads, double eps, int64_t layers)
+    : embed_(embed.contiguous()), final_norm_(optional_weight(final_norm)), cos_(cos.contiguous()),
       sin_(sin.contiguous()), heads_(heads), kv_heads_(kv_heads), head_dim_(cos.size(1)), layers_wanted_(layers),
       eps_(static_cast<float>(eps)) {}
 
-void Decoder::add_layer(torch::Tensor input_norm, torch::Tensor post_norm, const std::vector<PackedWeight>& qkv,
-                        const PackedWeight& o, const std::vector<PackedWeight>& gate_up, const PackedWeight& down) {
+void Decoder::add_layer(const c10::optional<torch::Tensor>& input_norm, torch::Tensor post_norm,
+                        const std::vector<PackedWeight>& qkv, const PackedWeight& o,
+                        const std::vector<PackedWeight>& gate_up, const PackedWeight& down) {
   TORCH_CHECK(static_cast<int64_t>(layers_.size()) < layers_wanted_, "add_layer: more layers than the model has");
-  layers_.push_back({input_norm.contiguous(), post_norm.contiguous(), qkv, gate_up, o, down});
+  layers_.push_back({optional_weight(input_norm), post_norm.contiguous(), qkv, gate_up, o, down});
 }
 
 int64_t Decoder::weight_bytes() const {
-  int64_t total = final_norm_.nbytes();
+  int64_t total = optional_bytes(final_norm_);
   for (const auto& layer : layers_) {
-    total += layer.input_norm.nbytes() + layer.post_norm.nbytes() + layer.o.nbytes() + layer.down.nbytes();
+    total += optional_bytes(layer.input_norm) + layer.post_norm.nbytes() + layer.o.nbytes() + layer.down.nbytes();
     for (const auto& w : layer.qkv) total += w.nbytes();
     for (const auto& w : layer.gate_up) total += w.nbytes();
   }
@@ -57,7 +64,26 @@ torch::Tensor Decoder::forward(const torch::Tensor& ids, const torch::Tensor& po
                                const c10::optional<torch::Tensor>& mask, int64_t cached, const torch::Tensor& keys,
                                const torch::Tensor& values, const c10::optional<torch::Tensor>& aux,
                                const std::vector<int64_t>& aux_layers) {
-  const int64_t T = ids.numel(), H = embed_.size(1), L = cached + T;
+  auto h = embed_.index_select(0, ids.to(torch::kLong)).to(torch::kFloat).contiguous();
+  return layers_forward(h, positions, mask, cached, keys, values, aux, aux_layers);
+}
+
+torch::Tensor Decoder::forward_states(const torch::Tensor& states, const torch::Tensor& positions,
+                                      const c10::optional<torch::Tensor>& mask, int64_t cached,
+                                      const torch::Tensor& keys, const torch::Tensor& values) {
+  TORCH_CHECK(states.dim() == 2 && states.size(1) == embed_.size(1) && states.scalar_type() == torch::kFloat,
+              "forward_states: float32 states [T, hidden]");
+  auto h = states.clone(torch::MemoryFormat::Contiguous);  // the layers add into it in place
+  return layers_forward(h, positions, mask, cached, keys, values, c10::nullopt, {});
+}
+
+torch::Tensor Decoder::layers_forward(torch::Tensor& h, const torch::Tensor& positions,
+                                      const c10::optional<torch::Tensor>& mask, int64_t cached,
+                                      const torch::Tensor& keys, const torch::Tensor& values,
+                                      const c10::optional<torch::Tensor>& aux, const std::vector<int64_t>& aux_layers) {
+  const int64_t T = h.size(0), H = embed_.size(1), L = cached + T;
+  TORCH_CHECK(positions.numel() == T && positions.scalar_type() == torch::kLong && positions.is_contiguous(),
+              "forward: positions must be T contiguous longs");
   TORCH_CHECK(static_cast<int64_t>(layers_.size()) == layers_wanted_, "forward: the model has not all its layers");
   TORCH_CHECK(keys.dim() == 4 && keys.size(0) == layers_wanted_ && keys.size(1) == kv_heads_ &&
               keys.size(3) == head_dim_ && keys.is_contiguous() && values.sizes() == keys.sizes() &&
@@ -66,7 +92,6 @@ torch::Tensor Decoder::forward(const torch::Tensor& ids, const torch::Tensor& po
   TORCH_CHECK(L <= keys.size(2), "forward: ", L, " positions exceed the KV cache's capacity of ", keys.size(2));
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < cos_.size(0), "forward: position out of range");
-  auto h = embed_.index_select(0, ids.to(torch::kLong)).to(torch::kFloat).contiguous();
   auto normed = torch::empty({T, H});
   auto step = torch::empty({T, H});
   Scratch scratch;
@@ -81,15 +106,20 @@ torch::Tensor Decoder::forward(const torch::Tensor& ids, const torch::Tensor& po
     for (size_t k = 0; k < aux_layers.size(); ++k) {
       if (aux_layers[k] == static_cast<int64_t>(i)) aux->narrow(1, k * H, H).copy_(h);
     }
-    rms_norm(h.data_ptr<float>(), T, H, layer.input_norm.data_ptr<float>(), eps_, normed.data_ptr<float>());
-    const auto attended = attention(static_cast<int64_t>(i), normed.data_ptr<float>(), T, pos, mask, cached,
-                                    keys[i], values[i], scratch, wide);
+    const float* input = h.data_ptr<float>();  // an identity input norm (an EAGLE head's layer) reads h itself
+    if (layer.input_norm.defined()) {
+      rms_norm(input, T, H, layer.input_norm.data_ptr<float>(), eps_, normed.data_ptr<float>());
+      input = normed.data_ptr<float>();
+    }
+    const auto attended = attention(static_cast<int64_t>(i), input, T, pos, mask, cached, keys[i], values[i],
+                                    scratch, wide);
     packed_linear(attended.data_ptr<float>(), T, layer.o, step.data_ptr<float>(), H, scratch);
     add(step, h);
     rms_norm(h.data_ptr<float>(), T, H, layer.post_norm.data_ptr<float>(), eps_, normed.data_ptr<float>());
     mlp(layer, normed.data_ptr<float>(), T, step.data_ptr<float>(), scratch, wide);
     add(step, h);
   }
+  if (!final_norm_.defined()) return h;
   rms_norm(h.data_ptr<float>(), T, H, final_norm_.data_ptr<float>(), eps_, normed.data_ptr<float>());
   return normed;
 }

@@ -13,20 +13,22 @@
 namespace polyspec {
 
 struct Layer {
-  torch::Tensor input_norm, post_norm;
+  torch::Tensor input_norm, post_norm;  // input_norm undefined: the identity (an EAGLE head's layer)
   std::vector<PackedWeight> qkv, gate_up;  // one fused weight, or the siblings one by one (act orders that differ)
   PackedWeight o, down;
 };
 
-// The decoder: embeddings, layers, final norm. The KV cache is the caller's ([layers, kv heads, capacity, head dim]
-// for keys and for values, one per runner): `forward` appends after `cached` positions.
+// The decoder: embeddings, layers, final norm (none: the last layer's output, as an EAGLE head's). The KV cache is
+// the caller's ([layers, kv heads, capacity, head dim] for keys and for values, one per runner): `forward` appends
+// after `cached` positions.
 class Decoder {
  public:
-  Decoder(torch::Tensor embed, torch::Tensor final_norm, torch::Tensor cos, torch::Tensor sin, int64_t heads,
-          int64_t kv_heads, double eps, int64_t layers);
+  Decoder(torch::Tensor embed, const c10::optional<torch::Tensor>& final_norm, torch::Tensor cos, torch::Tensor sin,
+          int64_t heads, int64_t kv_heads, double eps, int64_t layers);
 
-  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, const std::vector<PackedWeight>& qkv,
-                 const PackedWeight& o, const std::vector<PackedWeight>& gate_up, const PackedWeight& down);
+  void add_layer(const c10::optional<torch::Tensor>& input_norm, torch::Tensor post_norm,
+                 const std::vector<PackedWeight>& qkv, const PackedWeight& o,
+                 const std::vector<PackedWeight>& gate_up, const PackedWeight& down);
 
   int64_t head_dim() const { return head_dim_; }
 
@@ -42,7 +44,16 @@ class Decoder {
                         const torch::Tensor& values, const c10::optional<torch::Tensor>& aux,
                         const std::vector<int64_t>& aux_layers);
 
+  // The same on states [T, hidden] float32 instead of token ids (an EAGLE head's fc output): no embedding.
+  torch::Tensor forward_states(const torch::Tensor& states, const torch::Tensor& positions,
+                               const c10::optional<torch::Tensor>& mask, int64_t cached, const torch::Tensor& keys,
+                               const torch::Tensor& values);
+
  private:
+  torch::Tensor layers_forward(torch::Tensor& h, const torch::Tensor& positions,
+                               const c10::optional<torch::Tensor>& mask, int64_t cached, const torch::Tensor& keys,
+                               const torch::Tensor& values, const c10::optional<torch::Tensor>& aux,
+                               const std::vector<int64_t>& aux_layers);
   torch::Tensor attention(int64_t i, const float* x, int64_t T, const int64_t* pos,
                           const c10::optional<torch::Tensor>& mask, int64_t cached, const torch::Tensor& keys,
                           const torch::Tensor& values, Scratch& scratch, std::vector<float>& qkv);

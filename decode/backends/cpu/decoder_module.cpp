@@ -23,11 +23,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lanes", [] { return kLanes; }, "outputs per panel (8: AVX2, 16: AVX-512)");
   m.def("stream_sum", &stream_sum, "sum of a float32 buffer streamed by all threads (bandwidth probe)");
   py::class_<Decoder>(m, "Decoder")
-      .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, double, int64_t>())
+      .def(py::init<torch::Tensor, const c10::optional<torch::Tensor>&, torch::Tensor, torch::Tensor, int64_t, int64_t,
+                    double, int64_t>())
       .def("add_layer", &Decoder::add_layer)
       .def("head_dim", &Decoder::head_dim)
       .def("weight_bytes", &Decoder::weight_bytes)
       .def("forward", &Decoder::forward, py::arg("ids"), py::arg("positions"), py::arg("mask"), py::arg("cached"),
            py::arg("keys"), py::arg("values"), py::arg("aux") = py::none(),
-           py::arg("aux_layers") = std::vector<int64_t>{});
+           py::arg("aux_layers") = std::vector<int64_t>{})
+      .def("forward_states", &Decoder::forward_states, py::arg("states"), py::arg("positions"), py::arg("mask"),
+           py::arg("cached"), py::arg("keys"), py::arg("values"));
 }

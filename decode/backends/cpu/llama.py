@@ -79,7 +79,7 @@ def _module(model: torch.nn.Module, layer: int, name: str) -> torch.nn.Module:
     return model.get_submodule(f"model.layers.{layer}.{name}")
 
 
-def _config_problem(config: PretrainedConfig) -> str | None:
+def config_problem(config: PretrainedConfig) -> str | None:
     rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
     if config.model_type not in ARCHITECTURES:
@@ -122,7 +122,7 @@ def _linear_problem(module: torch.nn.Module, name: str) -> str | None:
     return None
 
 
-def _dense_problem(module: torch.nn.Module, name: str) -> str | None:
+def dense_problem(module: torch.nn.Module, name: str) -> str | None:
     if isinstance(module, PackedLinear):
         return None if module.gemm == "avx2" else f"{name} is packed for {module.gemm}, not the avx2 product"
     if type(module) is not torch.nn.Linear:
@@ -144,11 +144,11 @@ def unsupported(model: torch.nn.Module) -> str | None:
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "model") or not hasattr(model.model, "layers"):
         return "not a transformers decoder-only model"
-    problem, quant = _config_problem(config), _quantization(config)
+    problem, quant = config_problem(config), _quantization(config)
     if quant and (quant.get("bits") != 4 or quant.get("sym") is not True):
         problem = problem or (f"quantization {quant.get('quant_method')} bits={quant.get('bits')} "
                               f"sym={quant.get('sym')}: not symmetric 4-bit")
-    linear_problem = _linear_problem if quant else _dense_problem
+    linear_problem = _linear_problem if quant else dense_problem
     for layer in range(config.num_hidden_layers):
         for name in LINEARS:
             problem = problem or linear_problem(_module(model, layer, name), f"layer {layer} {name}")
@@ -235,15 +235,16 @@ def _dense_siblings(kernels: Any, modules: list[torch.nn.Module]) -> list[Any]:
     return [_dense_weight(kernels, modules)]
 
 
-def _rotary(model: torch.nn.Module, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF's own cos/sin tables [capacity, head dim] for positions 0 .. capacity - 1 (scaling included)."""
+def rotary_tables(rotary: Callable, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's own cos/sin tables [capacity, head dim] for positions 0 .. capacity - 1 (scaling included), from a rotary
+    embedding called as (x, positions)."""
     positions = torch.arange(capacity)[None]
     with torch.no_grad():
-        cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
+        cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
     return cos[0].float().contiguous(), sin[0].float().contiguous()
 
 
-def _layer_weights(kernels: Any, layer: torch.nn.Module, activations: str | None) -> tuple[list, Any, list, Any]:
+def layer_weights(kernels: Any, layer: torch.nn.Module, activations: str | None) -> tuple[list, Any, list, Any]:
     """A decoder layer's (q/k/v, o, gate/up, down) as kernel weights: W4 ones on int8 or fp32 `activations`, or
     with None fp32 ones."""
     a, m = layer.self_attn, layer.mlp
@@ -269,7 +270,7 @@ def native_model(model: torch.nn.Module, activations: str = "int8") -> tuple[Any
 
 def _native_model(model: torch.nn.Module, capacity: int, activations: str) -> Any:
     kernels, config = native_kernels()[0], model.config
-    cos, sin = _rotary(model, capacity)
+    cos, sin = rotary_tables(model.model.rotary_emb, capacity)
     assert cos.shape[1] == model.model.layers[0].self_attn.head_dim
     native = kernels.Decoder(model.get_input_embeddings().weight.detach(), model.model.norm.weight.detach().float(),
                              cos, sin, config.num_attention_heads, config.num_key_value_heads, config.rms_norm_eps,
@@ -277,7 +278,7 @@ def _native_model(model: torch.nn.Module, capacity: int, activations: str) -> An
     for layer in model.model.layers:
         native.add_layer(layer.input_layernorm.weight.detach().float(),
                          layer.post_attention_layernorm.weight.detach().float(),
-                         *_layer_weights(kernels, layer, activations if is_quantized(model) else None))
+                         *layer_weights(kernels, layer, activations if is_quantized(model) else None))
     return native
 
 
