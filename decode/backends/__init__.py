@@ -108,7 +108,6 @@ class Backend:
         print(f"decode: {model.name_or_path} runs the eager HF forward (native runner: {why})", file=sys.stderr)
         return hf
 
-
     def _head_runner_factory(self, head: nn.Module) -> Callable[[], HeadRunner]:
         if not (self.gemm and on_cpu(head)) or self.native_fp32 == "off":
             return functools.partial(HFHeadRunner, head)
