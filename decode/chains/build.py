@@ -109,23 +109,10 @@ class ChainBuilder:
 
     def build(self, spec: ChainSpec) -> Chain:
         loaded = [self.load(level) for level in spec.levels]
-        heads = [source.head for level, source in zip(spec.levels, loaded) if level.kind == "eagle"]
-        # the levels above the last EAGLE level keep features for it
-        read = max((i for i, level in enumerate(spec.levels) if level.kind == "eagle"), default=-1)
-        kept = heads[-1].aux_layers if heads and isinstance(heads[-1], Eagle3Head) else True  # what they keep
+        shapes = _level_shapes(spec, loaded)  # the whole spec checked before any level is built
         levels: list[Level] = []
-        for i, (level, source) in enumerate(zip(spec.levels, loaded)):
-            if level.kind == "model":
-                keep = kept if i < read else False
-                levels.append(self._model_level(level, source, heads, keep_hidden=_checked_keep(level, source, keep),
-                                                first=i == 0))
-            elif level.kind == "eagle":
-                above = [model_level for model_level in levels[::-1] if isinstance(model_level, ModelLevel)]
-                order = _feature_order(level.features, level.name, source.head, above)
-                features = read_features(order, source.head.feature_size, self.target.dtype)
-                levels.append(EagleLevel(level.name, source, features, level.draft))
-            else:
-                levels.append(NgramLevel(level.name, level.max_ngram, level.min_ngram, level.draft))
+        for level, source, shape in zip(spec.levels, loaded, shapes):
+            levels.append(self._level(level, source, shape, levels))
         return Chain(levels)
 
     def load(self, level: LevelSpec) -> Any:
@@ -149,13 +136,49 @@ class ChainBuilder:
                 raise DecodeError(f"decode.{err}") from None
         return self.backend.prepare_head(_eagle_head(level, self.tokenizer, self.artifacts, self.target))
 
-    def _model_level(self, level: LevelSpec, model: Prepared, heads: list[DraftHead],
-                     keep_hidden: bool | tuple[int, ...], first: bool) -> ModelLevel:
-        """One level of one chain: a new runner (its KV cache is the level's) of the prepared model."""
-        vocab = None if level.vocab is None else _level_vocab(level, heads, first)
-        rows = None if vocab is None else self.backend.linear(model.model, vocabulary_rows(model.lm_head, vocab))
-        compute = LevelCompute(lm_head=rows)
-        return ModelLevel(level.name, model, level.mu, level.draft, vocab, compute).keeping(keep_hidden)
+    def _level(self, level: LevelSpec, source: Any, shape: LevelShape, above: list[Level]) -> Level:
+        """One level of one chain (`above`: the levels built before it): a model level gets a new runner of the
+        prepared model (its KV cache is the level's), an EAGLE level a new head runner."""
+        if level.kind == "model":
+            rows = None if shape.vocab is None else self.backend.linear(
+                source.model, vocabulary_rows(source.lm_head, shape.vocab))
+            return ModelLevel(level.name, source, level.mu, level.draft, shape.vocab,
+                              LevelCompute(lm_head=rows)).keeping(shape.keep_hidden)
+        if level.kind == "eagle":
+            nearest_first = [built for built in above[::-1] if isinstance(built, ModelLevel)]
+            order = nearest_first[::-1] if shape.target_first else nearest_first
+            features = read_features(order, source.head.feature_size, self.target.dtype)
+            return EagleLevel(level.name, source, features, level.draft)
+        return NgramLevel(level.name, level.max_ngram, level.min_ngram, level.draft)
+
+
+@dataclass(frozen=True)
+class LevelShape:
+    """What the rest of the spec decides about one level: what a model level keeps for the EAGLE level below it and
+    its vocabulary (`vocab: head`); whether an EAGLE level reads the target's features before the nearest level's."""
+
+    keep_hidden: bool | tuple[int, ...] = False
+    vocab: torch.Tensor | None = None
+    target_first: bool = False
+
+
+def _level_shapes(spec: ChainSpec, loaded: list[Any]) -> list[LevelShape]:
+    """Each level's shape; one DecodeError where the levels do not fit together."""
+    heads = [source.head for level, source in zip(spec.levels, loaded) if level.kind == "eagle"]
+    # the levels above the last EAGLE level keep features for it
+    read = max((i for i, level in enumerate(spec.levels) if level.kind == "eagle"), default=-1)
+    kept = heads[-1].aux_layers if heads and isinstance(heads[-1], Eagle3Head) else True  # what they keep
+    shapes = []
+    for i, (level, source) in enumerate(zip(spec.levels, loaded)):
+        if level.kind == "model":
+            vocab = None if level.vocab is None else _level_vocab(level, heads, is_target=i == 0)
+            shapes.append(LevelShape(keep_hidden=_checked_keep(level, source, kept if i < read else False),
+                                     vocab=vocab))
+        elif level.kind == "eagle":
+            shapes.append(LevelShape(target_first=_reads_target_first(level.features, source.head)))
+        else:
+            shapes.append(LevelShape())
+    return shapes
 
 
 def _int8_lm_head(level: LevelSpec, model: PreTrainedModel, target: PreTrainedModel) -> None:
@@ -184,12 +207,11 @@ def _checked_keep(level: LevelSpec, model: Prepared, keep: bool | tuple[int, ...
     return keep
 
 
-def _feature_order(features: str | None, name: str, head: DraftHead, above: list[ModelLevel]) -> list[ModelLevel]:
-    """The levels an EAGLE level reads features from, in the order it asks them (`above`: nearest first):
-    `features` (nearest | target), by default what the head was trained on."""
+def _reads_target_first(features: str | None, head: DraftHead) -> bool:
+    """Where an EAGLE level reads its features first: `features` (nearest | target), by default where the head was
+    trained."""
     trained_on = getattr(head, "feature_source", None)
-    source = features or ("target" if trained_on == "target" else "nearest")
-    return {"nearest": above, "target": above[::-1]}[source]
+    return (features or ("target" if trained_on == "target" else "nearest")) == "target"
 
 
 def _level_vocab(level: LevelSpec, heads: list[DraftHead], is_target: bool) -> torch.Tensor:
