@@ -17,8 +17,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from decode.backends.cpu.llama import (MAX_CAPACITY, config_problem, dense_problem, layer_weights, native_kernels,
-                                       rotary_tables)
+from decode.backends.cpu.llama import (MAX_CAPACITY, NativeCache, config_problem, dense_problem, layer_weights,
+                                       native_kernels, rotary_tables)
 from infra.timing import module_bytes
 
 LINEARS = ("fc", "layers.0.self_attn.q_proj", "layers.0.self_attn.k_proj", "layers.0.self_attn.v_proj",
@@ -58,31 +58,17 @@ def native_head_runners(head: nn.Module) -> Callable[[], "NativeHeadRunner"]:
     return functools.partial(NativeHeadRunner, head, _native_layer(head, capacity), capacity)
 
 
-class NativeHeadRunner:
+class NativeHeadRunner(NativeCache):
     """An EAGLE-2 head's forward with its own KV cache (the HeadRunner an EagleLevel drives)."""
 
     def __init__(self, head: nn.Module, native: Any, capacity: int):
-        self.fc, self.embed, self.native, self.capacity = head.fc, head.embed_tokens, native, capacity
-        config = head.config
-        shape = (1, config.num_key_value_heads, capacity, native.head_dim())
-        self.keys, self.values = torch.empty(shape), torch.empty(shape)  # positions >= length are never read
-        self.length = 0
+        super().__init__(1, head.config.num_key_value_heads, capacity, native.head_dim())
+        self.fc, self.embed, self.native = head.fc, head.embed_tokens, native
 
     def streamed_bytes(self) -> int:
         """The bytes a one-token forward reads now: fc's panels, the layer's (its own count) and the cached keys and
         values (an embedding row and rotary row per token aside)."""
-        cached = self.keys.narrow(2, 0, self.length)
-        return module_bytes(self.fc) + self.native.weight_bytes() + 2 * cached.numel() * cached.element_size()
-
-    def cached(self) -> int:
-        return self.length
-
-    def crop(self, length: int) -> None:
-        """Forget positions >= length."""
-        self.length = min(self.length, max(0, length))
-
-    def reset(self) -> None:
-        self.length = 0
+        return module_bytes(self.fc) + self.native.weight_bytes() + self.cached_bytes()
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, features: torch.Tensor, mask: torch.Tensor | None,
@@ -90,13 +76,10 @@ class NativeHeadRunner:
         """ids [1, T] and their features [1, T, hidden] after the cached positions; mask None (causal) or additive
         [1, 1, T, cached + T]; positions None (cached .. cached + T - 1) or [1, T]. Returns [1, T, hidden] float32."""
         t = ids.shape[-1]
-        if self.length + t > self.capacity:
-            raise ValueError(f"the native head's cache holds {self.capacity} positions; {self.length + t} asked")
-        if positions is None:
-            positions = torch.arange(self.length, self.length + t)
+        positions = self.positions(t, positions)
         x = self.fc(torch.cat([self.embed(ids).float(), features.float()], dim=-1))
         mask = None if mask is None else mask.float()
-        hidden = self.native.forward_states(x.reshape(t, -1), positions.reshape(-1).long().contiguous(), mask,
+        hidden = self.native.forward_states(x.reshape(t, -1), positions, mask,
                                             self.length, self.keys, self.values)
         self.length += t
         return hidden[None]

@@ -282,7 +282,41 @@ def _native_model(model: torch.nn.Module, capacity: int, activations: str) -> An
     return native
 
 
-class NativeLlamaRunner:
+class NativeCache:
+    """A native decoder's KV cache, the part its runners share: preallocated for `capacity` positions (allocated, not
+    touched, until used) and rolled back by setting its length."""
+
+    def __init__(self, layers: int, kv_heads: int, capacity: int, head_dim: int):
+        shape = (layers, kv_heads, capacity, head_dim)
+        self.keys, self.values = torch.empty(shape), torch.empty(shape)  # positions >= length are never read
+        self.capacity, self.length = capacity, 0
+
+    def cached(self) -> int:
+        return self.length
+
+    def crop(self, length: int) -> None:
+        """Forget positions >= length."""
+        self.length = min(self.length, max(0, length))
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def cached_bytes(self) -> int:
+        """The bytes of the keys and values cached so far (what a forward reads of them)."""
+        cached = self.keys.narrow(2, 0, self.length)
+        return 2 * cached.numel() * cached.element_size()
+
+    def positions(self, t: int, positions: torch.Tensor | None) -> torch.Tensor:
+        """The positions of `t` new tokens (None: cached .. cached + t - 1) as the decoder takes them; a ValueError
+        where the cache cannot hold them."""
+        if self.length + t > self.capacity:
+            raise ValueError(f"the native cache holds {self.capacity} positions; {self.length + t} asked")
+        if positions is None:
+            positions = torch.arange(self.length, self.length + t)
+        return positions.reshape(-1).long().contiguous()
+
+
+class NativeLlamaRunner(NativeCache):
     """A Llama-family decoder (fp32 or W4) with its own KV cache (the Runner a ModelLevel drives): forward appends
     after the cached positions and returns the final-norm hidden states; the LM head stays the level's."""
 
@@ -297,30 +331,20 @@ class NativeLlamaRunner:
         self.config: PretrainedConfig = model.config
         self.device, self.dtype = torch.device("cpu"), torch.float32
         self.native, most = native_model(model, activations)
-        self.capacity = most if capacity is None else min(capacity, most)
         config = model.config
-        shape = (config.num_hidden_layers, config.num_key_value_heads, self.capacity, self.native.head_dim())
-        self.keys, self.values = torch.empty(shape), torch.empty(shape)  # positions >= length are never read
-        self.length = 0
+        super().__init__(config.num_hidden_layers, config.num_key_value_heads,
+                         most if capacity is None else min(capacity, most), self.native.head_dim())
         self.layers: list[int] = []
         self.captured: torch.Tensor | None = None
 
     def streamed_bytes(self) -> int:
         """The bytes a one-token forward reads now, from the buffers it runs on: the decoder's packed weights and norms
         (its own count) and the keys and values cached so far (an embedding row and rotary row per token aside)."""
-        cached = self.keys.narrow(2, 0, self.length)
-        return self.native.weight_bytes() + 2 * cached.numel() * cached.element_size()
+        return self.native.weight_bytes() + self.cached_bytes()
 
     def capture(self, layers: tuple[int, ...]) -> None:
         """Every later forward also leaves the states entering these layers in `captured` (EAGLE-3's aux states)."""
         self.layers = [int(i) for i in layers]
-
-    def cached(self) -> int:
-        return self.length
-
-    def crop(self, length: int) -> None:
-        """Forget positions >= length."""
-        self.length = min(self.length, max(0, length))
 
     def keep(self, index: torch.Tensor) -> None:
         """Keep only these cached positions, in this order (an accepted tree path)."""
@@ -333,23 +357,17 @@ class NativeLlamaRunner:
             cache[:, :, first:index.numel()] = cache[:, :, index[first:]]
         self.length = index.numel()
 
-    def reset(self) -> None:
-        self.length = 0
-
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         """ids [1, T] after the cached positions; mask None (causal) or additive [1, 1, T, cached + T]; positions
         None (cached .. cached + T - 1) or [1, T]. Returns [1, T, hidden] float32."""
         t = ids.shape[-1]
-        if self.length + t > self.capacity:
-            raise ValueError(f"the native runner's cache holds {self.capacity} positions; {self.length + t} asked")
-        if positions is None:
-            positions = torch.arange(self.length, self.length + t)
+        positions = self.positions(t, positions)
         if mask is not None and mask.dtype != torch.bool:
             mask = mask.float()
         aux = torch.empty(t, len(self.layers) * self.config.hidden_size) if self.layers else None
-        hidden = self.native.forward(ids.reshape(-1), positions.reshape(-1).long().contiguous(), mask, self.length,
+        hidden = self.native.forward(ids.reshape(-1), positions, mask, self.length,
                                      self.keys, self.values, aux, self.layers)
         self.captured = None if aux is None else aux[None]
         self.length += t
