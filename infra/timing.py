@@ -156,14 +156,22 @@ def cache_bytes(cache) -> int:
     return total
 
 
-def level_bytes(level) -> int:
-    """The bytes a one-token forward of a decode model level streams now: its runner's own count where it keeps one
-    (the native runner: the buffers it runs on and its KV cache), else its model's decoder weights and KV cache; and
-    its LM head as it runs (a vocabulary's rows, int8, packed)."""
-    runner = level.runner
+def forward_bytes(runner, lm_head, body, skip: tuple = ()) -> int:
+    """The bytes one one-token forward through `runner` streams now: the runner's own count where it keeps one (the
+    native runners: the buffers they run on and their KV caches), else the weights of `body` (but `skip`'s) and its KV
+    cache; and `lm_head` as it runs (a vocabulary's rows, int8, packed)."""
     if hasattr(runner, "streamed_bytes"):
-        return runner.streamed_bytes() + module_bytes(level.lm_head)
-    return weight_bytes(level.model, level.lm_head) + cache_bytes(getattr(runner, "cache", None))
+        return runner.streamed_bytes() + module_bytes(lm_head)
+    cache = cache_bytes(getattr(runner, "cache", None))
+    return module_bytes(body, skip=(*skip, lm_head)) + module_bytes(lm_head) + cache
+
+
+def level_bytes(level) -> int:
+    """The bytes a one-token forward of a decode model level streams now: its decoder (one row of the input embedding
+    is read, so it is left out, as is its own LM head where the level runs another) and its LM head as it runs."""
+    model = level.model
+    return forward_bytes(level.runner, level.lm_head, model,
+                         skip=(model.get_input_embeddings(), model.get_output_embeddings()))
 
 
 def floors(times: dict[str, dict[int, float]], steps: dict[str, Step], bandwidth: Bandwidth) -> dict[str, dict]:
