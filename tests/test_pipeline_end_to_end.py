@@ -62,6 +62,7 @@ def test_pipeline_runs_every_stage_and_resumes(tmp_path):
     assert_lossless_and_exit_matches(run_dir, second)
     assert (run_dir / "eagle" / "model.safetensors").stat().st_mtime == head_mtime
     assert (run_dir / "w4" / "config.json").stat().st_mtime == w4_mtime
+    check_costs(run_dir)
     check_in_vllm(run_dir, prompts)
 
 
@@ -76,6 +77,24 @@ def assert_lossless_and_exit_matches(run_dir: Path, done: subprocess.CompletedPr
     assert checks["lossless"]["passed"], (checks["lossless"]["reasons"], log)
     published = (run_dir / "publish" / "chain.json").exists()
     assert done.returncode in (0, 3) and published == (done.returncode == 0), log
+
+
+def check_costs(run_dir: Path) -> None:
+    """decode.costs on the pipeline's artifacts: every level of the default chains gets a time, a byte count and a
+    floor, and a polybasic round splits into each level's forwards and an overhead beside them."""
+    out = run_dir / "costs.json"
+    args = [f"run_dir={run_dir}", "decode.costs.ks=[1,2]", "decode.costs.repeats=1", "decode.costs.head_vocab=[]",
+            "decode.costs.round_tokens=8", "decode.costs.context=32", f"decode.costs.out={out}"]
+    done = subprocess.run([sys.executable, "-m", "decode.costs", *args], cwd=REPO, capture_output=True, text=True,
+                          env=dict(os.environ, WANDB_MODE="disabled"), timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    costs = json.loads(out.read_text())
+    for level in ("target", "w4", "head"):
+        assert set(costs["ms"][level]) == {"1", "2"} and costs["floors"][level]["bytes"] > 0, (level, costs)
+    assert costs["floors"]["w4"]["bytes"] < costs["floors"]["target"]["bytes"] / 2, costs["floors"]
+    split = costs["round"]
+    assert split["chain"] == "polybasic" and set(split["forward_ms"]) == {"target", "w4", "head"}, split
+    assert 0 < split["overhead_ms"] < split["round_ms"] and split["tokens_per_round"] >= 1, split
 
 
 def check_in_vllm(run_dir: Path, prompts: Path) -> None:
