@@ -19,8 +19,8 @@ On the default prompts' first turns, greedy, single stream, same threads:
 It prints those and a tokens/s table: polyspec's AR and dualistic chain next to vLLM's AR, n-gram and head
 (and its W4 AR) and llama.cpp's AR, W4 draft and EAGLE-3 head, and writes everything to interop.out. What each
 artifact gains in its engine (tokens/s over that engine's AR, acceptance) goes into the checked bundle's chain.json
-(serve.measured), and a line says when an artifact makes its engine slower. Exit 0 when every check passed, 4 when
-one failed.
+(serve.measured); an artifact that makes its engine slower gets a line, and its serve entry `recommended: false`
+with the reason. Exit 0 when every check passed, 4 when one failed.
 """
 from __future__ import annotations
 
@@ -356,18 +356,40 @@ def slower_lines(speedups: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
             for engine, methods in speedups.items() for method, s in methods.items() if s["speedup_over_its_ar"] < 1]
 
 
+SERVE_ENTRIES = {("llama.cpp", "draft-simple W4"): "llamacpp", ("llama.cpp", "draft-eagle3"): "llamacpp_eagle3",
+                 ("vLLM", "eagle head"): None}  # (engine, method) -> its key in chain.json's serve (None: serve itself)
+
+
+def _serve_entry(serve: dict[str, Any], engine: str, method: str) -> dict[str, Any] | None:
+    """The entry of chain.json's serve section that serves a measured artifact (None where none does)."""
+    for (name, prefix), key in SERVE_ENTRIES.items():
+        if name == engine and method.startswith(prefix):
+            entry = serve if key is None else serve.get(key)
+            return entry if isinstance(entry, dict) else None
+    return None
+
+
 def record_in_bundle(bundle: Path, speedups: dict[str, dict[str, dict[str, Any]]], interop_out: Path) -> bool:
-    """chain.json's serve section gains `measured`: each engine's speedups with the bundle's artifacts (rewritten
-    through a temporary file). False where the bundle has no chain.json."""
+    """chain.json's serve section gains `measured`: each engine's speedups with the bundle's artifacts; an entry whose
+    artifact made its engine slower is marked `recommended: false`, with the one-line reason (rewritten through a
+    temporary file). False where the bundle has no chain.json."""
     from infra.tracking import write_json_atomic
 
     manifest = bundle / "chain.json"
     if not manifest.exists():
         return False
     data = json.loads(manifest.read_text())
-    data.setdefault("serve", {})["measured"] = {
+    serve = data.setdefault("serve", {})
+    serve["measured"] = {
         "engines": speedups, "by": f"python -m decode.interop ({interop_out})",
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    for engine, methods in speedups.items():
+        for method, measured in methods.items():
+            entry, speedup = _serve_entry(serve, engine, method), measured["speedup_over_its_ar"]
+            if entry is not None and speedup < 1:
+                entry["recommended"] = False
+                entry["why"] = (f"{method} measured {speedup:.2f}x {engine}'s own plain decoding (decode.interop): "
+                                "serve the target without it")
     write_json_atomic(manifest, data)
     return True
 

@@ -179,8 +179,14 @@ def test_each_engines_speedups_go_into_the_bundle_and_a_slower_artifact_is_said(
                                                 "acceptance_length": 1.8}}}
     assert slower_lines(speedups) == ["llama.cpp: draft-simple W4 k=3 makes it slower: 0.50x its own AR"]
     assert not record_in_bundle(tmp_path, speedups, tmp_path / "interop.json")  # no chain.json: nothing written
-    (tmp_path / "chain.json").write_text(json.dumps({"chain": "polybasic", "serve": {"vllm_serve": "vllm serve x"}}))
+    serve = {"vllm_serve": "vllm serve x", "llamacpp": {"llama_server": "llama-server -md w4"},
+             "llamacpp_eagle3": {"llama_server": "llama-server -md head"}}
+    (tmp_path / "chain.json").write_text(json.dumps({"chain": "polybasic", "serve": serve}))
     assert record_in_bundle(tmp_path, speedups, tmp_path / "interop.json")
     manifest = json.loads((tmp_path / "chain.json").read_text())
     assert manifest["chain"] == "polybasic" and manifest["serve"]["vllm_serve"] == "vllm serve x"
     assert manifest["serve"]["measured"]["engines"] == speedups and not list(tmp_path.glob(".*tmp*"))
+    # the W4 draft made llama.cpp slower: its entry is not recommended, and says why; the faster ones are untouched
+    assert manifest["serve"]["llamacpp"]["recommended"] is False
+    assert manifest["serve"]["llamacpp"]["why"].startswith("draft-simple W4 k=3 measured 0.50x llama.cpp's own")
+    assert "recommended" not in manifest["serve"]["llamacpp_eagle3"] and "recommended" not in manifest["serve"]
