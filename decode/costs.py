@@ -28,7 +28,7 @@ from decode.settings import CostsSettings, Decoding, costs_of
 from infra.cli import check_writable, run_main
 from infra.device import use_threads
 from infra.timing import (Bandwidth, CountedStep, Step, cached_forward, floors, forward_bytes, level_forward, median_ms,
-                          read_bandwidth)
+                          module_bytes, read_bandwidth)
 
 
 def head_forward(prepared: PreparedHead, context: list[int], features: torch.Tensor) -> Step:
@@ -49,10 +49,10 @@ def head_forward(prepared: PreparedHead, context: list[int], features: torch.Ten
 
 
 def _head_bytes(prepared: PreparedHead, runner: Any) -> int:
-    """The bytes of a head's one-token forward: fc, its layer and norms (the target's embedding is read a row a token)
-    and KV cache; and the LM head its logits run through (the backend's, else its own)."""
-    return forward_bytes(runner, prepared.lm_head if prepared.lm_head is not None else prepared.head.lm_head,
-                         prepared.head)
+    """The bytes of a head's one-token forward (forward_bytes): fc, its layer and norms (the target's embedding is
+    read a row a token) and KV cache; and the LM head its logits run through (the backend's, else its own)."""
+    used = prepared.lm_head if prepared.lm_head is not None else prepared.head.lm_head
+    return forward_bytes(runner, used, module_bytes(prepared.head, skip=(used,)) + module_bytes(used))
 
 
 def context_ids(held_out: list, tokenizer, length: int) -> list[int]:

@@ -156,22 +156,19 @@ def cache_bytes(cache) -> int:
     return total
 
 
-def forward_bytes(runner, lm_head, body, skip: tuple = ()) -> int:
+def forward_bytes(runner, lm_head, weights: int) -> int:
     """The bytes one one-token forward through `runner` streams now: the runner's own count where it keeps one (the
-    native runners: the buffers they run on and their KV caches), else the weights of `body` (but `skip`'s) and its KV
-    cache; and `lm_head` as it runs (a vocabulary's rows, int8, packed)."""
+    native runners: the buffers they run on and their KV caches) and `lm_head` as it runs (a vocabulary's rows, int8,
+    packed); else `weights` (the caller's count of the weights it reads, that LM head included) and its KV cache."""
     if hasattr(runner, "streamed_bytes"):
         return runner.streamed_bytes() + module_bytes(lm_head)
-    cache = cache_bytes(getattr(runner, "cache", None))
-    return module_bytes(body, skip=(*skip, lm_head)) + module_bytes(lm_head) + cache
+    return weights + cache_bytes(getattr(runner, "cache", None))
 
 
 def level_bytes(level) -> int:
-    """The bytes a one-token forward of a decode model level streams now: its decoder (one row of the input embedding
-    is read, so it is left out, as is its own LM head where the level runs another) and its LM head as it runs."""
-    model = level.model
-    return forward_bytes(level.runner, level.lm_head, model,
-                         skip=(model.get_input_embeddings(), model.get_output_embeddings()))
+    """The bytes a one-token forward of a decode model level streams now (forward_bytes; its model's weights as
+    weight_bytes counts them with the level's LM head)."""
+    return forward_bytes(level.runner, level.lm_head, weight_bytes(level.model, level.lm_head))
 
 
 def floors(times: dict[str, dict[int, float]], steps: dict[str, Step], bandwidth: Bandwidth) -> dict[str, dict]:
