@@ -19,7 +19,8 @@ On the default prompts' first turns, greedy, single stream, same threads:
 It prints those and a tokens/s table: polyspec's AR and dualistic chain next to vLLM's AR, n-gram and head
 (and its W4 AR) and llama.cpp's AR, W4 draft and EAGLE-3 head, and writes everything to interop.out. What each
 artifact gains in its engine (tokens/s over that engine's AR, acceptance) goes into the checked bundle's chain.json
-(serve.measured); an artifact that makes its engine slower gets a line, and its serve entry `recommended: false`
+(serve.measured) where the artifact is one of the bundle's levels (a head passed with interop.head to check a
+head-less bundle is not: only the bundle's W4 level is recorded then); an artifact that makes its engine slower gets a line, and its serve entry `recommended: false`
 with the reason. Exit 0 when every check passed, 4 when one failed.
 """
 from __future__ import annotations
@@ -294,12 +295,14 @@ def table(vllm: dict[str, dict], poly: dict[str, Any], k: int) -> list[dict[str,
     """tokens/s per engine and method, with the ratio to the same engine's AR and the acceptance length."""
     rows = [{"engine": "polyspec", "method": "AR", "run": poly["ar"], "reference": poly["ar"]},
             {"engine": "polyspec", "method": f"dualistic, head chain draft k={k}", "run": poly["chain"],
-             "reference": poly["ar"], "L": poly["chain"]["acceptance_length"]},
+             "reference": poly["ar"], "L": poly["chain"]["acceptance_length"], "artifact": "head"},
             {"engine": "vLLM", "method": "AR", "run": vllm["ar"], "reference": vllm["ar"]},
             {"engine": "vLLM", "method": f"ngram k={k}", "run": vllm["ngram"], "reference": vllm["ar"]},
-            {"engine": "vLLM", "method": f"eagle head k={k}", "run": vllm["eagle"], "reference": vllm["ar"]}]
+            {"engine": "vLLM", "method": f"eagle head k={k}", "run": vllm["eagle"], "reference": vllm["ar"],
+             "artifact": "head"}]
     if "w4" in vllm:
-        rows.append({"engine": "vLLM", "method": "W4 AR", "run": vllm["w4"], "reference": vllm["ar"]})
+        rows.append({"engine": "vLLM", "method": "W4 AR", "run": vllm["w4"], "reference": vllm["ar"],
+                     "artifact": "w4"})
     out = []
     for row in rows:
         run, ref = row.pop("run"), row.pop("reference")
@@ -324,8 +327,8 @@ def llamacpp_rows(llama: dict[str, Any], k: int) -> list[dict[str, Any]]:
         return sum(o["new_tokens"] for o in outs) / max(sum(o["prompt_s"] + o["decode_s"] for o in outs), 1e-9)
 
     base, rows = {"engine": "llama.cpp", "tokens": 0}, []
-    for check, name, method in ((llama.get("w4"), "w4", f"draft-simple W4 k={k}"),
-                                (llama.get("head"), "eagle3", f"draft-eagle3 head k={k}")):
+    for check, name, method, artifact in ((llama.get("w4"), "w4", f"draft-simple W4 k={k}", "w4"),
+                                          (llama.get("head"), "eagle3", f"draft-eagle3 head k={k}", "head")):
         if not check or "runs" not in check:
             continue
         ar, drafted = check["runs"]["llamacpp_ar"], check["runs"][name]
@@ -333,20 +336,22 @@ def llamacpp_rows(llama: dict[str, Any], k: int) -> list[dict[str, Any]]:
             rows.append(base | {"method": "AR (F32 GGUF)", "tokens_per_s": speed(ar), "x_ar": 1.0,
                                 "same_as_ar": len(ar)})
         rows.append(base | {"method": method, "tokens_per_s": speed(drafted), "x_ar": speed(drafted) / speed(ar),
-                            "same_as_ar": check["identical"]}
+                            "same_as_ar": check["identical"], "artifact": artifact}
                     | ({"L": check["acceptance_length"]} if "acceptance_length" in check else {}))
     return rows
 
 
 def engine_speedups(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
-    """Per serving engine, each published artifact's measured effect: tokens/s over the same engine's AR on the same
-    prompts, and the acceptance length where the engine reports one (for chain.json's serve section)."""
+    """Per serving engine, each checked artifact's measured effect (`artifact`: head or w4): tokens/s over the same
+    engine's AR on the same prompts, and the acceptance length where the engine reports one (for chain.json's serve
+    section)."""
     found: dict[str, dict[str, dict[str, Any]]] = {}
     for row in rows:
-        if row["engine"] == "polyspec" or row.get("x_ar") is None or row["method"].startswith("AR"):
+        if row["engine"] == "polyspec" or row.get("x_ar") is None or row.get("artifact") is None:
             continue
         found.setdefault(row["engine"], {})[row["method"]] = {
-            "speedup_over_its_ar": row["x_ar"], "tokens_per_s": row["tokens_per_s"], "acceptance_length": row.get("L")}
+            "artifact": row["artifact"], "speedup_over_its_ar": row["x_ar"], "tokens_per_s": row["tokens_per_s"],
+            "acceptance_length": row.get("L")}
     return found
 
 
@@ -369,14 +374,24 @@ def _serve_entry(serve: dict[str, Any], engine: str, method: str) -> dict[str, A
     return None
 
 
-def record_in_bundle(bundle: Path, speedups: dict[str, dict[str, dict[str, Any]]], interop_out: Path) -> bool:
-    """chain.json's serve section gains `measured`: each engine's speedups with the bundle's artifacts; an entry whose
-    artifact made its engine slower is marked `recommended: false`, with the one-line reason (rewritten through a
-    temporary file). False where the bundle has no chain.json."""
+def bundled_artifacts(levels: list[dict[str, Any]], head: Path, w4: Path | None) -> set[str]:
+    """Which of the checked artifacts ("head", "w4") are the bundle's own levels (a head or W4 model passed from
+    elsewhere is checked, but its speedups say nothing about what the bundle serves)."""
+    folders = {level["folder"].resolve() for level in levels if level["folder"]}
+    return {name for name, folder in (("head", head), ("w4", w4)) if folder is not None and folder.resolve() in folders}
+
+
+def record_in_bundle(bundle: Path, speedups: dict[str, dict[str, dict[str, Any]]], interop_out: Path,
+                     artifacts: set[str]) -> bool:
+    """chain.json's serve section gains `measured`: each engine's speedups with the bundle's own `artifacts`; an
+    entry whose artifact made its engine slower is marked `recommended: false`, with the one-line reason (rewritten
+    through a temporary file). False where the bundle has no chain.json or none of the artifacts is its own."""
     from infra.tracking import write_json_atomic
 
     manifest = bundle / "chain.json"
-    if not manifest.exists():
+    speedups = {engine: own for engine, methods in speedups.items()
+                if (own := {m: s for m, s in methods.items() if s["artifact"] in artifacts})}
+    if not manifest.exists() or not speedups:
         return False
     data = json.loads(manifest.read_text())
     serve = data.setdefault("serve", {})
@@ -474,6 +489,7 @@ def run(settings: InteropSettings) -> int:
 
     section = settings.section
     head, w4, layout, target = inputs(settings)
+    artifacts = bundled_artifacts(bundle_levels(settings.bundle), head, w4)
     venv = section.venv or cache_dir() / "vllm-venv"
     python = ensure_venv(venv)
     use_threads(section.threads, "interop.threads")
@@ -497,7 +513,7 @@ def run(settings: InteropSettings) -> int:
         print(line)
     write_json_atomic(section.out, record)
     print(f"written {section.out}")
-    if section.head is None and record_in_bundle(settings.bundle, speedups, section.out):  # the bundle's own head
+    if record_in_bundle(settings.bundle, speedups, section.out, artifacts):
         print(f"recorded each engine's measured speedup in {settings.bundle / 'chain.json'} (serve.measured)")
     return EXIT_CHECK_FAILED if any(c["passed"] is False for c in found) else 0
 

@@ -158,35 +158,53 @@ def test_the_w4_kernel_is_missing_only_on_a_cpu_without_avx512(monkeypatch, tmp_
 
 
 def test_each_engines_speedups_go_into_the_bundle_and_a_slower_artifact_is_said(tmp_path):
-    from decode.interop import engine_speedups, llamacpp_rows, record_in_bundle, slower_lines
+    from decode.interop import bundled_artifacts, engine_speedups, llamacpp_rows, record_in_bundle, slower_lines
 
     def outs(n, seconds):
         return [{"new_tokens": n, "prompt_s": 0.0, "decode_s": seconds}]
 
     llama = {"w4": {"runs": {"llamacpp_ar": outs(60, 1.0), "w4": outs(60, 2.0)}, "identical": 1},
-             "head": {"runs": {"llamacpp_ar": outs(60, 1.0), "eagle3": outs(60, 0.5)}, "identical": 1,
+             "head": {"runs": {"llamacpp_ar": outs(60, 1.0), "eagle3": outs(60, 1.25)}, "identical": 1,
                       "acceptance_length": 1.8}}
     rows = [{"engine": "polyspec", "method": "AR", "x_ar": 1.0, "tokens_per_s": 30.0},
             {"engine": "vLLM", "method": "AR", "x_ar": 1.0, "tokens_per_s": 40.0},
-            {"engine": "vLLM", "method": "eagle head k=3", "x_ar": 1.25, "tokens_per_s": 50.0, "L": 1.9},
-            {"engine": "vLLM", "method": "W4 AR", "x_ar": None, "error": "not applicable"}] + llamacpp_rows(llama, 3)
-    speedups = engine_speedups(rows)
+            {"engine": "vLLM", "method": "ngram k=3", "x_ar": 0.9, "tokens_per_s": 36.0},  # no artifact of ours
+            {"engine": "vLLM", "method": "eagle head k=3", "x_ar": 1.25, "tokens_per_s": 50.0, "L": 1.9,
+             "artifact": "head"},
+            {"engine": "vLLM", "method": "W4 AR", "x_ar": None, "error": "not applicable", "artifact": "w4"}]
+    speedups = engine_speedups(rows + llamacpp_rows(llama, 3))
     assert speedups == {
-        "vLLM": {"eagle head k=3": {"speedup_over_its_ar": 1.25, "tokens_per_s": 50.0, "acceptance_length": 1.9}},
-        "llama.cpp": {"draft-simple W4 k=3": {"speedup_over_its_ar": 0.5, "tokens_per_s": 30.0,
+        "vLLM": {"eagle head k=3": {"artifact": "head", "speedup_over_its_ar": 1.25, "tokens_per_s": 50.0,
+                                    "acceptance_length": 1.9}},
+        "llama.cpp": {"draft-simple W4 k=3": {"artifact": "w4", "speedup_over_its_ar": 0.5, "tokens_per_s": 30.0,
                                               "acceptance_length": None},
-                      "draft-eagle3 head k=3": {"speedup_over_its_ar": 2.0, "tokens_per_s": 120.0,
+                      "draft-eagle3 head k=3": {"artifact": "head", "speedup_over_its_ar": 0.8, "tokens_per_s": 48.0,
                                                 "acceptance_length": 1.8}}}
-    assert slower_lines(speedups) == ["llama.cpp: draft-simple W4 k=3 makes it slower: 0.50x its own AR"]
-    assert not record_in_bundle(tmp_path, speedups, tmp_path / "interop.json")  # no chain.json: nothing written
+    assert slower_lines(speedups) == ["llama.cpp: draft-simple W4 k=3 makes it slower: 0.50x its own AR",
+                                      "llama.cpp: draft-eagle3 head k=3 makes it slower: 0.80x its own AR"]
+    assert not record_in_bundle(tmp_path, speedups, tmp_path / "interop.json", {"w4"})  # no chain.json
     serve = {"vllm_serve": "vllm serve x", "llamacpp": {"llama_server": "llama-server -md w4"},
              "llamacpp_eagle3": {"llama_server": "llama-server -md head"}}
     (tmp_path / "chain.json").write_text(json.dumps({"chain": "polybasic", "serve": serve}))
-    assert record_in_bundle(tmp_path, speedups, tmp_path / "interop.json")
+    assert not record_in_bundle(tmp_path, speedups, tmp_path / "interop.json", set())  # none of them is the bundle's
+    assert "measured" not in json.loads((tmp_path / "chain.json").read_text())["serve"]
+    # a head-less bundle (its head passed from elsewhere): only its W4 level's speedups are its own
+    levels = [{"folder": None}, {"folder": tmp_path / "levels" / "w4"}]
+    artifacts = bundled_artifacts(levels, tmp_path / "elsewhere", tmp_path / "levels" / "w4")
+    assert artifacts == {"w4"}
+    assert record_in_bundle(tmp_path, speedups, tmp_path / "interop.json", artifacts)
     manifest = json.loads((tmp_path / "chain.json").read_text())
     assert manifest["chain"] == "polybasic" and manifest["serve"]["vllm_serve"] == "vllm serve x"
-    assert manifest["serve"]["measured"]["engines"] == speedups and not list(tmp_path.glob(".*tmp*"))
-    # the W4 draft made llama.cpp slower: its entry is not recommended, and says why; the faster ones are untouched
+    assert manifest["serve"]["measured"]["engines"] == {
+        "llama.cpp": {"draft-simple W4 k=3": speedups["llama.cpp"]["draft-simple W4 k=3"]}}
+    assert not list(tmp_path.glob(".*tmp*"))
+    # the W4 draft made llama.cpp slower: its entry is not recommended, and says why; the head is not the bundle's
     assert manifest["serve"]["llamacpp"]["recommended"] is False
     assert manifest["serve"]["llamacpp"]["why"].startswith("draft-simple W4 k=3 measured 0.50x llama.cpp's own")
     assert "recommended" not in manifest["serve"]["llamacpp_eagle3"] and "recommended" not in manifest["serve"]
+    # the bundle's own head too: the slower EAGLE-3 draft is said in its entry, the faster vLLM head is untouched
+    both = bundled_artifacts(levels + [{"folder": tmp_path / "head"}], tmp_path / "head", tmp_path / "levels" / "w4")
+    assert both == {"head", "w4"} and record_in_bundle(tmp_path, speedups, tmp_path / "interop.json", both)
+    manifest = json.loads((tmp_path / "chain.json").read_text())
+    assert manifest["serve"]["measured"]["engines"] == speedups
+    assert manifest["serve"]["llamacpp_eagle3"]["recommended"] is False and "recommended" not in manifest["serve"]
