@@ -59,10 +59,14 @@ def text(n: int, seed: int = 0) -> torch.Tensor:
 
 
 def fake_quantized(x: torch.Tensor) -> torch.Tensor:
-    """Rows of x as the int8-activation kernels see them: per 16 inputs, absmax / 127, nearest, in float64."""
-    blocks = x.reshape(x.shape[0], -1, 16).double()
-    step = blocks.abs().amax(-1, keepdim=True) / 127
-    return (torch.round(blocks / step) * step).reshape(x.shape)
+    """Rows of x as the int8-activation kernels see them: per 16 inputs, codes x * (127 / absmax) rounded to nearest
+    even, each step computed in float32 as the kernels do (a code computed in float64 differs from theirs wherever
+    x lands near a rounding tie), the dequantized rows in float64."""
+    blocks = x.float().reshape(x.shape[0], -1, 16)
+    most = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(most > 0, torch.full_like(most, 127) / most, torch.zeros_like(most))  # not 127 / most:
+    # torch computes a scalar over a tensor as 127 * (1 / most), rounded twice
+    return (torch.round(blocks * inverse).double() * (most / 127).double()).reshape(x.shape)
 
 
 def test_the_forward_is_the_dequantized_w4_model(w4, one_thread):
