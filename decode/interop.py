@@ -20,8 +20,8 @@ It prints those and a tokens/s table: polyspec's AR and dualistic chain next to 
 (and its W4 AR) and llama.cpp's AR, W4 draft and EAGLE-3 head, and writes everything to interop.out. What each
 artifact gains in its engine (tokens/s over that engine's AR, acceptance) goes into the checked bundle's chain.json
 (serve.measured) where the artifact is one of the bundle's levels (a head passed with interop.head to check a
-head-less bundle is not: only the bundle's W4 level is recorded then); an artifact that makes its engine slower gets a line, and its serve entry `recommended: false`
-with the reason. Exit 0 when every check passed, 4 when one failed.
+head-less bundle is not: only the bundle's W4 level is recorded then); an artifact that makes its engine slower gets
+a line, and its serve entry `recommended: false` with the reason. Exit 0 when every check passed, 4 when one failed.
 """
 from __future__ import annotations
 
