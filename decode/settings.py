@@ -409,6 +409,7 @@ class InteropChecks:
     w4: bool = True
     acceptance_tolerance: float = 0.10
     agreement_tolerance: float = 0.05
+    agreement_alpha: float = 0.01
 
 
 @dataclass(frozen=True)

@@ -129,6 +129,41 @@ def test_a_w4_vllm_cannot_run_here_is_not_applicable_not_a_pass(monkeypatch):
     assert row["tokens_per_s"] is None and row["error"] == "not applicable: no W4 kernel on this CPU"
 
 
+def test_w4_agreement_check_passes_kernel_rounding_and_fails_a_checkpoint_read_wrong():
+    """(c) compares the positions where only one side matches the target. Kernels' rounding moves near-ties either
+    way, so on 32 positions two of them already differ by 0.0625 > the tolerance: not a failure. A model read
+    wrong (here: matching at none of polyspec's positions) loses matches all one way and fails; so does a small
+    difference that is all one way over many positions. Within the tolerance is a pass whatever the split."""
+    from decode import interop
+
+    wanted = InteropChecks(acceptance=False, agreement_tolerance=0.05, agreement_alpha=0.01)
+    runs = {"tokens": [[1, 2]], "seconds": [1.0]}
+
+    def w4_check(ours: list[list[bool]], theirs: list[list[bool]]) -> dict:
+        vllm = {"ar": runs, "ngram": runs, "eagle": runs, "w4": {"teacher_forced": theirs}}
+        poly = {"chain": {"acceptance_length": 1.0}, "w4_teacher_forced": ours, "w4_dtype": "bfloat16"}
+        return next(c for c in interop.checks(wanted, vllm, poly) if c["name"] == "w4_loads")
+
+    ours = [[i % 2 == 0 for i in range(16)], [i % 3 == 0 for i in range(16)]]  # 14 of 32 positions match
+    rounded = [list(row) for row in ours]
+    rounded[0][0], rounded[1][1] = False, True  # one near-tie each way: same agreement
+    assert w4_check(ours, rounded)["passed"] is True
+    rounded[1][2] = True  # a third: 15 vs 14 matches
+    assert w4_check(ours, rounded)["passed"] is True
+    two_lost = [list(row) for row in ours]
+    two_lost[0][0] = two_lost[0][2] = False  # 0.0625 below, but two positions prove nothing
+    found = w4_check(ours, two_lost)
+    assert found["passed"] is True and "only polyspec's matches 2, only vLLM's 0" in found["detail"], found
+    assert "bfloat16 activations" in found["detail"]
+    assert w4_check(ours, [[False] * 16, [False] * 16])["passed"] is False  # read wrong: all 14 lost
+    many = [[i % 2 == 0 for i in range(200)] for _ in range(2)]  # 200 of 400 match
+    lost = [[m and i % 20 != 0 for i, m in enumerate(row)] for row in many]  # 20 lost (0.05), none gained
+    lost[0][0] = True  # 19 lost: within the tolerance, though all one way
+    assert w4_check(many, lost)["passed"] is True
+    lost[0][0] = lost[0][2] = False  # 21 lost: beyond it, all one way
+    assert w4_check(many, lost)["passed"] is False
+
+
 def test_acceptance_check_fails_an_engine_that_accepts_nothing():
     """(b) with polyspec's L 1.08: a tolerance of 10% alone would pass an engine at L 1 (ratio 0.93); the floor
     1 + 0.5 x 0.08 fails it, in vLLM's check and in llama.cpp's, and passes an engine that accepts as polyspec does."""
