@@ -15,8 +15,8 @@ On the default prompts' first turns, greedy, single stream, same threads:
   (c) vLLM loads the W4 model, and its teacher-forced greedy agreement with the target's continuations
       matches polyspec's W4 model's, run with the activation dtype vLLM's kernel has (interop.w4_dtype), on the
       same continuations: within a tolerance, or with the positions where only one side matches split so evenly
-      that kernel rounding explains them (where vLLM has no W4 kernel: llama.cpp drafts with the W4 level as a
-      Q4_0 GGUF, losslessly).
+      that kernel rounding explains them; and where llama.cpp is on, llama.cpp drafts with the W4 level as a
+      Q4_0 GGUF losslessly (llama.cpp's alone where vLLM has no W4 kernel).
 
 It prints those and a tokens/s table: polyspec's AR and dualistic chain next to vLLM's AR, n-gram and head
 (and its W4 AR) and llama.cpp's AR, W4 draft and EAGLE-3 head, and writes everything to interop.out. What each
@@ -277,25 +277,33 @@ def llamacpp_head_checks(wanted: InteropChecks, head: dict[str, Any] | None,
     return found + [acceptance_check(wanted, "llamacpp_acceptance", "llama.cpp", head["acceptance_length"], poly)]
 
 
+def vllm_w4_check(wanted: InteropChecks, w4: dict[str, Any], poly: dict[str, Any]) -> tuple[bool, str]:
+    """vLLM's W4 model agrees with the target as polyspec's W4 model does (same activation dtype)."""
+    if "error" in w4:
+        return False, f"vLLM failed on the W4 model: {w4['error']}"
+    ours, theirs = agreement(poly["w4_teacher_forced"]), agreement(w4["teacher_forced"])
+    only_ours, only_theirs, p = discordance(poly["w4_teacher_forced"], w4["teacher_forced"])
+    tol, alpha = wanted.agreement_tolerance, wanted.agreement_alpha
+    return (abs(theirs - ours) <= tol or p >= alpha,
+            f"teacher-forced greedy agreement with the target: vLLM W4 {theirs:.3f} vs polyspec W4 {ours:.3f} "
+            f"({poly.get('w4_dtype', 'float32')} activations; tolerance {tol}); positions only polyspec's matches "
+            f"{only_ours}, only vLLM's {only_theirs} (exact p {p:.2g}, alpha {alpha})")
+
+
 def w4_check(wanted: InteropChecks, w4: dict[str, Any] | None, poly: dict[str, Any],
              llama: dict[str, Any] | None) -> dict[str, Any]:
-    """(c): vLLM loads the W4 model and agrees as polyspec's W4 level does; in llama.cpp (`llama`) where vLLM
-    cannot run it."""
+    """(c): vLLM loads the W4 model and agrees as polyspec's W4 model does, and (where llama.cpp is on, `llama`)
+    llama.cpp drafts with it losslessly; llama.cpp's alone where vLLM cannot run it."""
     if w4 is None:
         return check("w4_loads", None, "skipped (interop.checks.w4=false)")
     if "not_applicable" in w4 and llama is not None:
         return check("w4_loads", llama["passed"], f"vLLM: not applicable ({w4['not_applicable']}); {llama['detail']}")
     if "not_applicable" in w4:
         return check("w4_loads", None, f"not applicable: {w4['not_applicable']}, and llama.cpp is off")
-    if "error" in w4:
-        return check("w4_loads", False, f"vLLM failed on the W4 model: {w4['error']}")
-    ours, theirs = agreement(poly["w4_teacher_forced"]), agreement(w4["teacher_forced"])
-    only_ours, only_theirs, p = discordance(poly["w4_teacher_forced"], w4["teacher_forced"])
-    tol, alpha = wanted.agreement_tolerance, wanted.agreement_alpha
-    return check("w4_loads", abs(theirs - ours) <= tol or p >= alpha,
-                 f"teacher-forced greedy agreement with the target: vLLM W4 {theirs:.3f} vs polyspec W4 {ours:.3f} "
-                 f"({poly.get('w4_dtype', 'float32')} activations; tolerance {tol}); positions only polyspec's "
-                 f"matches {only_ours}, only vLLM's {only_theirs} (exact p {p:.2g}, alpha {alpha})")
+    passed, detail = vllm_w4_check(wanted, w4, poly)
+    if llama is None:
+        return check("w4_loads", passed, detail)
+    return check("w4_loads", passed and llama["passed"], f"{detail}; {llama['detail']}")
 
 
 def checks(wanted: InteropChecks, vllm: dict[str, dict], poly: dict[str, Any],
@@ -474,15 +482,16 @@ def vllm_side(section: InteropSection, python: Path, venv: Path, jobs: dict[str,
     return vllm
 
 
-def llamacpp_side(settings: InteropSettings, vllm: dict[str, dict], paths: tuple[Path, Path | None, str],
-                  texts: list[str], python: Path) -> dict[str, Any]:
-    """llama.cpp's checks (None each where llama.cpp is off): the W4 level as its draft model where vLLM cannot run
-    it, and an EAGLE-3 head converted by llama.cpp's converter (run by `python`, the vLLM venv's)."""
+def llamacpp_side(settings: InteropSettings, paths: tuple[Path, Path | None, str], texts: list[str],
+                  python: Path) -> dict[str, Any]:
+    """llama.cpp's checks (None each where llama.cpp is off): the W4 level as its draft model (what it gains there
+    goes into the bundle on every CPU kind; check (c) rests on it where vLLM cannot run the W4 model), and an
+    EAGLE-3 head converted by llama.cpp's converter (run by `python`, the vLLM venv's)."""
     from decode.peers.llamacpp import eagle3_head_check, w4_draft_check
 
     head, w4, target = paths
     found: dict[str, Any] = {"w4": None, "head": None}
-    if w4 is not None and "not_applicable" in vllm.get("w4", {}):
+    if w4 is not None:
         found["w4"] = w4_draft_check(settings, w4, texts)
     if head_method({}, str(head)) == "eagle3":
         found["head"] = eagle3_head_check(settings, head, Path(target), texts, python)
@@ -515,7 +524,7 @@ def run(settings: InteropSettings) -> int:
     poly = polyspec_side(settings, head, w4, prompts)
     vllm = vllm_side(section, python, venv, vllm_jobs(section, target, head, w4, prompts, poly["ar"]["tokens"]))
     texts = [tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
-    llama = llamacpp_side(settings, vllm, (head, w4, target), texts, python)
+    llama = llamacpp_side(settings, (head, w4, target), texts, python)
     k = section.num_speculative_tokens
     found, rows = checks(section.checks, vllm, poly, llama), table(vllm, poly, k) + llamacpp_rows(llama, k)
     same = ("failed" if "error" in vllm["ar"]

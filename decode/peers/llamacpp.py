@@ -130,8 +130,8 @@ def _enabled(settings: InteropSettings) -> bool:
 
 
 def w4_draft_check(settings: InteropSettings, w4_folder: Path, prompts: list[str]) -> dict[str, Any] | None:
-    """decode.interop's check (c) in llama.cpp, for where vLLM cannot run the W4 model: the W4 level as a Q4_0
-    GGUF drafts for the F32 target (k = interop.num_speculative_tokens); passed when it loads and every output
+    """decode.interop's check (c) in llama.cpp (all of it where vLLM cannot run the W4 model): the W4 level as a
+    Q4_0 GGUF drafts for the F32 target (k = interop.num_speculative_tokens); passed when it loads and every output
     equals llama.cpp's own AR. None where llama.cpp is off (interop.llamacpp)."""
     from decode.consumers.llamacpp_gguf import GgufExportError, w4_gguf
 

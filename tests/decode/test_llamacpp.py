@@ -240,6 +240,17 @@ def test_interop_check_c_is_made_in_llamacpp_where_vllm_cannot_run_w4():
     failed = vllm | {"w4": {"error": "AttributeError: '_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16'"}}
     (w4,) = [c for c in checks(wanted, failed, {}, {"w4": llama}) if c["name"] == "w4_loads"]
     assert w4["passed"] is False  # vLLM failing where it should run is a failure, whatever llama.cpp says
+    # where vLLM runs the W4 model and llama.cpp is on, (c) needs both
+    matches = [[True, False, True, True]]
+    ran = vllm | {"w4": {"teacher_forced": matches}}
+    poly = {"w4_teacher_forced": matches, "w4_dtype": "bfloat16"}
+    (w4,) = [c for c in checks(wanted, ran, poly, {"w4": llama}) if c["name"] == "w4_loads"]
+    assert w4["passed"] is True and "vLLM W4 0.750 vs polyspec W4 0.750" in w4["detail"], w4
+    assert w4["detail"].endswith("1/1 outputs equal its AR")
+    (w4,) = [c for c in checks(wanted, ran, poly, {"w4": llama | {"passed": False}}) if c["name"] == "w4_loads"]
+    assert w4["passed"] is False  # llama.cpp's draft not lossless: a failure though vLLM agrees
+    (w4,) = [c for c in checks(wanted, ran, poly) if c["name"] == "w4_loads"]
+    assert w4["passed"] is True and "llama.cpp" not in w4["detail"]
 
 
 def test_interop_checks_an_eagle3_head_in_llamacpp_as_in_vllm():
