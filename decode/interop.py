@@ -286,7 +286,7 @@ def vllm_w4_check(wanted: InteropChecks, w4: dict[str, Any], poly: dict[str, Any
     tol, alpha = wanted.agreement_tolerance, wanted.agreement_alpha
     return (abs(theirs - ours) <= tol or p >= alpha,
             f"teacher-forced greedy agreement with the target: vLLM W4 {theirs:.3f} vs polyspec W4 {ours:.3f} "
-            f"({poly.get('w4_dtype', 'float32')} activations; tolerance {tol}); positions only polyspec's matches "
+            f"({poly['w4_dtype']} activations; tolerance {tol}); positions only polyspec's matches "
             f"{only_ours}, only vLLM's {only_theirs} (exact p {p:.2g}, alpha {alpha})")
 
 
