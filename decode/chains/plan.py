@@ -11,8 +11,15 @@ each shape is decoded). From it:
             when it names the level, else timed here with infra.timing), scaled so that it reproduces
             the calibration's forwards of the same sizes; the drafter's measured cost per forward and
             forwards per round at each shape;
-  overhead  the engine's own seconds per round of the last verifying level, beside every forward (acceptance,
-            cache crops, drafting logic): a prediction of forwards alone is optimistic by that much.
+  prefill   each lower level's first forward in a decode, its reading of the prompt (the target's is the first
+            token, outside decoding time): seconds once a turn, so a token of a turn of T tokens carries 1 / T of
+            it; kept out of the drafter's cost per forward and its forwards per round;
+  overhead  the engine's own seconds beside every forward, per round of the level that spends them: each upper
+            verifying level's own work (acceptance, cache crops) per its round, and per round of the last
+            verifying level its own, the drafter's and the engine loop's, from each draft shape's own decodes
+            (a deeper tree costs more to build and verify): a prediction of forwards alone is optimistic by that
+            much, and one pooled number would charge a small tree the big trees' work and a level at mu 1 the
+            rounds of mu 8.
 A configuration is then predicted without decoding (engine.planner), and the plan is a new spec.
 """
 from __future__ import annotations
@@ -39,17 +46,45 @@ def _accepted(stats: list[GenerationStats], i: int) -> Dist:
 
 
 def _per_round(stats: list[GenerationStats], i: int, value: str) -> float:
-    """Level i+1's forwards ('beta') or proposed tokens ('size') per verification round of level i."""
+    """Level i+1's forwards after its prefill ('beta') or proposed tokens ('size') per verification round of level i."""
     rounds = sum(len(s.levels[i].acceptance_lengths) for s in stats)
-    total = sum(s.levels[i + 1].forward_calls if value == "beta" else s.levels[i].proposed for s in stats)
+    total = sum(len(s.levels[i + 1].forwards[1:]) if value == "beta" else s.levels[i].proposed for s in stats)
     return total / rounds if rounds else 0.0
 
 
+def _prefill(stats: list[GenerationStats]) -> float:
+    """Seconds a decode spends on the levels below the target reading the prompt: each one's first forward."""
+    firsts = [level.forwards[0][1] for s in stats for level in s.levels[1:] if level.forwards]
+    return sum(firsts) / len(stats) if stats else 0.0
+
+
+def _draft_cost(stats: list[GenerationStats]) -> float:
+    """The drafter's seconds per forward after its prefill."""
+    drafts = [t for s in stats for _, t in s.levels[-1].forwards[1:]]
+    return sum(drafts) / len(drafts) if drafts else 0.0
+
+
+def _rounds(stats: list[GenerationStats], i: int) -> int:
+    return sum(len(s.levels[i].acceptance_lengths) for s in stats)
+
+
+def _upper_overheads(stats: list[GenerationStats], last: int) -> tuple[float, ...]:
+    """Per verifying level above the last one, its own seconds beside forwards per round it verifies."""
+    return tuple(sum(s.levels[i].bookkeeping_time_s for s in stats) / max(_rounds(stats, i), 1) for i in range(last))
+
+
 def _overhead(stats: list[GenerationStats], last: int) -> float:
-    """Seconds per round of the last verifying level that the decodes spent beside every level's forwards."""
-    beside = sum(s.beside_forwards_s for s in stats)
-    rounds = sum(len(s.levels[last].acceptance_lengths) for s in stats)
+    """Seconds per round of the last verifying level that the decodes spent beside every level's forwards, less
+    what the levels above it spent on their own rounds."""
+    upper = sum(s.levels[i].bookkeeping_time_s for s in stats for i in range(last))
+    beside = sum(s.beside_forwards_s for s in stats) - upper
+    rounds = _rounds(stats, last)
     return max(beside, 0.0) / rounds if rounds else 0.0
+
+
+def _setting_name(draft: dict[str, Any]) -> str:
+    return (f"depth {draft['depth']}, {draft['total_tokens']} tokens" if draft["mode"] == "tree"
+            else f"length {draft['length']}")
 
 
 def cost_curves(chain: Chain, context: list[int], plan: PlanSettings) -> tuple[list[dict[int, float]], list[str]]:
@@ -64,10 +99,10 @@ def cost_curves(chain: Chain, context: list[int], plan: PlanSettings) -> tuple[l
     return curves, ["costs.json" if level.name in stored else "timed" for level in verifiers]
 
 
-def calibrate(spec: ChainSpec, build: Build, prompts: list[list[int]], plan: PlanSettings,
-              eos: Any) -> tuple[ChainModel, dict[str, Any]]:
-    """Decode `prompts` at each calibration setting (a variant of `spec` each); the model of the chain, and what was
-    measured."""
+def calibrate(spec: ChainSpec, build: Build, prompts: list[list[int]], plan: PlanSettings, eos: Any,
+              turn_tokens: int) -> tuple[ChainModel, dict[str, Any]]:
+    """Decode `prompts` at each calibration setting (a variant of `spec` each); the model of the chain for turns of
+    `turn_tokens` decoded tokens, and what was measured."""
     configured = spec.knobs()
     draft = configured["draft"]
     mu_max = max(list(plan.mu) + list(configured["mu"].values()))
@@ -87,38 +122,42 @@ def calibrate(spec: ChainSpec, build: Build, prompts: list[list[int]], plan: Pla
     n, pooled = len(chain.levels), [s for run in runs for s in run]
     scales = []  # per verifying level, in-chain seconds over the curve's (a prompt's prefill is outside the curve)
     for i, curve in enumerate(curves):
-        inside = [(k, t) for s in pooled for k, t in s.levels[i].forwards if k <= max(curve)]
+        steady = [f for s in pooled for f in (s.levels[i].forwards[1:] if i else s.levels[i].forwards)]
+        inside = [(k, t) for k, t in steady if k <= max(curve)]
         scales.append(sum(t for _, t in inside) / sum(forward_cost(curve, k) for k, _ in inside) if inside else 1.0)
     curves = [{k: v * scale for k, v in curve.items()} for curve, scale in zip(curves, scales)]
-    shapes = []
+    shapes, by_setting = [], {}
     for setting, stats in zip(settings, runs):
-        calls = sum(s.levels[-1].forward_calls for s in stats)
-        cost = sum(s.levels[-1].draft_time_s for s in stats) / max(calls, 1)
+        cost = _draft_cost(stats)
         beta, size = _per_round(stats, n - 2, "beta"), _per_round(stats, n - 2, "size")
-        accepted = _accepted(stats, n - 2)
+        accepted, overhead = _accepted(stats, n - 2), _overhead(stats, n - 2)
+        by_setting[_setting_name(setting)] = 1e3 * overhead
         if setting["mode"] == "tree":
-            shapes.append(Shape(setting, accepted, size, beta, cost))
+            shapes.append(Shape(setting, accepted, size, beta, cost, overhead))
         else:
-            shapes += [Shape({**setting, "length": k}, capped(accepted, {k: 1.0}), min(size, k), min(beta, k), cost)
-                       for k in lengths]
-    overhead = _overhead(pooled, n - 2)
-    model = ChainModel(curves, [_accepted(pooled, i) for i in range(n - 2)], shapes, overhead)
+            shapes += [Shape({**setting, "length": k}, capped(accepted, {k: 1.0}), min(size, k), min(beta, k), cost,
+                             overhead) for k in lengths]
+    upper, prefill = _upper_overheads(pooled, n - 2), _prefill(pooled)
+    model = ChainModel(curves, [_accepted(pooled, i) for i in range(n - 2)], shapes, upper,
+                       prefill / max(turn_tokens, 1))
     measured = {
         "prompts": len(prompts), "max_new_tokens": plan.max_new_tokens, "decodes": len(settings) * len(prompts),
-        "mu": mu_max, "seconds": time.perf_counter() - start, "overhead_ms": 1e3 * overhead,
+        "mu": mu_max, "seconds": time.perf_counter() - start, "prefill_ms": 1e3 * prefill, "turn_tokens": turn_tokens,
+        "overhead_ms": {"upper levels": [1e3 * o for o in upper], "last verifier": by_setting},
         "costs": {level.name: {"source": src, "scale": scale, "ms": {k: 1e3 * v for k, v in curve.items()}}
                   for level, src, scale, curve in zip(chain.levels, sources, scales, curves)},
     }
     return model, measured
 
 
-def plan_chain(spec: ChainSpec, build: Build, prompts: list[list[int]], plan: PlanSettings,
-               eos: Any) -> dict[str, Any]:
-    """Calibrate, then the planned knobs next to the configured ones, each with its predicted time and its
-    predicted speedup over AR (the target's 1-token forward, from the same curve). A plan predicted less
-    than `plan.min_gain` faster keeps the configured values: the calibration is short and noisy."""
+def plan_chain(spec: ChainSpec, build: Build, prompts: list[list[int]], plan: PlanSettings, eos: Any,
+               turn_tokens: int) -> dict[str, Any]:
+    """Calibrate, then the planned knobs next to the configured ones, each with its predicted time per token of
+    turns of `turn_tokens` decoded tokens and its predicted speedup over AR (the target's 1-token forward, from the
+    same curve). A plan predicted less than `plan.min_gain` faster keeps the configured values: the calibration is
+    short and noisy."""
     configured = spec.knobs()
-    model, calibration = calibrate(spec, build, prompts, plan, eos)
+    model, calibration = calibrate(spec, build, prompts, plan, eos, turn_tokens)
     mine = predict(model, list(configured["mu"].values()),
                    next(s for s in model.shapes if s.draft == configured["draft"]))
     mus, shape, predicted = best(model, list(plan.mu))

@@ -24,6 +24,8 @@ class Shape:
     size: float  # tokens proposed per round
     beta: float  # drafter forwards per round
     cost: float  # drafter seconds per forward
+    overhead: float = 0.0  # seconds per round of the last verifying level beside the forwards: its own work, the
+    # drafter's (a tree's building grows with its shape) and the engine loop's
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,8 @@ class ChainModel:
     curves: list[dict[int, float]]  # per verifying level (target first): seconds per forward at k tokens fed
     accepted: list[Dist]  # per verifying level but the last: tokens accepted of what the level below hands up
     shapes: list[Shape]
-    overhead: float = 0.0  # the engine's seconds per round of the last verifying level, beside the forwards
+    overheads: tuple[float, ...] = ()  # per verifying level but the last: its own seconds per round beside forwards
+    prefill: float = 0.0  # seconds per token of the lower levels reading the prompt (once a turn, spread over it)
 
 
 def mean(dist: Dist) -> float:
@@ -74,8 +77,9 @@ def predict(model: ChainModel, mus: Sequence[int], shape: Shape) -> dict[str, An
             buffer = first_passage(gain, mus[i - 1])
             handed_up[i - 1] = mean(buffer)
             gain, fed = shift(capped(model.accepted[i - 1], buffer), 1), shift(buffer, 1)
-    seconds = refined_time(lengths, handed_up, shape.beta, 1, costs + [shape.cost], model.overhead)
-    return {"s_per_token": seconds, "L": lengths, "P": handed_up, "beta": shape.beta, "costs_s": costs + [shape.cost]}
+    upper = list(model.overheads) or [0.0] * (n - 1)
+    seconds = refined_time(lengths, handed_up, shape.beta, 1, costs + [shape.cost], upper + [shape.overhead])
+    return {"s_per_token": seconds + model.prefill, "L": lengths, "P": handed_up, "beta": shape.beta, "costs_s": costs + [shape.cost]}
 
 
 def best(model: ChainModel, mu_grid: Sequence[int]) -> tuple[tuple[int, ...], Shape, dict[str, Any]]:

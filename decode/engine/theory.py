@@ -102,14 +102,15 @@ def predicted_time(
 
 def refined_time(
     acceptance: Sequence[float], handed_up: Sequence[float], draft_depth: float, new_tokens: float,
-    costs: Sequence[float], overhead: float = 0.0,
+    costs: Sequence[float], overhead: float | Sequence[float] = 0.0,
 ) -> float:
     """Decoding time with each level's rounds counted from the tokens it hands up (module docstring).
 
     acceptance = [L_1, ..., L_{n-1}]; handed_up = [P_2, ..., P_{n-1}] (mean tokens middle level i hands
     up per round of level i-1); costs = [c_1, ..., c_n], seconds per forward at the tokens each level
     carries (a measured mean, or a cost curve read with `forward_cost`); overhead: the engine's own seconds
-    (acceptance, cache crops, drafting logic) per round of M_{n-1}, beside the forwards.
+    (acceptance, cache crops, drafting logic) beside the forwards, per round of M_{n-1} (one number), or
+    per round of each verifying level M_1 .. M_{n-1} (n - 1 numbers: a level verifies R_i times).
     """
     n = len(costs)
     if n == 0:
@@ -124,15 +125,18 @@ def refined_time(
     lengths = [_acceptance(f"L_{i}", a) for i, a in enumerate(acceptance, 1)]
     sizes = [_positive(f"P_{i}", p) for i, p in enumerate(handed_up, 2)]
     rounds = _positive("N", new_tokens)
-    if _number("overhead", overhead) < 0:
+    per_round = [0.0] * (n - 2) + [overhead] if isinstance(overhead, (int, float)) else list(overhead)
+    if len(per_round) != max(n - 1, 1) and n > 1:
+        raise TheoryError(f"need one overhead or {n - 1} (one per verifying level), got {len(per_round)}")
+    if any(_number("overhead", o) < 0 for o in per_round):
         raise TheoryError(f"overhead must be >= 0 seconds, got {overhead}")
     if n == 1:
         return rounds * c[0]
     total = 0.0
     for i, length in enumerate(lengths):
         rounds = rounds / length if i == 0 else rounds * sizes[i - 1] / length
-        total += rounds * c[i]
-    return total + (_positive("beta (draft depth)", draft_depth) * c[-1] + overhead) * rounds
+        total += rounds * (c[i] + per_round[i])
+    return total + _positive("beta (draft depth)", draft_depth) * c[-1] * rounds
 
 
 def forward_cost(curve: dict[int, float], tokens: float) -> float:

@@ -143,10 +143,11 @@ def plan_chains(settings: EvalSettings, builder: Any, decoders: dict[str, Decode
 
     specs, plan_settings, plans = settings.specs, settings.plan, {}
     prompts = calibration_prompts(settings.section.prompts, plan_settings.questions, questions, builder.tokenizer)
+    turn_tokens = max(settings.section.max_new_tokens - 1, 1)  # a turn's tokens after its first (decoding time's)
 
     def planned(name: str, spec: Any) -> tuple[dict[str, Any], Any]:
         print(f"plan: calibrating {name} on {len(prompts)} held-out prompts", file=sys.stderr)
-        plan = plan_chain(spec, builder.build, prompts, plan_settings, eos)
+        plan = plan_chain(spec, builder.build, prompts, plan_settings, eos, turn_tokens)
         return plan, spec.with_knobs(plan["planned"]["knobs"])
 
     names = plan_settings.chains or list(specs)

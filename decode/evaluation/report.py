@@ -139,8 +139,15 @@ def _plan_section(report: dict[str, Any]) -> list[str]:
         lines.append(f"- {base}: {plan['candidates']} configurations predicted "
                      f"from {cal['decodes']} calibration decodes "
                      f"({cal['prompts']} held-out prompts x {cal['max_new_tokens']} tokens, mu {cal['mu']}, "
-                     f"{cal['seconds']:.0f}s); cost curves: {costs}; overhead {cal['overhead_ms']:.2f} ms a round.")
+                     f"{cal['seconds']:.0f}s); cost curves: {costs}; {_overheads(cal['overhead_ms'])}.")
     return lines
+
+
+def _overheads(ms: dict[str, Any]) -> str:
+    """A calibration's overheads beside the forwards: per round of each upper level, of the last verifier per draft."""
+    upper = "".join(f"level {i} {o:.2f}, " for i, o in enumerate(ms["upper levels"], 1))
+    last = ", ".join(f"{name} {o:.2f}" for name, o in ms["last verifier"].items())
+    return f"overhead ms a round: {upper}last verifier at {last}"
 
 
 def _theorem_3_3_section(report: dict[str, Any]) -> list[str]:

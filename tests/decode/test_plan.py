@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from decode.chains.plan import _overhead, plan_chain
+from decode.chains.plan import _draft_cost, _overhead, _per_round, _prefill, _upper_overheads, plan_chain
 from decode.engine.levels import GenerationStats, LevelStats
 from decode.engine.planner import ChainModel, Shape, best, capped, first_passage, predict
 from decode.settings import PlanSettings
@@ -31,19 +31,44 @@ def test_two_level_prediction_by_hand():
     p = predict(model, (), shape)
     assert p["L"] == [3] and p["P"] == [] and p["costs_s"] == pytest.approx([0.012, 0.001])
     assert p["s_per_token"] == pytest.approx((0.012 + 3 * 0.001) / 3)
-    busy = dataclasses.replace(model, overhead=0.0015)  # the engine's own 1.5 ms a round, beside the forwards
-    assert predict(busy, (), shape)["s_per_token"] == pytest.approx((0.012 + 3 * 0.001 + 0.0015) / 3)
+    busy = dataclasses.replace(shape, overhead=0.0015)  # the engine's own 1.5 ms a round, beside the forwards
+    assert predict(model, (), busy)["s_per_token"] == pytest.approx((0.012 + 3 * 0.001 + 0.0015) / 3)
+    # the drafter reads the prompt once a turn: 0.05 s over a 50-token turn is 1 ms on every token
+    reading = dataclasses.replace(model, prefill=0.05 / 50)
+    assert predict(reading, (), shape)["s_per_token"] == pytest.approx((0.012 + 3 * 0.001) / 3 + 0.001)
 
 
-def test_overhead_is_what_a_decode_spends_beside_every_forward_per_round_of_the_last_verifier():
-    # 1.0 s wall, 0.2 s prefill, forwards 0.3 + 0.1 + 0.2 s: 0.2 s beside them, over the middle level's 4 rounds
-    levels = [LevelStats("target", "model", verify_time_s=0.3, acceptance_lengths=[3, 2]),
+def test_a_lower_levels_reading_of_the_prompt_is_prefill_not_a_draft():
+    # the drafter's first forward reads the 40-token prompt (50 ms), then 4 drafts of 1 ms over 2 rounds; the
+    # middle level's first forward reads it too (30 ms). Counted as drafts, they would make a draft cost 10.8 ms.
+    levels = [LevelStats("target", "model", acceptance_lengths=[2, 3]),
+              LevelStats("w4", "model", forwards=[(40, 0.03), (3, 0.004)], acceptance_lengths=[2, 1]),
+              LevelStats("head", "eagle", forward_calls=5, forwards=[(40, 0.05)] + [(1, 0.001)] * 4)]
+    stats = GenerationStats(wall_time_s=1.0, time_to_first_token_s=0.2, new_tokens=5, levels=levels)
+    assert _prefill([stats, stats]) == pytest.approx(0.08)
+    assert _draft_cost([stats]) == pytest.approx(0.001)
+    assert _per_round([stats], 1, "beta") == pytest.approx(4 / 2)
+
+
+def test_overhead_is_charged_per_round_of_the_level_that_spends_it():
+    # 1.0 s wall, 0.2 s prefill, forwards 0.3 + 0.1 + 0.2 s: 0.2 s beside them. The target's own work (0.04 s)
+    # is per its 2 rounds; the rest (0.16 s) per the middle level's 4 rounds.
+    levels = [LevelStats("target", "model", verify_time_s=0.3, bookkeeping_time_s=0.04, acceptance_lengths=[3, 2]),
               LevelStats("w4", "model", draft_time_s=0.1, verify_time_s=0.2, acceptance_lengths=[1, 2, 1, 3]),
               LevelStats("head", "eagle", draft_time_s=0.0)]
     stats = GenerationStats(wall_time_s=1.0, time_to_first_token_s=0.2, new_tokens=5, levels=levels)
     assert stats.beside_forwards_s == pytest.approx(0.2)
-    assert _overhead([stats, stats], last=1) == pytest.approx(0.4 / 8)
-    assert _overhead([stats], last=0) == pytest.approx(0.2 / 2)
+    assert _upper_overheads([stats, stats], last=1) == pytest.approx((0.08 / 4,))
+    assert _overhead([stats, stats], last=1) == pytest.approx(0.32 / 8)
+    assert _upper_overheads([stats], last=0) == () and _overhead([stats], last=0) == pytest.approx(0.2 / 2)
+    # A prediction then pays the target's work (2.0) per target round and the rest (0.5) per middle round: a
+    # larger mu adds middle rounds, not target ones (one pooled number per middle round would charge both alike)
+    model = ChainModel([{1: 10.0, 5: 10.0}, {1: 1.0, 3: 1.0}], [{1: 1.0}],
+                       [Shape({"mode": "chain", "length": 2}, {1: 1.0}, 2, 2, 0.25, overhead=0.5)], overheads=(2.0,))
+    # the middle level gains 2 a round and the target keeps 1 of what it is handed (L_1 = 2, R_1 = 1/2 a token).
+    # mu 1: 2 handed up a middle round, R_2 = 1/2; mu 4: 4 every 2 middle rounds, R_2 = 1/2 * 4 / 2 = 1
+    assert predict(model, (1,), model.shapes[0])["s_per_token"] == pytest.approx(0.5 * (10 + 2) + 0.5 * (1 + 0.5 + 0.5))
+    assert predict(model, (4,), model.shapes[0])["s_per_token"] == pytest.approx(0.5 * (10 + 2) + 1 * (1 + 0.5 + 0.5))
 
 
 def test_three_level_prediction_by_hand():
@@ -102,7 +127,7 @@ def test_plan_chain_calibrates_a_real_chain_and_predicts_the_configured_values(o
 
     settings = PlanSettings(mu=(1, 2, 4), lengths=(1, 2, 4), min_gain=0.0, ks=(1, 4, 8), repeats=1, context=32,
                             max_new_tokens=12)
-    plan = plan_chain(spec, build, prompts(300, n=2), settings, eos=None)
+    plan = plan_chain(spec, build, prompts(300, n=2), settings, eos=None, turn_tokens=11)
     assert plan["configured"]["knobs"] == {"mu": {"mid": 2}, "draft": {"mode": "chain", "length": 3}}
     # the spec is never changed: variants are new ones
     assert spec.knobs() == plan["configured"]["knobs"] and built[0] == spec
@@ -114,6 +139,10 @@ def test_plan_chain_calibrates_a_real_chain_and_predicts_the_configured_values(o
     assert set(plan["calibration"]["costs"]) == {"target", "mid"}
     assert all(c["source"] == "timed" and c["scale"] > 0 for c in plan["calibration"]["costs"].values())
     assert plan["planned"]["predicted"]["speedup"] > 0
-    assert plan["calibration"]["overhead_ms"] > 0  # a real engine spends time beside its forwards
-    cautious = plan_chain(spec, build, prompts(300, n=2), dataclasses.replace(settings, min_gain=0.99), eos=None)
+    overheads = plan["calibration"]["overhead_ms"]  # a real engine spends time beside its forwards, at every level
+    assert len(overheads["upper levels"]) == 1 and overheads["upper levels"][0] > 0
+    assert list(overheads["last verifier"]) == ["length 4"] and overheads["last verifier"]["length 4"] > 0
+    assert plan["calibration"]["prefill_ms"] > 0 and plan["calibration"]["turn_tokens"] == 11
+    cautious = plan_chain(spec, build, prompts(300, n=2), dataclasses.replace(settings, min_gain=0.99), eos=None,
+                          turn_tokens=11)
     assert cautious["planned"] == cautious["configured"]  # not predicted 99% faster: keep the configured values

@@ -151,6 +151,9 @@ def test_refined_four_levels_multiplies_what_each_level_hands_up():
     assert refined_time([2, 1.5, 2], [3, 2], 2, 10, [8, 4, 2, 1]) == pytest.approx(5 * 8 + 10 * 4 + 10 * 2 + 20 * 1)
     # the engine's own work: 0.5 a round of the last verifying level (R_3 = 10 rounds), beside the forwards
     assert refined_time([2, 1.5, 2], [3, 2], 2, 10, [8, 4, 2, 1], 0.5) == pytest.approx(120 + 10 * 0.5)
+    # or per round of each verifying level: 5 rounds of the target at 0.4, 10 of each middle level at 0.1 and 0.5
+    assert refined_time([2, 1.5, 2], [3, 2], 2, 10, [8, 4, 2, 1], [0.4, 0.1, 0.5]) == pytest.approx(
+        120 + 5 * 0.4 + 10 * 0.1 + 10 * 0.5)
 
 
 @pytest.mark.parametrize("args,message", [
@@ -161,6 +164,8 @@ def test_refined_four_levels_multiplies_what_each_level_hands_up():
     (([2], [], 3, 10, [10, 0]), "c_2 must be a positive time"),
     (([], [], 3, 10, []), "forward costs are missing"),
     (([2], [], 3, 10, [10, 1], -0.1), "overhead must be >= 0"),
+    (([2], [], 3, 10, [10, 1], [0.1, -0.1][1:]), "overhead must be >= 0"),
+    (([2, 2], [3], 3, 10, [10, 4, 1], [0.1]), "need one overhead or 2 (one per verifying level), got 1"),
 ])
 def test_refined_rejects_bad_values(args, message):
     with pytest.raises(TheoryError, match=re.escape(message)):
