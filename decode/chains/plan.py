@@ -29,7 +29,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from decode.engine.chain import Chain
-from decode.engine.levels import GenerationStats, ModelLevel
+from decode.engine.levels import GenerationStats, LevelStats, ModelLevel
 from decode.engine.planner import ChainModel, Dist, Shape, best, capped, predict
 from decode.engine.spec import ChainSpec
 from decode.engine.theory import forward_cost
@@ -45,10 +45,17 @@ def _accepted(stats: list[GenerationStats], i: int) -> Dist:
     return {c: counts.count(c) / len(counts) for c in sorted(set(counts))} if counts else {0: 1.0}
 
 
+def _drafts(level: LevelStats) -> tuple[int, float]:
+    """(forwards, seconds) a drafting level spent after its prefill (a model-free drafter reads no prompt)."""
+    if not level.forwards:
+        return level.forward_calls, level.draft_time_s
+    return level.forward_calls - 1, level.draft_time_s - level.forwards[0][1]
+
+
 def _per_round(stats: list[GenerationStats], i: int, value: str) -> float:
     """Level i+1's forwards after its prefill ('beta') or proposed tokens ('size') per verification round of level i."""
     rounds = sum(len(s.levels[i].acceptance_lengths) for s in stats)
-    total = sum(len(s.levels[i + 1].forwards[1:]) if value == "beta" else s.levels[i].proposed for s in stats)
+    total = sum(_drafts(s.levels[i + 1])[0] if value == "beta" else s.levels[i].proposed for s in stats)
     return total / rounds if rounds else 0.0
 
 
@@ -60,8 +67,8 @@ def _prefill(stats: list[GenerationStats]) -> float:
 
 def _draft_cost(stats: list[GenerationStats]) -> float:
     """The drafter's seconds per forward after its prefill."""
-    drafts = [t for s in stats for _, t in s.levels[-1].forwards[1:]]
-    return sum(drafts) / len(drafts) if drafts else 0.0
+    calls, seconds = map(sum, zip(*(_drafts(s.levels[-1]) for s in stats))) if stats else (0, 0.0)
+    return seconds / max(calls, 1)
 
 
 def _rounds(stats: list[GenerationStats], i: int) -> int:

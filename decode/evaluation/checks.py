@@ -236,7 +236,8 @@ def evaluate_chains(decoded: Decoded, reference_fn: ReferenceFn, checks: CheckSe
             name = base if side == "configured" else plan["chain"]
             plan[side] |= {"measured_s_per_token": per_token[name],
                            "measured_speedup": per_token[reference] / per_token[name],
-                           "error": plan[side]["predicted"]["s_per_token"] / per_token[name] - 1}
+                           "error": plan[side]["predicted"]["s_per_token"] / per_token[name] - 1,
+                           "measured_L": [level["L_mean"] for level in summaries[name]["levels"][:-1]]}
     verdicts = [
         check_lossless(records, reference_fn, near_tie, reference),
         check_insertion(insertions),

@@ -124,15 +124,17 @@ def _plan_section(report: dict[str, Any]) -> list[str]:
                          ", ".join(f"{a}={b}" for a, b in k["draft"].items() if a != "mode")
                          + f" ({k['draft']['mode']})",
                          _ms(pr["predicted"]["s_per_token"]), _ms(pr.get("measured_s_per_token")),
-                         _f(pr.get("error"), "+.0%"),
+                         _f(pr.get("error"), "+.0%"), _lengths(pr["predicted"]["L"], pr.get("measured_L")),
                          _f(pr["predicted"]["speedup"]), _f(pr.get("measured_speedup"))])
     lines = ["", "## Plan (decode.chains.plan)", ""]
-    lines += _table(["chain", "mu", "draft", "predicted ms/token", "measured ms/token", "error", "predicted speedup",
-                     "measured speedup"], rows)
+    lines += _table(["chain", "mu", "draft", "predicted ms/token", "measured ms/token", "error",
+                     "L predicted / measured", "predicted speedup", "measured speedup"], rows)
     lines += ["", "Decoding time after the first token; speedups over AR's own decoding (predicted: the target's "
               "1-token forward from the same cost curve), which cancels load that changed since the calibration. "
               "A stack is a chain the configured chains' levels allow that none of them is (eval.plan.stacks: the "
-              "fastest predicted are decoded; the others show no measurement).", ""]
+              "fastest predicted are decoded; the others show no measurement). Where L predicted and measured "
+              "differ, the calibration prompts' acceptance was not the eval's; where they agree, the error is in "
+              "the costs.", ""]
     for base, plan in report["plans"].items():
         cal = plan["calibration"]
         costs = ", ".join(f"{n} ({c['source']}, x{c['scale']:.2f})" for n, c in cal["costs"].items())
@@ -141,6 +143,13 @@ def _plan_section(report: dict[str, Any]) -> list[str]:
                      f"({cal['prompts']} held-out prompts x {cal['max_new_tokens']} tokens, mu {cal['mu']}, "
                      f"{cal['seconds']:.0f}s); cost curves: {costs}; {_overheads(cal['overhead_ms'])}.")
     return lines
+
+
+def _lengths(predicted: list[float], measured: list[float] | None) -> str:
+    """Each verifying level's acceptance length, as the calibration predicted it / as the eval measured it: an error
+    from acceptance (the calibration prompts' text is not the eval's) against one from costs."""
+    shown = " ".join(f"{x:.2f}" for x in predicted)
+    return shown if measured is None else f"{shown} / {' '.join(_f(x) for x in measured)}"
 
 
 def _overheads(ms: dict[str, Any]) -> str:

@@ -174,6 +174,8 @@ def test_planned_chain_runs_next_to_the_configured_one_and_its_plan_is_published
         assert plan[side]["predicted"]["s_per_token"] > 0 and plan[side]["measured_s_per_token"] > 0
         assert plan[side]["error"] == pytest.approx(plan[side]["predicted"]["s_per_token"]
                                                     / plan[side]["measured_s_per_token"] - 1)
+        name = "dualistic" if side == "configured" else plan["chain"]  # the target's L, as the chain measured it
+        assert plan[side]["measured_L"] == [report["summaries"][name]["levels"][0]["L_mean"]]
     assert plan["levels"][-1]["draft"] == plan["planned"]["knobs"]["draft"]
     assert "## Plan (decode.chains.plan)" in (tmp_path / "eval" / "report.md").read_text()
     assert code == 0, report["gate"]

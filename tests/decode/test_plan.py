@@ -43,11 +43,15 @@ def test_a_lower_levels_reading_of_the_prompt_is_prefill_not_a_draft():
     # middle level's first forward reads it too (30 ms). Counted as drafts, they would make a draft cost 10.8 ms.
     levels = [LevelStats("target", "model", acceptance_lengths=[2, 3]),
               LevelStats("w4", "model", forwards=[(40, 0.03), (3, 0.004)], acceptance_lengths=[2, 1]),
-              LevelStats("head", "eagle", forward_calls=5, forwards=[(40, 0.05)] + [(1, 0.001)] * 4)]
+              LevelStats("head", "eagle", forward_calls=5, draft_time_s=0.054,
+                         forwards=[(40, 0.05)] + [(1, 0.001)] * 4)]
     stats = GenerationStats(wall_time_s=1.0, time_to_first_token_s=0.2, new_tokens=5, levels=levels)
     assert _prefill([stats, stats]) == pytest.approx(0.08)
     assert _draft_cost([stats]) == pytest.approx(0.001)
     assert _per_round([stats], 1, "beta") == pytest.approx(4 / 2)
+    lookup = LevelStats("lookup", "ngram", forward_calls=4, draft_time_s=0.0002)  # model-free: no prompt to read
+    without = GenerationStats(wall_time_s=1.0, time_to_first_token_s=0.2, new_tokens=5, levels=levels[:2] + [lookup])
+    assert _draft_cost([without]) == pytest.approx(0.00005) and _per_round([without], 1, "beta") == pytest.approx(2)
 
 
 def test_overhead_is_charged_per_round_of_the_level_that_spends_it():
