@@ -79,7 +79,8 @@ def predict(model: ChainModel, mus: Sequence[int], shape: Shape) -> dict[str, An
             gain, fed = shift(capped(model.accepted[i - 1], buffer), 1), shift(buffer, 1)
     upper = list(model.overheads) or [0.0] * (n - 1)
     seconds = refined_time(lengths, handed_up, shape.beta, 1, costs + [shape.cost], upper + [shape.overhead])
-    return {"s_per_token": seconds + model.prefill, "L": lengths, "P": handed_up, "beta": shape.beta, "costs_s": costs + [shape.cost]}
+    return {"s_per_token": seconds + model.prefill, "L": lengths, "P": handed_up, "beta": shape.beta,
+            "costs_s": costs + [shape.cost]}
 
 
 def best(model: ChainModel, mu_grid: Sequence[int]) -> tuple[tuple[int, ...], Shape, dict[str, Any]]:
