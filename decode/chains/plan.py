@@ -52,9 +52,13 @@ def _drafts(level: LevelStats) -> tuple[int, float]:
     return level.forward_calls - 1, level.draft_time_s - level.forwards[0][1]
 
 
+def _rounds(stats: list[GenerationStats], i: int) -> int:
+    return sum(len(s.levels[i].acceptance_lengths) for s in stats)
+
+
 def _per_round(stats: list[GenerationStats], i: int, value: str) -> float:
     """Level i+1's forwards after its prefill ('beta') or proposed tokens ('size') per verification round of level i."""
-    rounds = sum(len(s.levels[i].acceptance_lengths) for s in stats)
+    rounds = _rounds(stats, i)
     total = sum(_drafts(s.levels[i + 1])[0] if value == "beta" else s.levels[i].proposed for s in stats)
     return total / rounds if rounds else 0.0
 
@@ -69,10 +73,6 @@ def _draft_cost(stats: list[GenerationStats]) -> float:
     """The drafter's seconds per forward after its prefill."""
     calls, seconds = map(sum, zip(*(_drafts(s.levels[-1]) for s in stats))) if stats else (0, 0.0)
     return seconds / max(calls, 1)
-
-
-def _rounds(stats: list[GenerationStats], i: int) -> int:
-    return sum(len(s.levels[i].acceptance_lengths) for s in stats)
 
 
 def _upper_overheads(stats: list[GenerationStats], last: int) -> tuple[float, ...]:

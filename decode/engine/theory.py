@@ -126,7 +126,7 @@ def refined_time(
     sizes = [_positive(f"P_{i}", p) for i, p in enumerate(handed_up, 2)]
     rounds = _positive("N", new_tokens)
     per_round = [0.0] * (n - 2) + [overhead] if isinstance(overhead, (int, float)) else list(overhead)
-    if len(per_round) != max(n - 1, 1) and n > 1:
+    if n > 1 and len(per_round) != n - 1:
         raise TheoryError(f"need one overhead or {n - 1} (one per verifying level), got {len(per_round)}")
     if any(_number("overhead", o) < 0 for o in per_round):
         raise TheoryError(f"overhead must be >= 0 seconds, got {overhead}")

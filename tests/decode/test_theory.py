@@ -164,7 +164,7 @@ def test_refined_four_levels_multiplies_what_each_level_hands_up():
     (([2], [], 3, 10, [10, 0]), "c_2 must be a positive time"),
     (([], [], 3, 10, []), "forward costs are missing"),
     (([2], [], 3, 10, [10, 1], -0.1), "overhead must be >= 0"),
-    (([2], [], 3, 10, [10, 1], [0.1, -0.1][1:]), "overhead must be >= 0"),
+    (([2], [], 3, 10, [10, 1], [-0.1]), "overhead must be >= 0"),
     (([2, 2], [3], 3, 10, [10, 4, 1], [0.1]), "need one overhead or 2 (one per verifying level), got 1"),
 ])
 def test_refined_rejects_bad_values(args, message):
