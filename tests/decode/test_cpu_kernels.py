@@ -89,7 +89,7 @@ def sdpa_reference(q, k, v, mask):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 17])
-def test_attend_matches_sdpa_for_every_mask_and_rows_do_not_depend_on_batch(kernel, rows):
+def test_attend_matches_sdpa_for_every_mask_and_rows_depend_on_neither_batch_nor_threads(kernel, rows):
     gen = torch.Generator().manual_seed(rows)
     batch, heads, kv_heads, dim, keys = 2, 6, 2, 32, 45
     q = torch.randn(batch, heads, rows, dim, generator=gen)
@@ -111,6 +111,15 @@ def test_attend_matches_sdpa_for_every_mask_and_rows_do_not_depend_on_batch(kern
         assert torch.equal(prefix, kernel.attend(q, k, v, None, dim ** -0.5, rows > 1)[:, t:t + 1])
     nothing = torch.zeros(1, 1, rows, keys, dtype=torch.bool)
     assert torch.equal(kernel.attend(q, k, v, nothing, 1.0, False), torch.zeros(batch, rows, heads, dim))
+    threads = torch.get_num_threads()  # the threads share the rows among them: any count, the same bits
+    try:
+        by_threads = []
+        for count in (1, 2, 3, 5):
+            torch.set_num_threads(count)
+            by_threads.append(kernel.attend(q, k, v, additive[None, None], dim ** -0.5, False))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(out, by_threads[0]) for out in by_threads[1:])
 
 
 def test_packed_model_verifies_with_the_bits_of_one_token_forwards(kernel):

@@ -89,7 +89,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, int64_
 }
 
 constexpr int64_t kKeys = 8;      // keys per chunk: one score vector, and the keys and values a block of rows shares
-constexpr int64_t kMaxRows = 8;   // query rows of one K/V head per task, at most
+constexpr int64_t kMaxRows = 8;   // query rows of one K/V head per block, at most
 
 // The dot products of q with keys j0 .. j0 + 7 (keys past `last` read as key `last`, never out of bounds): per key one
 // FMA chain over the head dim, then a fixed tree over its 8 lanes, so a key's score does not depend on its chunk.
@@ -214,8 +214,8 @@ static void weighted_rows(const QueryRow* rows, int64_t n, const float* v, int64
 // q [B, Hq, T, D], k/v [B, Hkv, L, D] (unit stride in D), mask: none, bool (true = attend) or additive float,
 // broadcastable to [B, Hq, T, L]; causal (used without a mask): query t sees keys j <= L - T + t.
 // Returns [B, T, Hq, D]. Each (b, head, t) row is computed alone, in one fixed order over the keys it can see:
-// its bits do not depend on L beyond them, on the other rows, or on the threads. Tasks: blocks of the rows that
-// read one K/V head, small enough that the threads share the work evenly.
+// its bits do not depend on L beyond them, on the other rows, or on the threads. Every thread takes an equal share of
+// the rows (K/V head by K/V head), in blocks of at most kMaxRows rows of one head.
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                      const c10::optional<torch::Tensor>& mask, double scale, bool causal) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attend: 4-D q, k, v");
@@ -237,15 +237,15 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
   }
   const float* qd = q.data_ptr<float>(); const float* kd = k.data_ptr<float>(); const float* vd = v.data_ptr<float>();
   float* od = out.data_ptr<float>();
-  const int64_t rows = groups * T, threads = at::get_num_threads();  // query rows that read one K/V head
-  const int64_t per_task = std::clamp<int64_t>((B * Hkv * rows + 8 * threads - 1) / (8 * threads), 1, kMaxRows);
-  const int64_t blocks = (rows + per_task - 1) / per_task;
+  const int64_t rows = groups * T, all = B * Hkv * rows;  // `rows` query rows read each K/V head
+  const int64_t shares = std::min<int64_t>(at::get_num_threads(), all);
   const int64_t ld = (L + kKeys - 1) / kKeys * kKeys;  // a row of scores, whole chunks
-  at::parallel_for(0, B * Hkv * blocks, 1, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, shares, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> s(kMaxRows * ld);
-    for (int64_t task = lo; task < hi; ++task) {
-      const int64_t b = task / (Hkv * blocks), kh = (task / blocks) % Hkv, first = (task % blocks) * per_task;
-      const int64_t n = std::min(per_task, rows - first);
+    for (int64_t r = all * lo / shares, end = all * hi / shares; r < end;) {
+      const int64_t head = r / rows, first = r % rows, n = std::min({kMaxRows, rows - first, end - r});
+      const int64_t b = head / Hkv, kh = head % Hkv;
+      r += n;
       QueryRow block[kMaxRows];
       for (int64_t i = 0; i < n; ++i) {
         const int64_t h = kh * groups + (first + i) / T, t = (first + i) % T;
