@@ -16,12 +16,14 @@ On the default prompts' first turns, greedy, single stream, same threads:
       matches polyspec's W4 model's, run with the activation dtype vLLM's kernel has (interop.w4_dtype), on the
       same continuations: within a tolerance, or with the positions where only one side matches split so evenly
       that kernel rounding explains them; and where llama.cpp is on, llama.cpp drafts with the W4 level as a
-      Q4_0 GGUF losslessly (llama.cpp's alone where vLLM has no W4 kernel).
+      Q4_0 GGUF losslessly, as many tokens a step as the bundle's serve command (decode.bench.llamacpp.draft_max)
+      (llama.cpp's alone where vLLM has no W4 kernel).
 
 It prints those and a tokens/s table: polyspec's AR and dualistic chain next to vLLM's AR, n-gram and head
 (and its W4 AR) and llama.cpp's AR, W4 draft and EAGLE-3 head, and writes everything to interop.out. What each
 artifact gains in its engine (tokens/s over that engine's AR, acceptance) goes into the checked bundle's chain.json
-(serve.measured) where the artifact is one of the bundle's levels (a head passed with interop.head to check a
+(serve.measured, each entry saying whether it keeps the target's outputs: vLLM's W4 AR does not) where the
+artifact is one of the bundle's levels (a head passed with interop.head to check a
 head-less bundle is not: only the bundle's W4 level is recorded then); an artifact that makes its engine slower gets
 a line, and its serve entry `recommended: false` with the reason. Exit 0 when every check passed, 4 when one failed.
 """
@@ -327,7 +329,7 @@ def table(vllm: dict[str, dict], poly: dict[str, Any], k: int) -> list[dict[str,
              "artifact": "head"}]
     if "w4" in vllm:
         rows.append({"engine": "vLLM", "method": "W4 AR", "run": vllm["w4"], "reference": vllm["ar"],
-                     "artifact": "w4"})
+                     "artifact": "w4", "lossless": False})  # the W4 model's own outputs, not the target's
     out = []
     for row in rows:
         run, ref = row.pop("run"), row.pop("reference")
@@ -352,10 +354,11 @@ def llamacpp_rows(llama: dict[str, Any], k: int) -> list[dict[str, Any]]:
         return sum(o["new_tokens"] for o in outs) / max(sum(o["prompt_s"] + o["decode_s"] for o in outs), 1e-9)
 
     base, rows = {"engine": "llama.cpp", "tokens": 0}, []
-    for check, name, method, artifact in ((llama.get("w4"), "w4", f"draft-simple W4 k={k}", "w4"),
-                                          (llama.get("head"), "eagle3", f"draft-eagle3 head k={k}", "head")):
+    for check, name, method, artifact in ((llama.get("w4"), "w4", "draft-simple W4", "w4"),
+                                          (llama.get("head"), "eagle3", "draft-eagle3 head", "head")):
         if not check or "runs" not in check:
             continue
+        method = f"{method} k={check.get('k', k)}"  # the W4 draft runs at the bundle's serve length
         ar, drafted = check["runs"]["llamacpp_ar"], check["runs"][name]
         if not rows:
             rows.append(base | {"method": "AR (F32 GGUF)", "tokens_per_s": speed(ar), "x_ar": 1.0,
@@ -368,15 +371,15 @@ def llamacpp_rows(llama: dict[str, Any], k: int) -> list[dict[str, Any]]:
 
 def engine_speedups(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
     """Per serving engine, each checked artifact's measured effect (`artifact`: head or w4): tokens/s over the same
-    engine's AR on the same prompts, and the acceptance length where the engine reports one (for chain.json's serve
-    section)."""
+    engine's AR on the same prompts, the acceptance length where the engine reports one, and whether the method keeps
+    the target's outputs (`lossless`: false for serving the W4 model itself) (for chain.json's serve section)."""
     found: dict[str, dict[str, dict[str, Any]]] = {}
     for row in rows:
         if row["engine"] == "polyspec" or row.get("x_ar") is None or row.get("artifact") is None:
             continue
         found.setdefault(row["engine"], {})[row["method"]] = {
             "artifact": row["artifact"], "speedup_over_its_ar": row["x_ar"], "tokens_per_s": row["tokens_per_s"],
-            "acceptance_length": row.get("L")}
+            "acceptance_length": row.get("L"), "lossless": row.get("lossless", True)}
     return found
 
 

@@ -325,10 +325,8 @@ def eval_of(cfg: Any) -> EvalSettings:
             specs[name] = decoding.parse_chain(levels, f"eval.chains.{name}")
     if not specs:
         raise EvalError("eval.chains is empty: nothing to evaluate")
-    draft_max = checked(int, OmegaConf.select(cfg, "decode.bench.llamacpp.draft_max", default=4),
-                        "decode.bench.llamacpp.draft_max", DecodeError)
     publication = Publication(decoding.model.name, decoding.model.dtype, decoding.run_name, decoding.layout,
-                              section.publish.dir, draft_max)
+                              section.publish.dir, llamacpp_draft_max(cfg, DecodeError))
     return EvalSettings(decoding, specs, checks, section, publication, tracking_of(cfg), plain(cfg.eval))
 
 
@@ -444,6 +442,14 @@ class InteropSettings:
     section: InteropSection
     bundle: Path
     config: dict[str, Any]  # interop.* as plain data, recorded in interop.json
+    llamacpp_draft_max: int = 4  # the W4 GGUF's draft length in the bundle's llama.cpp serve command
+
+
+def llamacpp_draft_max(cfg: Any, error: type[Exception]) -> int:
+    """decode.bench.llamacpp.draft_max: the W4 GGUF's tokens a step in the llama.cpp serve command a bundle publishes,
+    and so the length decode.interop measures that draft at."""
+    return checked(int, OmegaConf.select(cfg, "decode.bench.llamacpp.draft_max", default=4),
+                   "decode.bench.llamacpp.draft_max", error, least=1)
 
 
 def interop_of(cfg: Any) -> InteropSettings:
@@ -464,4 +470,4 @@ def interop_of(cfg: Any) -> InteropSettings:
         raise InteropError(f"interop.llamacpp must be auto, true or false, got {raw['llamacpp']!r}")
     section = parse(InteropSection, raw, "interop", InteropError)
     bundle = section.bundle or checked(Path, plain(cfg.eval.publish.dir), "eval.publish.dir", InteropError)
-    return InteropSettings(decoding_of(cfg), section, bundle, raw)
+    return InteropSettings(decoding_of(cfg), section, bundle, raw, llamacpp_draft_max(cfg, InteropError))

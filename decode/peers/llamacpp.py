@@ -131,8 +131,9 @@ def _enabled(settings: InteropSettings) -> bool:
 
 def w4_draft_check(settings: InteropSettings, w4_folder: Path, prompts: list[str]) -> dict[str, Any] | None:
     """decode.interop's check (c) in llama.cpp (all of it where vLLM cannot run the W4 model): the W4 level as a
-    Q4_0 GGUF drafts for the F32 target (k = interop.num_speculative_tokens); passed when it loads and every output
-    equals llama.cpp's own AR. None where llama.cpp is off (interop.llamacpp)."""
+    Q4_0 GGUF drafts for the F32 target, k tokens a step as the bundle's serve command has it (`k` in the result;
+    decode.bench.llamacpp.draft_max); passed when it loads and every output equals llama.cpp's own AR. None where
+    llama.cpp is off (interop.llamacpp)."""
     from decode.consumers.llamacpp_gguf import GgufExportError, w4_gguf
 
     if not _enabled(settings):
@@ -142,13 +143,13 @@ def w4_draft_check(settings: InteropSettings, w4_folder: Path, prompts: list[str
         draft = w4_gguf(w4_folder, target)
     except GgufExportError as err:
         return {"passed": False, "detail": f"llama.cpp: {err}"}
-    k = settings.section.num_speculative_tokens
+    k = settings.llamacpp_draft_max
     peer, same = _checked_peer(settings.section, target, "w4", Speculation("draft-simple", draft, k), prompts)
     acceptance = _acceptance(peer.runs["w4"])
     accepted = f"{acceptance:.0%} of drafted tokens accepted" if acceptance is not None else "no token drafted"
     detail = (f"llama.cpp loads {draft.name} as the draft model (k {k}): {same}/{len(prompts)} outputs equal its "
               f"AR, {accepted}")
-    return {"passed": same == len(prompts), "detail": detail, "acceptance": acceptance, "identical": same,
+    return {"passed": same == len(prompts), "detail": detail, "acceptance": acceptance, "identical": same, "k": k,
             "runs": {name: [vars(o) for o in outs] for name, outs in peer.runs.items()}}
 
 

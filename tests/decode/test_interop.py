@@ -85,6 +85,9 @@ def test_interop_refuses_bad_input_in_one_line_before_installing_or_loading(tmp_
     zero = interop(f"run_dir={tmp_path}", "interop.num_speculative_tokens=0")
     assert zero.returncode == 2 and zero.stderr.strip().splitlines()[-1] == (
         "error: interop.num_speculative_tokens must be an integer >= 1, got 0")
+    no_draft = interop(f"run_dir={tmp_path}", "decode.bench.llamacpp.draft_max=0")
+    assert no_draft.returncode == 2 and no_draft.stderr.strip().splitlines()[-1] == (
+        "error: decode.bench.llamacpp.draft_max must be >= 1, got 0")
     assert not venv.exists()  # nothing installed for bad input
 
 
@@ -198,7 +201,7 @@ def test_each_engines_speedups_go_into_the_bundle_and_a_slower_artifact_is_said(
     def outs(n, seconds):
         return [{"new_tokens": n, "prompt_s": 0.0, "decode_s": seconds}]
 
-    llama = {"w4": {"runs": {"llamacpp_ar": outs(60, 1.0), "w4": outs(60, 2.0)}, "identical": 1},
+    llama = {"w4": {"runs": {"llamacpp_ar": outs(60, 1.0), "w4": outs(60, 2.0)}, "identical": 1, "k": 4},
              "head": {"runs": {"llamacpp_ar": outs(60, 1.0), "eagle3": outs(60, 1.25)}, "identical": 1,
                       "acceptance_length": 1.8}}
     rows = [{"engine": "polyspec", "method": "AR", "x_ar": 1.0, "tokens_per_s": 30.0},
@@ -207,15 +210,16 @@ def test_each_engines_speedups_go_into_the_bundle_and_a_slower_artifact_is_said(
             {"engine": "vLLM", "method": "eagle head k=3", "x_ar": 1.25, "tokens_per_s": 50.0, "L": 1.9,
              "artifact": "head"},
             {"engine": "vLLM", "method": "W4 AR", "x_ar": None, "error": "not applicable", "artifact": "w4"}]
+    # the W4 draft ran at the bundle's serve length (k 4), the head at vLLM's k (3)
     speedups = engine_speedups(rows + llamacpp_rows(llama, 3))
     assert speedups == {
         "vLLM": {"eagle head k=3": {"artifact": "head", "speedup_over_its_ar": 1.25, "tokens_per_s": 50.0,
-                                    "acceptance_length": 1.9}},
-        "llama.cpp": {"draft-simple W4 k=3": {"artifact": "w4", "speedup_over_its_ar": 0.5, "tokens_per_s": 30.0,
-                                              "acceptance_length": None},
+                                    "acceptance_length": 1.9, "lossless": True}},
+        "llama.cpp": {"draft-simple W4 k=4": {"artifact": "w4", "speedup_over_its_ar": 0.5, "tokens_per_s": 30.0,
+                                              "acceptance_length": None, "lossless": True},
                       "draft-eagle3 head k=3": {"artifact": "head", "speedup_over_its_ar": 0.8, "tokens_per_s": 48.0,
-                                                "acceptance_length": 1.8}}}
-    assert slower_lines(speedups) == ["llama.cpp: draft-simple W4 k=3 makes it slower: 0.50x its own AR",
+                                                "acceptance_length": 1.8, "lossless": True}}}
+    assert slower_lines(speedups) == ["llama.cpp: draft-simple W4 k=4 makes it slower: 0.50x its own AR",
                                       "llama.cpp: draft-eagle3 head k=3 makes it slower: 0.80x its own AR"]
     assert not record_in_bundle(tmp_path, speedups, tmp_path / "interop.json", {"w4"})  # no chain.json
     serve = {"vllm_serve": "vllm serve x", "llamacpp": {"llama_server": "llama-server -md w4"},
@@ -231,11 +235,11 @@ def test_each_engines_speedups_go_into_the_bundle_and_a_slower_artifact_is_said(
     manifest = json.loads((tmp_path / "chain.json").read_text())
     assert manifest["chain"] == "polybasic" and manifest["serve"]["vllm_serve"] == "vllm serve x"
     assert manifest["serve"]["measured"]["engines"] == {
-        "llama.cpp": {"draft-simple W4 k=3": speedups["llama.cpp"]["draft-simple W4 k=3"]}}
+        "llama.cpp": {"draft-simple W4 k=4": speedups["llama.cpp"]["draft-simple W4 k=4"]}}
     assert not list(tmp_path.glob(".*tmp*"))
     # the W4 draft made llama.cpp slower: its entry is not recommended, and says why; the head is not the bundle's
     assert manifest["serve"]["llamacpp"]["recommended"] is False
-    assert manifest["serve"]["llamacpp"]["why"].startswith("draft-simple W4 k=3 measured 0.50x llama.cpp's own")
+    assert manifest["serve"]["llamacpp"]["why"].startswith("draft-simple W4 k=4 measured 0.50x llama.cpp's own")
     assert "recommended" not in manifest["serve"]["llamacpp_eagle3"] and "recommended" not in manifest["serve"]
     # the bundle's own head too: the slower EAGLE-3 draft is said in its entry, the faster vLLM head is untouched
     both = bundled_artifacts(levels + [{"folder": tmp_path / "head"}], tmp_path / "head", tmp_path / "levels" / "w4")
@@ -243,3 +247,48 @@ def test_each_engines_speedups_go_into_the_bundle_and_a_slower_artifact_is_said(
     manifest = json.loads((tmp_path / "chain.json").read_text())
     assert manifest["serve"]["measured"]["engines"] == speedups
     assert manifest["serve"]["llamacpp_eagle3"]["recommended"] is False and "recommended" not in manifest["serve"]
+
+
+def test_vllm_serving_the_w4_model_is_recorded_as_lossy_and_the_drafted_methods_as_lossless():
+    """vLLM's "W4 AR" serves the W4 model's own outputs: faster than the target's AR, but not the target's tokens, so
+    chain.json must not list its speedup beside the lossless ones unmarked."""
+    from decode.interop import engine_speedups, table
+
+    def run(tokens, seconds):
+        return {"tokens": [[1] * tokens], "seconds": [seconds]}
+
+    vllm = {"ar": run(60, 2.0), "ngram": run(60, 1.5), "eagle": run(60, 1.0) | {"spec": {"num_drafts": 20,
+                                                                                     "num_accepted_tokens": 20}},
+            "w4": run(60, 1.0)}
+    poly = {"ar": run(60, 2.0), "chain": run(60, 1.6) | {"acceptance_length": 2.0}}
+    speedups = engine_speedups(table(vllm, poly, 3))["vLLM"]
+    assert speedups["W4 AR"]["lossless"] is False and speedups["W4 AR"]["speedup_over_its_ar"] == 2.0
+    assert speedups["eagle head k=3"]["lossless"] is True and speedups["eagle head k=3"]["acceptance_length"] == 2.0
+
+
+def test_llamacpp_drafts_with_the_w4_gguf_at_the_length_the_bundle_serves(tmp_path, monkeypatch):
+    """chain.json's llama.cpp command drafts decode.bench.llamacpp.draft_max tokens a step; the interop check that
+    says whether that command pays must run the same length, not vLLM's k (interop.num_speculative_tokens)."""
+    from hydra import compose, initialize
+
+    import decode.consumers.llamacpp_gguf as gguf
+    import decode.peers.llamacpp as peers
+    from decode.settings import interop_of
+
+    with initialize(version_base="1.3", config_path="../../conf"):
+        cfg = compose("config", overrides=[f"run_dir={tmp_path}", "decode.bench.llamacpp.draft_max=6",
+                                           "interop.num_speculative_tokens=3"])
+    settings = interop_of(cfg)
+    assert settings.llamacpp_draft_max == 6
+    drafted = []
+
+    def checked_peer(section, target, name, speculation, prompts):
+        drafted.append(speculation.draft_max)
+        return type("Peer", (), {"runs": {name: []}})(), len(prompts)
+
+    monkeypatch.setattr(peers, "_enabled", lambda settings: True)
+    monkeypatch.setattr(peers, "_target", lambda model: tmp_path / "target.gguf")
+    monkeypatch.setattr(peers, "_checked_peer", checked_peer)
+    monkeypatch.setattr(gguf, "w4_gguf", lambda folder, target: tmp_path / "w4.Q4_0.gguf")
+    found = peers.w4_draft_check(settings, tmp_path / "w4", ["a prompt"])
+    assert drafted == [6] and found["k"] == 6 and "(k 6)" in found["detail"]
