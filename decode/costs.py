@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 
 from decode.backends import Backend
 from decode.engine.runner import HFHeadRunner, PreparedHead
+from decode.engine.spec import LevelSpec
 from decode.settings import CostsSettings, Decoding, costs_of
 from infra.cli import check_writable, run_main
 from infra.device import use_threads
@@ -68,18 +69,20 @@ def context_ids(held_out: list, tokenizer, length: int) -> list[int]:
 
 
 def _w4_steps(w4: Any, context: list[int], steps: dict[str, Step], notes: dict[str, str]) -> None:
-    """The prepared W4 level's rows: as it is, and with lm_head: int8 (a CPU kernel), each on its own runner."""
+    """The prepared W4 level's rows: as it is, and with lm_head: int8 (a CPU kernel), each on its own runner, named
+    as the planner looks a level up (LevelSpec.cost_row)."""
     from decode import backends
     from decode.backends.cpu.int8 import Int8RowLinear
     from decode.engine.levels import LevelCompute, ModelLevel
 
-    runner = w4.new_runner()
-    steps["w4"] = level_forward(ModelLevel("w4", w4, compute=LevelCompute(runner)), context)
-    notes["w4"] = f"{w4.model.name_or_path}, {type(runner).__name__}"
+    runner, row = w4.new_runner(), LevelSpec(model="w4").cost_row
+    steps[row] = level_forward(ModelLevel("w4", w4, compute=LevelCompute(runner)), context)
+    notes[row] = f"{w4.model.name_or_path}, {type(runner).__name__}"
     if backends.on_cpu(w4.model):
         int8 = backends.with_lm_head(w4, Int8RowLinear(w4.model.get_output_embeddings()))
-        steps["w4 int8 head"] = level_forward(ModelLevel("w4", int8), context)
-        notes["w4 int8 head"] = "the W4 level with lm_head: int8"
+        row = LevelSpec(model="w4", lm_head="int8").cost_row
+        steps[row] = level_forward(ModelLevel("w4", int8), context)
+        notes[row] = "the W4 level with lm_head: int8"
 
 
 def _target_steps(decoding: Decoding, context: list[int], steps: dict[str, Step], notes: dict[str, str]) -> Any:
@@ -163,9 +166,9 @@ def steps_for(settings: CostsSettings) -> tuple[dict[str, Step], dict[str, str],
         from decode.engine.levels import LevelCompute, ModelLevel
 
         rows = backend.linear(w4.model, vocabulary_rows(w4.lm_head, vocab))
-        steps["w4 V=head"] = level_forward(ModelLevel("w4", w4, vocab=vocab, compute=LevelCompute(lm_head=rows)),
-                                           context)
-        notes["w4 V=head"] = f"the W4 level restricted to the head's {len(vocab)}-token vocabulary (vocab: head)"
+        row = LevelSpec(model="w4", vocab="head").cost_row
+        steps[row] = level_forward(ModelLevel("w4", w4, vocab=vocab, compute=LevelCompute(lm_head=rows)), context)
+        notes[row] = f"the W4 level restricted to the head's {len(vocab)}-token vocabulary (vocab: head)"
     return steps, notes, beside
 
 

@@ -8,7 +8,7 @@ each shape is decoded). From it:
   accepted  per verifying level, the distribution of the tokens C it accepts of what the level below
             proposes; a proposal of m tokens (the first m of the longer one) is accepted min(C, m);
   costs     per verifying level a cost curve {tokens fed: seconds per forward} (decode.costs' costs.json
-            when it names the level, else timed here with infra.timing), scaled so that it reproduces
+            when it times the level as it runs, its LM head included, else timed here with infra.timing), scaled so that it reproduces
             the calibration's forwards of the same sizes; the drafter's measured cost per forward and
             forwards per round at each shape;
   prefill   each lower level's first forward in a decode, its reading of the prompt (the target's is the first
@@ -94,16 +94,19 @@ def _setting_name(draft: dict[str, Any]) -> str:
             else f"length {draft['length']}")
 
 
-def cost_curves(chain: Chain, context: list[int], plan: PlanSettings) -> tuple[list[dict[int, float]], list[str]]:
-    """Seconds per forward at k tokens for every verifying level: costs.json's row of the same name, else timed."""
+def cost_curves(chain: Chain, rows: list[str | None], context: list[int],
+                plan: PlanSettings) -> tuple[list[dict[int, float]], list[str]]:
+    """Seconds per forward at k tokens for every verifying level: its costs.json row (`rows`: LevelSpec.cost_row, the
+    level as it runs, its LM head included), else timed here."""
     from infra.timing import level_forward, median_ms
 
     stored = json.loads(plan.costs.read_text())["ms"] if plan.costs and plan.costs.is_file() else {}
     verifiers: list[ModelLevel] = chain.levels[:-1]
-    timed = {level.name: level_forward(level, context) for level in verifiers if level.name not in stored}
+    keys = [row if row in stored else f"{level.name} (timed)" for level, row in zip(verifiers, rows)]
+    timed = {key: level_forward(level, context) for level, key in zip(verifiers, keys) if key not in stored}
     ms = stored | (median_ms(timed, list(plan.ks), plan.repeats) if timed else {})
-    curves = [{int(k): v / 1e3 for k, v in ms[level.name].items()} for level in verifiers]
-    return curves, ["costs.json" if level.name in stored else "timed" for level in verifiers]
+    curves = [{int(k): v / 1e3 for k, v in ms[key].items()} for key in keys]
+    return curves, [f"costs.json {key}" if key in stored else "timed" for key in keys]
 
 
 def calibrate(spec: ChainSpec, build: Build, prompts: list[list[int]], plan: PlanSettings, eos: Any,
@@ -121,7 +124,7 @@ def calibrate(spec: ChainSpec, build: Build, prompts: list[list[int]], plan: Pla
         settings = [{**draft, "length": lengths[-1]}]
     context = [t for p in prompts for t in p][: plan.context]
     chain = build(spec)
-    curves, sources = cost_curves(chain, context, plan)
+    curves, sources = cost_curves(chain, [level.cost_row for level in spec.levels[:-1]], context, plan)
     start, runs = time.perf_counter(), []
     for setting in settings:
         variant = build(spec.with_knobs({"mu": {name: mu_max for name in configured["mu"]}, "draft": setting}))

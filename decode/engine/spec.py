@@ -66,6 +66,15 @@ class LevelSpec:
     max_ngram: int = 3
     min_ngram: int = 1
 
+    @property
+    def cost_row(self) -> str | None:
+        """The row of decode.costs' costs.json that times this level as it runs (the model, then the LM head it
+        computes: "w4 int8 head"), or None where costs.json has none (an early-exit copy, another dtype, a model other
+        than the target and the W4 copy)."""
+        if self.kind != "model" or self.model not in ("target", "w4") or self.layers or self.dtype:
+            return None
+        return " ".join([self.model] + ["int8 head"] * (self.lm_head == "int8") + ["V=head"] * (self.vocab == "head"))
+
     def as_config(self) -> dict[str, Any]:
         """The keys that apply to this kind of level, set ones only (what the manifest records)."""
         keys = ("kind", "name", "mu", "draft") + KIND_KEYS[self.kind]

@@ -150,3 +150,34 @@ def test_plan_chain_calibrates_a_real_chain_and_predicts_the_configured_values(o
     cautious = plan_chain(spec, build, prompts(300, n=2), dataclasses.replace(settings, min_gain=0.99), eos=None,
                           turn_tokens=11)
     assert cautious["planned"] == cautious["configured"]  # not predicted 99% faster: keep the configured values
+
+
+def test_the_plan_reads_a_costs_json_row_only_for_the_level_as_it_runs(one_thread, tmp_path):
+    """A W4 level on int8 LM-head rows is timed here where costs.json has only the fp32 head's row "w4"; with a
+    "w4 int8 head" row it reads that one. The target reads its own row."""
+    import json
+
+    from decode.engine.chain import Chain
+    from decode.engine.levels import ModelLevel
+    from decode.engine.spec import ChainSpec
+    from decode_fixtures import noisy_copy, prompts, tiny_model
+
+    target = tiny_model(0)
+    models = {"target": target, "w4": noisy_copy(target, 0.05, 1), "draft": noisy_copy(target, 0.3, 2)}
+    spec = ChainSpec.parse([{"name": "target"}, {"name": "w4", "model": "w4", "lm_head": "int8", "mu": 2},
+                            {"name": "draft", "model": "draft", "draft": {"mode": "chain", "length": 2}}])
+
+    def build(variant: ChainSpec) -> Chain:
+        return Chain([ModelLevel(level.name, models[level.model], level.mu, level.draft) for level in variant.levels])
+
+    curve = {"1": 5.0, "4": 6.0, "8": 7.0}
+    costs = tmp_path / "costs.json"
+    settings = PlanSettings(mu=(1, 2), lengths=(1, 2), min_gain=0.0, ks=(1, 4, 8), repeats=1, context=32,
+                            max_new_tokens=6, costs=costs)
+    sources = {}
+    for rows in ({"target": curve, "w4": curve}, {"target": curve, "w4": curve, "w4 int8 head": curve}):
+        costs.write_text(json.dumps({"ms": rows}))
+        plan = plan_chain(spec, build, prompts(300, n=1), settings, eos=None, turn_tokens=5)
+        sources[len(rows)] = {name: c["source"] for name, c in plan["calibration"]["costs"].items()}
+    assert sources[2] == {"target": "costs.json target", "w4": "timed"}
+    assert sources[3] == {"target": "costs.json target", "w4": "costs.json w4 int8 head"}

@@ -97,3 +97,16 @@ def test_stacks_skip_levels_whose_names_would_repeat():
     for name, levels in stacks(configured).items():
         assert [level["name"] for level in levels] == name.split("<-")
         ChainSpec.parse(levels, DEFAULTS)  # a valid chain: no two levels named w4
+
+
+def test_a_levels_cost_row_names_the_model_and_the_lm_head_it_runs_with():
+    """decode.costs times the W4 level with its fp32 LM head and with lm_head: int8; a chain's W4 level on int8 rows
+    must not be planned on the fp32 head's row (113 MB a token against 28 MB), nor an early-exit copy on the whole
+    model's."""
+    assert LevelSpec(model="target").cost_row == "target"
+    assert LevelSpec(model="w4").cost_row == "w4"
+    assert LevelSpec(model="w4", lm_head="int8").cost_row == "w4 int8 head"
+    assert LevelSpec(model="w4", vocab="head").cost_row == "w4 V=head"
+    for none in (LevelSpec(model="target", layers=8), LevelSpec(model="w4", dtype="bfloat16"),
+                 LevelSpec(model="/some/folder"), LevelSpec(kind="eagle"), LevelSpec(kind="ngram")):
+        assert none.cost_row is None
