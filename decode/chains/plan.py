@@ -9,8 +9,8 @@ each shape is decoded). From it:
             proposes; a proposal of m tokens (the first m of the longer one) is accepted min(C, m);
   costs     per verifying level a cost curve {tokens fed: seconds per forward} (decode.costs' costs.json
             when it times the level as it runs, its LM head included, else timed here with infra.timing),
-            scaled so that it reproduces the calibration's forwards of the same sizes; the drafter's measured cost per forward and
-            forwards per round at each shape;
+            scaled so that it reproduces the calibration's forwards of the same sizes; the drafter's measured
+            cost per forward and forwards per round at each shape;
   prefill   each lower level's first forward in a decode, its reading of the prompt (the target's is the first
             token, outside decoding time): seconds once a turn, so a token of a turn of T tokens carries 1 / T of
             it; kept out of the drafter's cost per forward and its forwards per round;
