@@ -442,7 +442,7 @@ class InteropSettings:
     section: InteropSection
     bundle: Path
     config: dict[str, Any]  # interop.* as plain data, recorded in interop.json
-    llamacpp_draft_max: int = 4  # the W4 GGUF's draft length in the bundle's llama.cpp serve command
+    llamacpp_draft_max: int  # the W4 GGUF's draft length in the bundle's llama.cpp serve command
 
 
 def llamacpp_draft_max(cfg: Any, error: type[Exception]) -> int:
