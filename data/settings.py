@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from infra.schema import Positive
 from infra.settings import checked, parse
 
 
@@ -22,9 +23,9 @@ class DataSettings:
     the cap on the train split (None: all)."""
 
     source: str
-    max_len: int
+    max_len: Positive
     held_out_fraction: float
-    max_conversations: int | None = None
+    max_conversations: Positive | None = None
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from decode.evaluation.speedup import IntervalError, checked_confidence
 from decode.publish import Publication
 from infra.device import checked_threads
 from infra.layout import RunLayout
+from infra.schema import NonNegative, Positive
 from infra.settings import Tracking, checked, device_of, layout_of, parse, plain, tracking_of
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -203,17 +204,17 @@ class PlanSettings:
 
     enabled: bool = True
     chains: tuple[str, ...] | None = None
-    questions: int = 4
-    max_new_tokens: int = 32
-    mu: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
-    lengths: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
+    questions: Positive = 4
+    max_new_tokens: Positive = 32
+    mu: tuple[Positive, ...] = (1, 2, 3, 4, 6, 8)
+    lengths: tuple[Positive, ...] = (1, 2, 3, 4, 6, 8)
     min_gain: float = 0.03
     trees: tuple[dict[str, int], ...] = ()
     costs: Path | None = None
-    ks: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
-    repeats: int = 5
-    context: int = 192
-    stacks: int = 2  # 0: plan only the configured chains
+    ks: tuple[Positive, ...] = (1, 2, 4, 8, 16, 32)
+    repeats: Positive = 5
+    context: Positive = 192
+    stacks: NonNegative = 2  # 0: plan only the configured chains
 
 
 @dataclass(frozen=True)
@@ -256,9 +257,9 @@ class PublishSettings:
 @dataclass(frozen=True)
 class EvalSection:
     prompts: str | None = None
-    per_category: Any = 2
-    max_new_tokens: Any = 64
-    warmup_tokens: Any = 16
+    per_category: Positive | None = 2
+    max_new_tokens: Positive = 64
+    warmup_tokens: NonNegative = 16
     out_dir: Path = Path("eval")
     confidence: Any = 0.95
     chains: dict[str, Any] = field(default_factory=dict)
@@ -300,16 +301,6 @@ def confidence_of(value: Any, section: str, error: type[Exception]) -> float:
 def eval_of(cfg: Any) -> EvalSettings:
     """decode.eval's settings, every check of its inputs done before anything loads."""
     section = parse(EvalSection, plain(cfg.eval), "eval", EvalError)
-    for key, least in (("max_new_tokens", 1), ("warmup_tokens", 0)):
-        value = getattr(section, key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise EvalError(f"eval.{key} must be >= {least} (an integer), got {value!r}")
-    if section.plan.stacks < 0:
-        raise EvalError(f"eval.plan.stacks must be >= 0 (an integer), got {section.plan.stacks!r}")
-    per_category = section.per_category
-    if per_category is not None and (isinstance(per_category, bool) or not isinstance(per_category, int)
-                                     or per_category < 1):
-        raise EvalError(f"eval.per_category must be null or an integer >= 1, got {per_category!r}")
     confidence = confidence_of(section.confidence, "eval", EvalError)
     if section.publish.chain != "best" and section.chains.get(section.publish.chain) is None:
         raise EvalError(f"eval.publish.chain={section.publish.chain!r} is not one of eval.chains "
@@ -335,26 +326,26 @@ class LlamaCppBench:
     """decode.bench.llamacpp: llama.cpp beside polyspec (decode.peers.llamacpp)."""
 
     enabled: Any = "auto"
-    draft_max: int = 4
+    draft_max: Positive = 4
     ngram: dict[str, Any] = field(default_factory=dict)
-    sweep: tuple[int, ...] = (2, 4, 6, 8)
+    sweep: tuple[Positive, ...] = (2, 4, 6, 8)
 
 
 @dataclass(frozen=True)
 class BenchSection:
     prompts: str | None = None
-    per_category: int | None = 1
-    max_new_tokens: int = 64
-    repeats: int = 1
+    per_category: Positive | None = 1
+    max_new_tokens: Positive = 64
+    repeats: Positive = 1
     confidence: Any = 0.95
-    warmup_tokens: int = 8
+    warmup_tokens: NonNegative = 8
     two_level: str | None = None
     three_level: str | None = None
     extra: tuple[str, ...] = ()
     stand_ins: dict[str, str] = field(default_factory=dict)
     assistant: dict[str, Any] | None = None
     assistant_stand_in: dict[str, Any] | None = None
-    prompt_lookup_num_tokens: int = 6
+    prompt_lookup_num_tokens: Positive = 6
     llamacpp: LlamaCppBench | None = None
     out: Path = Path("bench.json")
 
@@ -377,11 +368,11 @@ def bench_of(cfg: Any) -> BenchSettings:
 
 @dataclass(frozen=True)
 class CostsSection:
-    ks: tuple[int, ...] = (1, 2, 4, 8, 12, 16)
-    context: int = 256
-    repeats: int = 9
-    head_vocab: tuple[int | None, ...] = ()
-    round_tokens: int = 64
+    ks: tuple[Positive, ...] = (1, 2, 4, 8, 12, 16)
+    context: Positive = 256
+    repeats: Positive = 9
+    head_vocab: tuple[Positive | None, ...] = ()
+    round_tokens: Positive = 64
     out: Path = Path("costs.json")
 
 
@@ -419,13 +410,13 @@ class InteropSection:
     bundle: Path | None = None
     head: Path | None = None
     w4: Path | None = None
-    num_speculative_tokens: int = 3
+    num_speculative_tokens: Positive = 3
     prompts: str | None = None
-    per_category: int = 1
-    max_new_tokens: int = 64
-    warmup_tokens: int = 8
-    threads: int = 2
-    max_model_len: int = 1024
+    per_category: Positive = 1
+    max_new_tokens: Positive = 64
+    warmup_tokens: NonNegative = 8
+    threads: Positive = 2
+    max_model_len: Positive = 1024
     dtype: str = "float32"
     w4_dtype: str = "bfloat16"
     ngram: dict[str, int] = field(default_factory=lambda: {"prompt_lookup_max": 3, "prompt_lookup_min": 1})
@@ -448,8 +439,8 @@ class InteropSettings:
 def llamacpp_draft_max(cfg: Any, error: type[Exception]) -> int:
     """decode.bench.llamacpp.draft_max: the W4 GGUF's tokens a step in the llama.cpp serve command a bundle publishes,
     and so the length decode.interop measures that draft at."""
-    return checked(int, OmegaConf.select(cfg, "decode.bench.llamacpp.draft_max", default=4),
-                   "decode.bench.llamacpp.draft_max", error, least=1)
+    return checked(Positive, OmegaConf.select(cfg, "decode.bench.llamacpp.draft_max", default=4),
+                   "decode.bench.llamacpp.draft_max", error)
 
 
 def interop_of(cfg: Any) -> InteropSettings:
@@ -459,11 +450,6 @@ def interop_of(cfg: Any) -> InteropSettings:
     from infra.cli import flag
 
     raw = plain(cfg.interop)
-    for key, least in (("num_speculative_tokens", 1), ("max_new_tokens", 1), ("warmup_tokens", 0), ("threads", 1),
-                       ("per_category", 1)):
-        value = raw.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise InteropError(f"interop.{key} must be an integer >= {least}, got {value!r}")
     for key in ("acceptance", "w4"):
         flag(cfg.interop.checks, key, error=InteropError)
     if not (isinstance(raw.get("llamacpp", False), bool) or raw["llamacpp"] == "auto"):

@@ -6,21 +6,33 @@ import dataclasses
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from infra.errors import ConfigError
 
 
+@dataclasses.dataclass(frozen=True)
+class AtLeast:
+    """An int field's least value, as its annotation's metadata (`Positive`, `NonNegative`): checked by `parse` with
+    the field's full key, so a count of 0 fails at the door in one line, not later inside a decode or a timing loop."""
+
+    value: int
+
+
+Positive = Annotated[int, AtLeast(1)]
+NonNegative = Annotated[int, AtLeast(0)]
+
+
 def parse(cls: type, raw: Any, where: str, error: type[Exception] = ConfigError, least: int | None = None) -> Any:
     """A frozen dataclass `cls` from a mapping of plain data, every value checked against its field's annotation
-    (bool strictly, int (at least `least` where given), float, str, Path, Literal choices, Optional, tuples, dicts,
-    nested dataclasses; Any as it is). Unknown keys are refused; absent keys take the field's default. `error`
-    names the full key."""
+    (bool strictly, int (at least `least` where given, and its AtLeast), float, str, Path, Literal choices, Optional,
+    tuples, dicts, nested dataclasses; Any as it is). Unknown keys are refused; absent keys take the field's default.
+    `error` names the full key."""
     if dataclasses.is_dataclass(raw) and isinstance(raw, cls):
         return raw
     if not isinstance(raw, dict):
         raise error(f"{where}: expected a mapping, got {raw!r}")
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     unknown = sorted(set(raw) - set(hints))
     if unknown:
         raise error(f"{where}: unknown key {unknown[0]!r}; known: {', '.join(hints)}")
@@ -37,6 +49,9 @@ def checked(hint: Any, value: Any, where: str, error: type[Exception] = ConfigEr
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is Any:
         return value
+    if origin is Annotated:
+        return _at_least(args[0], [m.value for m in hint.__metadata__ if isinstance(m, AtLeast)], value, where, error,
+                         least)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
@@ -81,6 +96,20 @@ def checked(hint: Any, value: Any, where: str, error: type[Exception] = ConfigEr
     if hint is bool:  # as infra.cli.flag says it: a string such as 'false' would be truthy
         raise error(f"{where} must be true or false, got {value!r} ({type(value).__name__})")
     raise error(f"{where} must be {_names((hint,))}, got {value!r} ({type(value).__name__})")
+
+
+def _at_least(hint: Any, bounds: list[int], value: Any, where: str, error: type[Exception],
+              least: int | None) -> Any:
+    """`value` as `hint` (an int) at least every bound, or one message for both a wrong kind and a small value."""
+    if not bounds:
+        return checked(hint, value, where, error, least)
+    try:
+        result = checked(hint, value, where, error, least)
+    except error:
+        result = None
+    if result is None or result < max(bounds):
+        raise error(f"{where} must be an integer >= {max(bounds)}, got {value!r}")
+    return result
 
 
 def _key(where: str, key: Any) -> str:

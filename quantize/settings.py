@@ -8,6 +8,7 @@ from typing import Any
 
 from data.settings import DataSettings, ModelSettings, data_of, model_of
 from infra.layout import RunLayout
+from infra.schema import NonNegative, Positive
 from infra.settings import RunSettings, layout_of, parse, run_of
 from quantize.errors import QuantizeError
 
@@ -16,10 +17,10 @@ from quantize.errors import QuantizeError
 class Calibration:
     """quantize.calibration: the chat-templated training conversations GPTQ calibrates on."""
 
-    samples: int
-    min_len: int
-    max_len: int
-    batch_size: int
+    samples: Positive
+    min_len: NonNegative
+    max_len: Positive
+    batch_size: Positive
     dtype: str
 
 
@@ -28,15 +29,15 @@ class W4Evaluation:
     """quantize.eval: what the stage measures of the W4 model against the target (the timing keys: quantize.kernels
     too)."""
 
-    ppl_conversations: int
-    ppl_max_len: int
-    agreement_prompts: int
-    max_prompt_len: int
-    continuation_tokens: int
-    draft_depth: int
-    timing_context: int
-    timing_repeats: int
-    timing_tokens: tuple[int, ...]
+    ppl_conversations: Positive
+    ppl_max_len: Positive
+    agreement_prompts: Positive
+    max_prompt_len: Positive
+    continuation_tokens: Positive
+    draft_depth: Positive
+    timing_context: Positive
+    timing_repeats: Positive
+    timing_tokens: tuple[Positive, ...]
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class Quantization:
     damp_auto_increment: float
     true_sequential: bool
     mse: float
-    cpu_workers: int | None
+    cpu_workers: Positive | None
     calibration: Calibration
     eval: W4Evaluation
 

@@ -130,6 +130,16 @@ def test_quantize_refuses_string_booleans(tmp_path, key):
         run(w4_of(quantize_config(tmp_path, **{key: "false"})))
 
 
+@pytest.mark.parametrize("key", ["calibration.samples", "eval.agreement_prompts", "eval.timing_repeats"])
+def test_quantize_refuses_a_count_of_zero_before_loading(tmp_path, key):
+    from quantize.settings import w4_of
+    from quantize.w4 import QuantizeError, run
+
+    with pytest.raises(QuantizeError, match=rf"^quantize\.{key} must be an integer >= 1, got 0$"):
+        run(w4_of(quantize_config(tmp_path, **{key: 0})))
+    assert not any(tmp_path.iterdir())
+
+
 def test_quantize_refuses_an_unwritable_output_before_loading(tmp_path, monkeypatch):
     from quantize.settings import w4_of
     from quantize.w4 import QuantizeError, run
@@ -153,9 +163,11 @@ def eval_config(tmp_path, *overrides: str):
     ("eval.publish.force='false'", r"eval\.publish\.force must be true or false, got 'false' \(str\)"),
     ("eval.publish.force=1", r"eval\.publish\.force must be true or false, got 1 \(int\)"),
     ("decode.fast=yes", r"decode\.fast must be true or false, got 'yes'"),
-    ("eval.max_new_tokens='64'", r"eval\.max_new_tokens must be >= 1 \(an integer\), got '64'"),
-    ("eval.warmup_tokens=-1", r"eval\.warmup_tokens must be >= 0 \(an integer\), got -1"),
-    ("eval.per_category=0", r"eval\.per_category must be null or an integer >= 1, got 0"),
+    ("eval.max_new_tokens='64'", r"eval\.max_new_tokens must be an integer >= 1, got '64'"),
+    ("eval.warmup_tokens=-1", r"eval\.warmup_tokens must be an integer >= 0, got -1"),
+    ("eval.per_category=0", r"eval\.per_category must be an integer >= 1, got 0"),
+    ("eval.plan.mu=[1,0]", r"eval\.plan\.mu\[1\] must be an integer >= 1, got 0"),
+    ("eval.plan.repeats=0", r"eval\.plan\.repeats must be an integer >= 1, got 0"),
 ])
 def test_eval_refuses_bad_config_values_before_any_work(tmp_path, override, message):
     from decode.engine.errors import DecodeError
@@ -187,6 +199,22 @@ def test_bench_refuses_an_unwritable_output_before_decoding(tmp_path, monkeypatc
     with pytest.raises(ConfigError,
                        match=r"^decode.bench.out=.*bench.json: cannot write there \(.*Read-only file system\)$"):
         run(bench_of(eval_config(tmp_path)))  # nothing is loaded: the output check comes first
+
+
+@pytest.mark.parametrize("door, override, message", [
+    ("bench_of", "decode.bench.repeats=0", r"decode\.bench\.repeats must be an integer >= 1, got 0"),
+    ("bench_of", "decode.bench.llamacpp.sweep=[2,0]", r"decode\.bench\.llamacpp\.sweep\[1\] must be an integer >= 1"),
+    ("bench_of", "decode.bench.warmup_tokens=-1", r"decode\.bench\.warmup_tokens must be an integer >= 0, got -1"),
+    ("costs_of", "decode.costs.ks=[1,0]", r"decode\.costs\.ks\[1\] must be an integer >= 1, got 0"),
+    ("costs_of", "decode.costs.repeats=0", r"decode\.costs\.repeats must be an integer >= 1, got 0"),
+])
+def test_bench_and_costs_refuse_a_count_below_its_least_at_the_door(tmp_path, door, override, message):
+    import decode.settings as settings
+    from decode.engine.errors import DecodeError
+
+    with pytest.raises(DecodeError, match="^" + message) as err:
+        getattr(settings, door)(eval_config(tmp_path, override))
+    assert "\n" not in str(err.value) and not any(tmp_path.iterdir())
 
 
 def test_eval_refuses_an_output_path_that_is_a_file(tmp_path):

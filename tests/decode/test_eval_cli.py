@@ -31,7 +31,7 @@ def compose(tmp_path, *overrides: str):
 @pytest.mark.parametrize("override,message", [
     ("eval.prompts=/nonexistent/question.jsonl", "/nonexistent/question.jsonl: no such question file"),
     ("eval.publish.chain=nope", "eval.publish.chain='nope' is not one of eval.chains"),
-    ("eval.max_new_tokens=0", "eval.max_new_tokens must be >= 1"),
+    ("eval.max_new_tokens=0", "eval.max_new_tokens must be an integer >= 1"),
     ("eval.confidence=1.5", "eval.confidence must be a number strictly between 0 and 1, got 1.5"),
 ])
 def test_bad_input_is_refused_before_any_work(tmp_path, override, message):

@@ -87,7 +87,7 @@ def test_interop_refuses_bad_input_in_one_line_before_installing_or_loading(tmp_
         "error: interop.num_speculative_tokens must be an integer >= 1, got 0")
     no_draft = interop(f"run_dir={tmp_path}", "decode.bench.llamacpp.draft_max=0")
     assert no_draft.returncode == 2 and no_draft.stderr.strip().splitlines()[-1] == (
-        "error: decode.bench.llamacpp.draft_max must be >= 1, got 0")
+        "error: decode.bench.llamacpp.draft_max must be an integer >= 1, got 0")
     assert not venv.exists()  # nothing installed for bad input
 
 
