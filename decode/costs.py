@@ -202,6 +202,9 @@ def _head_steps(settings: CostsSettings, target: tuple, inputs: tuple, rows: tup
             own = dataclasses.replace(prepared, new_runner=functools.partial(HFHeadRunner, prepared.head))
             steps["head hf layer"] = head_forward(own, context, features)
             notes["head hf layer"] = "the run's head on its own forward (decode.native_fp32=off)"
+            int8 = backend.prepare_head(head, "int8")  # the native runner again, on int8 rows
+            steps["head int8"] = head_forward(int8, context, features)
+            notes["head int8"] = "the run's head on int8 rows (weights: int8, as the configured chains run it)"
     return heads["head"].draft_vocab if "head" in heads else None
 
 

@@ -66,17 +66,27 @@ class Backend:
         new_runner = self._runner_factory(model)
         return Prepared(model, new_runner, _fast_lm_head(model.get_output_embeddings(), new_runner))
 
-    def prepare_head(self, head: nn.Module) -> PreparedHead:
+    def prepare_head(self, head: nn.Module, weights: str | None = None) -> PreparedHead:
         """A draft head as it runs here: packed in place on the CPU, its draft-vocabulary LM head rows on the packed
         product (None: the head computes its logits as it is), and the native runner for an EAGLE-2 head where fp32
-        models may run natively (`native_fp32` auto or on) and it can, else its own forward (said on stderr)."""
+        models may run natively (`native_fp32` auto or on) and it can, else its own forward (said on stderr).
+        `weights: int8`: on the native runner, fc, the layer and the LM head rows on int8 rows (elsewhere the head
+        keeps its own weights, said on stderr)."""
         if self.gemm and on_cpu(head):
             from decode.backends.cpu import pack
 
             pack(head, self.gemm)
         vocab = getattr(head, "draft_vocab", None)
         rows = None if vocab is None or not hasattr(head, "draft_rows") else self.linear(head, head.draft_rows())
-        return PreparedHead(head, self._head_runner_factory(head), rows)
+        new_runner = self._head_runner_factory(head, weights == "int8")
+        if weights == "int8" and _native_head(new_runner):
+            from decode.backends.cpu.eagle_head import int8_linear
+
+            rows = int8_linear(head.draft_rows() if vocab is not None else head.lm_head)
+        elif weights == "int8":
+            print("decode: weights: int8 runs on the native head runner only; the draft head keeps its own weights",
+                  file=sys.stderr)
+        return PreparedHead(head, new_runner, rows)
 
     def linear(self, module: nn.Module, linear: nn.Linear) -> nn.Module:
         """A linear built later for `module` (a vocabulary's LM-head rows), on the packed product where one runs."""
@@ -108,14 +118,14 @@ class Backend:
         print(f"decode: {model.name_or_path} runs the eager HF forward (native runner: {why})", file=sys.stderr)
         return hf
 
-    def _head_runner_factory(self, head: nn.Module) -> Callable[[], HeadRunner]:
+    def _head_runner_factory(self, head: nn.Module, int8: bool) -> Callable[[], HeadRunner]:
         if not (self.gemm and on_cpu(head)) or self.native_fp32 == "off":
             return functools.partial(HFHeadRunner, head)
         from decode.backends.cpu.eagle_head import head_unsupported, native_head_runners
 
         why = head_unsupported(head)
         if why is None:
-            return native_head_runners(head)
+            return native_head_runners(head, int8)
         print(f"decode: the draft head runs its own forward (native runner: {why})", file=sys.stderr)
         return functools.partial(HFHeadRunner, head)
 
@@ -130,6 +140,12 @@ def runs_natively(prepared: Prepared) -> bool:
     return _native(prepared.new_runner)
 
 
+def _native_head(new_runner: Callable[[], HeadRunner]) -> bool:
+    from decode.backends.cpu.eagle_head import NativeHeadRunner
+
+    return getattr(new_runner, "func", None) is NativeHeadRunner
+
+
 def _native(new_runner: Callable[[], Runner]) -> bool:
     from decode.backends.cpu.llama import NativeLlamaRunner
 
@@ -142,6 +158,6 @@ def _fast_lm_head(head: nn.Module, new_runner: Callable[[], Runner]) -> nn.Modul
 
     if not isinstance(head, Int8RowLinear) or not _native(new_runner):
         return head
-    from decode.backends.cpu.llama import NativeInt8Head
+    from decode.backends.cpu.llama import NativeInt8Linear
 
-    return NativeInt8Head(head)
+    return NativeInt8Linear(head)

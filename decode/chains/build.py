@@ -118,7 +118,8 @@ class ChainBuilder:
     def load(self, level: LevelSpec) -> Any:
         """What a level runs, loaded once: its prepared model (model levels), its head as the backend runs it (eagle
         levels), nothing (ngram)."""
-        key = (level.kind, level.model, level.dtype, level.layers, level.lm_head, level.path, level.method)
+        key = (level.kind, level.model, level.dtype, level.layers, level.lm_head, level.path, level.method,
+               level.weights)
         if level.kind != "ngram" and key not in self._loaded:
             self._loaded[key] = self._load(level)
         return self._loaded.get(key)
@@ -134,7 +135,7 @@ class ChainBuilder:
                 return self.backend.prepare(model)
             except ValueError as err:  # native=on where the native runner cannot run a W4 level
                 raise DecodeError(f"decode.{err}") from None
-        return self.backend.prepare_head(_eagle_head(level, self.tokenizer, self.artifacts, self.target))
+        return self.backend.prepare_head(_eagle_head(level, self.tokenizer, self.artifacts, self.target), level.weights)
 
     def _level(self, level: LevelSpec, source: Any, shape: LevelShape, above: list[Level]) -> Level:
         """One level of one chain (`above`: the levels built before it): a model level gets a new runner of the

@@ -39,8 +39,8 @@ class Draft:
         return draft if isinstance(draft, Draft) else parse(cls, draft or {}, "draft")
 
 
-KIND_KEYS = {"model": ("model", "dtype", "layers", "vocab", "lm_head"), "eagle": ("path", "features", "method"),
-             "ngram": ("max_ngram", "min_ngram")}
+KIND_KEYS = {"model": ("model", "dtype", "layers", "vocab", "lm_head"),
+             "eagle": ("path", "features", "method", "weights"), "ngram": ("max_ngram", "min_ngram")}
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,8 @@ class LevelSpec:
     """One level. model: `model` (target | w4 | a spec or folder), dtype, layers (early-exit copy), vocab: head
     (restricted to the head's draft vocabulary), lm_head: int8. eagle: path (eagle | a folder | untrained),
     features (nearest | target; default: what the head was trained on), method (eagle | eagle3, vLLM's names;
-    default: the saved head's, eagle for `untrained`). ngram: max_ngram, min_ngram.
+    default: the saved head's, eagle for `untrained`), weights: int8 (fc, layer and LM head rows on int8 rows where
+    the head runs natively). ngram: max_ngram, min_ngram.
     mu: tokens a middle level gathers before handing up; draft: the last level's."""
 
     kind: Literal["model", "eagle", "ngram"] = "model"
@@ -63,6 +64,7 @@ class LevelSpec:
     path: str = "eagle"
     features: Literal["nearest", "target"] | None = None
     method: Literal["eagle", "eagle3"] | None = None
+    weights: Literal["int8"] | None = None
     max_ngram: int = 3
     min_ngram: int = 1
 

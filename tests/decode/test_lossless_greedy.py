@@ -13,6 +13,7 @@ from lossless_fixtures import greedy_equal, handed_up, self_consistent
 from decode_fixtures import build_chain
 from decode.engine.chain import Chain
 from decode.engine.levels import EagleLevel, ModelLevel, NgramLevel
+from decode.backends import runs_natively
 from decode.engine.runner import as_prepared
 
 VOCAB = 300
@@ -166,11 +167,17 @@ EAGLE = {
     "3 levels, eagle chain, target features": [
         {"kind": "model"}, {"kind": "model", "model": "target", "layers": 3, "mu": 2},
         {"kind": "eagle", "path": "untrained", "features": "target", "draft": {"length": 3}}],
+    "2 levels, eagle tree, int8 head": [{"kind": "model"},
+                                        {"kind": "eagle", "path": "untrained", "weights": "int8", "draft": TREE}],
+    "3 levels, eagle chain, int8 head": [
+        {"kind": "model"}, {"kind": "model", "model": "target", "layers": 3, "mu": 2},
+        {"kind": "eagle", "path": "untrained", "weights": "int8", "draft": {"length": 3}}],
 }
 
 
+# the same shapes with an EAGLE-3 head (aux states handed down; int8 rows are an EAGLE-2 head's)
 EAGLE.update({f"{shape}, eagle3": [{**lv, "method": "eagle3"} if lv["kind"] == "eagle" else lv for lv in chain]
-              for shape, chain in list(EAGLE.items())})  # the same shapes with an EAGLE-3 head (aux states handed down)
+              for shape, chain in list(EAGLE.items()) if "int8" not in shape})
 
 
 @pytest.mark.parametrize("shape", EAGLE)
@@ -180,6 +187,10 @@ def test_eagle_chains_greedy_equal_target_greedy(models, shape):
     chain = build_chain(EAGLE[shape], target, tokenizer=None)
     assert isinstance(chain.levels[-1], EagleLevel)
     assert chain.levels[-1].head.method == ("eagle3" if shape.endswith("eagle3") else "eagle")
+    if "int8" in shape and runs_natively(as_prepared(target)):  # elsewhere the head keeps its own weights
+        from decode.backends.cpu.llama import NativeInt8Linear
+
+        assert isinstance(chain.levels[-1].runner.fc, NativeInt8Linear)
     for prompt in prompts(VOCAB, n=2):
         generation = chain.generate(prompt, 30)
         ok, _ = greedy_equal(target, prompt, generation.tokens)

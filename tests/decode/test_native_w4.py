@@ -15,7 +15,7 @@ from w4_fixtures import stage_config
 from omegaconf import OmegaConf
 from transformers import LlamaForCausalLM
 
-from decode.backends.cpu.llama import NativeInt8Head, NativeLlamaRunner, int4_parts, native_kernels, unsupported
+from decode.backends.cpu.llama import NativeInt8Linear, NativeLlamaRunner, int4_parts, native_kernels, unsupported
 from decode.engine.runner import HFRunner
 from decode.engine.tree import Tree
 
@@ -258,7 +258,7 @@ def test_the_native_int8_head_is_the_product_of_its_int8_rows_and_quantized_inpu
     from decode.backends.cpu.int8 import Int8RowLinear
 
     int8 = Int8RowLinear(w4.get_output_embeddings())
-    head, x = NativeInt8Head(int8), torch.randn(3, int8.in_features)
+    head, x = NativeInt8Linear(int8), torch.randn(3, int8.in_features)
     exact = fake_quantized(x) @ (int8.qweight.double() * int8.scales.double()[:, None]).T
     assert ((head(x) - exact).abs().max() / exact.abs().max()) < 1e-5
     assert torch.allclose(head(x), int8(x), atol=0.05, rtol=0.02)  # aten's kernel rounds activations to bf16

@@ -57,13 +57,15 @@ def models(request):
 
 
 def draft_vocab_chain(models, draft: dict, method: str = "eagle") -> Chain:
-    """target <- EAGLE head (EAGLE-2's or EAGLE-3's: `method`) that can propose only 4 of the 8 tokens: the others
-    come only from residuals."""
+    """target <- EAGLE head (EAGLE-2's or EAGLE-3's: `method`; "eagle int8": EAGLE-2's on int8 rows, where it runs
+    natively) that can propose only 4 of the 8 tokens: the others come only from residuals."""
     from decode_fixtures import build_chain
     from heads.eagle import EagleHead
     from heads.eagle3 import Eagle3Head
 
-    levels = [{"kind": "model"}, {"kind": "eagle", "path": "untrained", "method": method, "draft": draft}]
+    method, *weights = method.split()
+    levels = [{"kind": "model"}, {"kind": "eagle", "path": "untrained", "method": method, "draft": draft,
+               **({"weights": weights[0]} if weights else {})}]
     torch.manual_seed(0)
     head_cls = Eagle3Head if method == "eagle3" else EagleHead
     head = head_cls(as_prepared(models[0]).model, init_std=0.5, draft_vocab=torch.tensor([0, 2, 3, 6]))
@@ -105,7 +107,7 @@ def test_tree_and_prompt_lookup_proposals_sample_like_the_target(models):
         assert p > 1e-3, f"{chain.levels[-1].name}: sampling differs from the target's (chi-square p={p:.2e})"
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "eagle int8"])
 def test_draft_vocabulary_chain_samples_like_the_target(models, method):
     joint = exact_joint(models[0])
     for draft in ({"mode": "chain", "length": 2}, {"mode": "tree", "depth": 2, "top_k": 2, "total_tokens": 5}):

@@ -12,7 +12,7 @@ import torch
 
 from data.models import DEFAULT_MODEL, load_model
 from infra.timing import Step, cached_forward, median_ms, times_table
-from decode.backends.cpu.llama import NativeInt8Head, NativeLlamaRunner
+from decode.backends.cpu.llama import NativeInt8Linear, NativeLlamaRunner
 from decode.backends.cpu import pack
 from decode.backends.cpu.int8 import quantize_lm_head
 
@@ -47,7 +47,7 @@ def main() -> None:
     quantize_lm_head(w4)
     capacity = args.context + max(args.ks)
     exact, runner = NativeLlamaRunner(w4, capacity, "fp32"), NativeLlamaRunner(w4, capacity, "int8")
-    int8_head = NativeInt8Head(w4.get_output_embeddings())
+    int8_head = NativeInt8Linear(w4.get_output_embeddings())
     text = tokenizer(Path("README.md").read_text()).input_ids * 8
     context = text[: args.context + max(args.ks)]
     steps = {"target fp32 packed": cached_forward(target, context[: args.context]),

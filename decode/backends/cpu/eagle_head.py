@@ -7,7 +7,9 @@ DynamicCache that concatenates, a rotary table per call), and it runs several ti
 packed panels, then the layer (identity input norm, no final norm: the head's function) runs natively; norms, rotary
 and SiLU round as the native target's do, so the head's drafts are those of the same function up to float rounding,
 and every row is computed as a one-token forward would be (tree drafts included). Drafts are proposals: the levels
-above verify every token, so this changes acceptance at most, never the output.
+above verify every token, so this changes acceptance at most, never the output. That is also why a head may run on
+int8 rows (`weights: int8`: fc, the layer and the draft LM head at a quarter of their fp32 bytes, on int8 activations,
+row-exact as the W4 level's products are): its forward reads ~7 MB instead of ~27.
 """
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from decode.backends.cpu.llama import (MAX_CAPACITY, NativeCache, config_problem, dense_problem, layer_weights,
-                                       native_kernels, rotary_tables)
+from decode.backends.cpu.int8 import Int8RowLinear
+from decode.backends.cpu.llama import (MAX_CAPACITY, NativeCache, NativeInt8Linear, config_problem, dense_problem,
+                                       layer_weights, native_kernels, rotary_tables)
 from infra.timing import module_bytes
 
 LINEARS = ("fc", "layers.0.self_attn.q_proj", "layers.0.self_attn.k_proj", "layers.0.self_attn.v_proj",
@@ -38,32 +41,42 @@ def head_unsupported(head: nn.Module) -> str | None:
     return problem or (native_kernels()[1] or None)
 
 
-def _native_layer(head: nn.Module, capacity: int) -> Any:
-    """The C++ decoder of the head's layer: no embedding of its own (it is fed fc's output), no input or final norm."""
+def _native_layer(head: nn.Module, capacity: int, int8: bool) -> Any:
+    """The C++ decoder of the head's layer (`int8`: on int8 rows): no embedding of its own (it is fed fc's output), no
+    input or final norm."""
     kernels, config, layer = native_kernels()[0], head.config, head.layer
     cos, sin = rotary_tables(head.position_embeddings, capacity)
     native = kernels.Decoder(head.embed_tokens.weight.detach(), None, cos, sin, config.num_attention_heads,
                              config.num_key_value_heads, config.rms_norm_eps, 1)
-    native.add_layer(None, layer.post_attention_layernorm.weight.detach().float(), *layer_weights(kernels, layer, None))
+    native.add_layer(None, layer.post_attention_layernorm.weight.detach().float(),
+                     *layer_weights(kernels, layer, None, int8=int8))
     return native
 
 
-def native_head_runners(head: nn.Module) -> Callable[[], "NativeHeadRunner"]:
-    """New native runners of `head` (HeadRunner), sharing one decoder built from its weights now; a ValueError where
-    it cannot run natively."""
+def int8_linear(linear: nn.Module) -> nn.Module:
+    """A bias-free linear of a head (fc, the draft LM head rows) on int8 rows, on the native kernel."""
+    if getattr(linear, "bias", None) is not None:
+        raise ValueError("weights: int8 takes bias-free linears (an EAGLE-2 head's fc and LM head)")
+    return NativeInt8Linear(Int8RowLinear(linear))
+
+
+def native_head_runners(head: nn.Module, int8: bool = False) -> Callable[[], "NativeHeadRunner"]:
+    """New native runners of `head` (HeadRunner), sharing one decoder built from its weights now (`int8`: fc and the
+    layer on int8 rows); a ValueError where it cannot run natively."""
     problem = head_unsupported(head)
     if problem is not None:
         raise ValueError(f"the native runner cannot run this head: {problem}")
     capacity = min(MAX_CAPACITY, getattr(head.config, "max_position_embeddings", MAX_CAPACITY))
-    return functools.partial(NativeHeadRunner, head, _native_layer(head, capacity), capacity)
+    fc = int8_linear(head.fc) if int8 else head.fc
+    return functools.partial(NativeHeadRunner, head, _native_layer(head, capacity, int8), capacity, fc)
 
 
 class NativeHeadRunner(NativeCache):
     """An EAGLE-2 head's forward with its own KV cache (the HeadRunner an EagleLevel drives)."""
 
-    def __init__(self, head: nn.Module, native: Any, capacity: int):
+    def __init__(self, head: nn.Module, native: Any, capacity: int, fc: nn.Module | None = None):
         super().__init__(1, head.config.num_key_value_heads, capacity, native.head_dim())
-        self.fc, self.embed, self.native = head.fc, head.embed_tokens, native
+        self.fc, self.embed, self.native = fc or head.fc, head.embed_tokens, native
 
     def streamed_bytes(self) -> int:
         """The bytes a one-token forward reads now: fc's panels, the layer's (its own count) and the cached keys and

@@ -6,6 +6,13 @@ import torch
 from torch import nn
 
 
+def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [N, K] as int8 rows and one float32 scale each (symmetric: absmax / 127, round to nearest even)."""
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1).clamp_min(1e-12) / 127
+    return torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
+
+
 class Int8RowLinear(nn.Module):
     """Inference-only stand-in for a bias-free nn.Linear (an LM head): int8 weights, one scale per output
     row (symmetric, absmax / 127), run by aten's int8 weight-only kernel on bf16 activations, fp32 out.
@@ -16,9 +23,7 @@ class Int8RowLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = linear.weight.shape
         self.weight, self.bias = linear.weight, None
-        w = linear.weight.detach().float()
-        scales = w.abs().amax(dim=1).clamp_min(1e-12) / 127
-        self.qweight = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        self.qweight, scales = int8_rows(linear.weight)
         self.scales = scales.to(torch.bfloat16)
 
     def streamed_bytes(self) -> int:

@@ -214,6 +214,17 @@ def _dense_weight(kernels: Any, modules: list[torch.nn.Module]) -> Any:
     return kernels.PackedWeight(words=pack_weight(weight, "avx2").data, n=weight.shape[0], bias=bias)
 
 
+def _int8_weight(kernels: Any, modules: list[torch.nn.Module]) -> Any:
+    """Bias-free linears (siblings: same input) as one weight of int8 rows (decode.backends.cpu.int8.int8_rows), run
+    on int8 activations: a drafter's weights at a quarter of their fp32 bytes."""
+    from decode.backends.cpu.int8 import int8_rows
+
+    rows, scales = int8_rows(torch.cat([m.weight.detach() for m in modules]))
+    words, panel_scales = kernels.pack_int8(rows, scales)
+    return kernels.PackedWeight(words=words, scales=panel_scales, bounds=torch.tensor([0, rows.shape[1]]),
+                                n=rows.shape[0])
+
+
 def _shared_weight(kernels: Any, module: torch.nn.Module) -> Any:
     """One fp32 linear as a kernel weight: its avx2 panels from decode.fast, shared, or packed here."""
     if not isinstance(module, PackedLinear) or module.packed is None:
@@ -244,11 +255,15 @@ def rotary_tables(rotary: Callable, capacity: int) -> tuple[torch.Tensor, torch.
     return cos[0].float().contiguous(), sin[0].float().contiguous()
 
 
-def layer_weights(kernels: Any, layer: torch.nn.Module, activations: str | None) -> tuple[list, Any, list, Any]:
+def layer_weights(kernels: Any, layer: torch.nn.Module, activations: str | None,
+                  int8: bool = False) -> tuple[list, Any, list, Any]:
     """A decoder layer's (q/k/v, o, gate/up, down) as kernel weights: W4 ones on int8 or fp32 `activations`, or
-    with None fp32 ones."""
+    with None fp32 ones (`int8`: int8 rows of them, on int8 activations)."""
     a, m = layer.self_attn, layer.mlp
     qkv, gate_up = [a.q_proj, a.k_proj, a.v_proj], [m.gate_proj, m.up_proj]
+    if activations is None and int8:
+        return ([_int8_weight(kernels, qkv)], _int8_weight(kernels, [a.o_proj]), [_int8_weight(kernels, gate_up)],
+                _int8_weight(kernels, [m.down_proj]))
     if activations is None:
         return (_dense_siblings(kernels, qkv), _shared_weight(kernels, a.o_proj), _dense_siblings(kernels, gate_up),
                 _shared_weight(kernels, m.down_proj))
@@ -389,11 +404,11 @@ def native_fp32_runner(model: torch.nn.Module, native: str) -> Callable[[], Nati
     return None
 
 
-class NativeInt8Head(torch.nn.Module):
-    """An int8 LM head (decode.backends.cpu.int8.Int8RowLinear's weights: int8 rows, one bf16 scale each) on the native
-    kernel with int8 activations (each row quantized per 16 inputs, as the native runner's int8 activations are):
-    integer dot products, where aten's int8 kernel takes bf16 activations. Inference only; the original weight stays
-    attached."""
+class NativeInt8Linear(torch.nn.Module):
+    """A bias-free linear on int8 rows (decode.backends.cpu.int8.Int8RowLinear's weights: one bf16 scale each) on the
+    native kernel with int8 activations (each row quantized per 16 inputs, as the native runner's int8 activations
+    are): integer dot products, where aten's int8 kernel takes bf16 activations. A drafting level's LM head, an EAGLE
+    head's fc. Inference only; the original weight stays attached."""
 
     def __init__(self, head: torch.nn.Module):
         super().__init__()
