@@ -78,14 +78,15 @@ class Backend:
             pack(head, self.gemm)
         vocab = getattr(head, "draft_vocab", None)
         rows = None if vocab is None or not hasattr(head, "draft_rows") else self.linear(head, head.draft_rows())
-        new_runner = self._head_runner_factory(head, weights == "int8")
-        if weights == "int8" and _native_head(new_runner):
+        int8 = weights == "int8" and on_cpu(head) and _int8_problem(head) is None
+        new_runner = self._head_runner_factory(head, int8)
+        if int8 and _native_head(new_runner):
             from decode.backends.cpu.eagle_head import int8_linear
 
             rows = int8_linear(head.draft_rows() if vocab is not None else head.lm_head)
         elif weights == "int8":
-            print("decode: weights: int8 runs on the native head runner only; the draft head keeps its own weights",
-                  file=sys.stderr)
+            print("decode: weights: int8 runs on the native head runner only (inputs in blocks of 16); the draft head "
+                  "keeps its own weights", file=sys.stderr)
         return PreparedHead(head, new_runner, rows)
 
     def linear(self, module: nn.Module, linear: nn.Linear) -> nn.Module:
@@ -138,6 +139,12 @@ def with_lm_head(prepared: Prepared, head: nn.Module) -> Prepared:
 def runs_natively(prepared: Prepared) -> bool:
     """Whether a prepared model runs the native CPU runner."""
     return _native(prepared.new_runner)
+
+
+def _int8_problem(head: nn.Module) -> str | None:
+    from decode.backends.cpu.eagle_head import int8_problem
+
+    return int8_problem(head)
 
 
 def _native_head(new_runner: Callable[[], HeadRunner]) -> bool:

@@ -10,7 +10,7 @@ import torch
 from decode_fixtures import tiny_model
 
 from decode.backends import Backend
-from decode.backends.cpu.eagle_head import NativeHeadRunner, head_unsupported, native_head_runners
+from decode.backends.cpu.eagle_head import NativeHeadRunner, head_unsupported, int8_problem, native_head_runners
 from decode.backends.cpu.llama import NativeInt8Linear, native_kernels
 from decode.engine.runner import HFHeadRunner
 from decode.engine.tree import Tree
@@ -98,6 +98,14 @@ def test_the_backend_puts_a_head_on_int8_rows_only_where_it_runs_natively(capsys
     plain = Backend("avx2", native_fp32="off").prepare_head(EagleHead.for_target(target).eval(), "int8")
     assert isinstance(plain.new_runner(), HFHeadRunner) and not isinstance(plain.lm_head, NativeInt8Linear)
     assert "weights: int8 runs on the native head runner only" in capsys.readouterr().err
+    ragged = EagleHead.for_target(target).eval()  # fc reads 2 x 64; a layer of 72 inputs cannot run on int8 rows
+    ragged.layer.mlp.down_proj = torch.nn.Linear(72, 64, bias=False)
+    ragged.layer.mlp.gate_proj, ragged.layer.mlp.up_proj = torch.nn.Linear(64, 72, bias=False), torch.nn.Linear(
+        64, 72, bias=False)
+    assert int8_problem(ragged) == "layers.0.mlp.down_proj reads 72 inputs, not a multiple of 16"
+    kept = Backend("avx2", native_fp32="on").prepare_head(ragged, "int8")
+    assert not isinstance(kept.new_runner().fc, NativeInt8Linear)
+    assert "keeps its own weights" in capsys.readouterr().err
 
 
 def test_a_tree_depth_under_its_mask_gives_the_bits_of_its_path(head):

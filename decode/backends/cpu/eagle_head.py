@@ -53,6 +53,19 @@ def _native_layer(head: nn.Module, capacity: int, int8: bool) -> Any:
     return native
 
 
+def int8_problem(head: nn.Module) -> str | None:
+    """Why `head` cannot run on int8 rows, or None: it runs natively, and every linear's inputs (the LM head's too)
+    come in whole blocks of the int8 activations' 16."""
+    problem = head_unsupported(head)
+    if problem is not None:
+        return problem
+    for name in (*LINEARS, "lm_head"):
+        inputs = head.get_submodule(name).weight.shape[1]
+        if inputs % 16:
+            return f"{name} reads {inputs} inputs, not a multiple of 16"
+    return None
+
+
 def int8_linear(linear: nn.Module) -> nn.Module:
     """A bias-free linear of a head (fc, the draft LM head rows) on int8 rows, on the native kernel."""
     if getattr(linear, "bias", None) is not None:
