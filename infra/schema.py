@@ -50,8 +50,8 @@ def checked(hint: Any, value: Any, where: str, error: type[Exception] = ConfigEr
     if hint is Any:
         return value
     if origin is Annotated:
-        return _at_least(args[0], [m.value for m in hint.__metadata__ if isinstance(m, AtLeast)], value, where, error,
-                         least)
+        bound = next((m.value for m in hint.__metadata__ if isinstance(m, AtLeast)), None)
+        return _at_least(args[0], bound, value, where, error, least)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
@@ -98,17 +98,17 @@ def checked(hint: Any, value: Any, where: str, error: type[Exception] = ConfigEr
     raise error(f"{where} must be {_names((hint,))}, got {value!r} ({type(value).__name__})")
 
 
-def _at_least(hint: Any, bounds: list[int], value: Any, where: str, error: type[Exception],
+def _at_least(hint: Any, bound: int | None, value: Any, where: str, error: type[Exception],
               least: int | None) -> Any:
-    """`value` as `hint` (an int) at least every bound, or one message for both a wrong kind and a small value."""
-    if not bounds:
+    """`value` as `hint` (an int) at least `bound`, or one message for both a wrong kind and a small value."""
+    if bound is None:
         return checked(hint, value, where, error, least)
     try:
         result = checked(hint, value, where, error, least)
     except error:
         result = None
-    if result is None or result < max(bounds):
-        raise error(f"{where} must be an integer >= {max(bounds)}, got {value!r}")
+    if result is None or result < bound:
+        raise error(f"{where} must be an integer >= {bound}, got {value!r}")
     return result
 
 

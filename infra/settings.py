@@ -25,10 +25,10 @@ def parse(cls: type, raw: Any, where: str, error: type[Exception] = ConfigError)
     return schema.parse(cls, plain(raw), where, error)
 
 
-def checked(hint: Any, value: Any, where: str, error: type[Exception] = ConfigError, least: int | None = None) -> Any:
-    """One config value as annotation `hint` says (infra.schema.checked on its plain data; integers at least `least`
-    where given)."""
-    return schema.checked(hint, plain(value), where, error, least)
+def checked(hint: Any, value: Any, where: str, error: type[Exception] = ConfigError) -> Any:
+    """One config value as annotation `hint` says (infra.schema.checked on its plain data; a count's least value from
+    its annotation: infra.schema.Positive, NonNegative)."""
+    return schema.checked(hint, plain(value), where, error)
 
 
 @dataclass(frozen=True)
