@@ -205,7 +205,7 @@ def _w4_siblings(kernels: Any, modules: list[torch.nn.Module], activations: str)
     return [_w4_weight(kernels, [m], activations) for m in modules]
 
 
-def _dense_weight(kernels: Any, modules: list[torch.nn.Module]) -> Any:
+def dense_weight(kernels: Any, modules: list[torch.nn.Module]) -> Any:
     """fp32 linears (siblings: same input) as one kernel weight, outputs side by side, packed here."""
     weight = torch.cat([m.weight.detach() for m in modules])
     bias = None
@@ -214,7 +214,7 @@ def _dense_weight(kernels: Any, modules: list[torch.nn.Module]) -> Any:
     return kernels.PackedWeight(words=pack_weight(weight, "avx2").data, n=weight.shape[0], bias=bias)
 
 
-def _int8_weight(kernels: Any, modules: list[torch.nn.Module]) -> Any:
+def int8_weight(kernels: Any, modules: list[torch.nn.Module]) -> Any:
     """Bias-free linears (siblings: same input) as one weight of int8 rows (decode.backends.cpu.int8.int8_rows), run
     on int8 activations: a drafter's weights at a quarter of their fp32 bytes."""
     from decode.backends.cpu.int8 import int8_rows
@@ -228,7 +228,7 @@ def _int8_weight(kernels: Any, modules: list[torch.nn.Module]) -> Any:
 def _shared_weight(kernels: Any, module: torch.nn.Module) -> Any:
     """One fp32 linear as a kernel weight: its avx2 panels from decode.fast, shared, or packed here."""
     if not isinstance(module, PackedLinear) or module.packed is None:
-        return _dense_weight(kernels, [module])
+        return dense_weight(kernels, [module])
     bias = None if module.bias is None else module.bias.detach()
     return kernels.PackedWeight(words=module.packed.data, n=module.out_features, bias=bias)
 
@@ -243,7 +243,7 @@ def _dense_siblings(kernels: Any, modules: list[torch.nn.Module]) -> list[Any]:
         return [kernels.PackedWeight(words=group.run.packed.data, n=group.bounds[-1], bias=group.run.bias)]
     if all(isinstance(m, PackedLinear) and m.packed is not None for m in modules):
         return [_shared_weight(kernels, m) for m in modules]
-    return [_dense_weight(kernels, modules)]
+    return [dense_weight(kernels, modules)]
 
 
 def rotary_tables(rotary: Callable, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,8 +262,8 @@ def layer_weights(kernels: Any, layer: torch.nn.Module, activations: str | None,
     a, m = layer.self_attn, layer.mlp
     qkv, gate_up = [a.q_proj, a.k_proj, a.v_proj], [m.gate_proj, m.up_proj]
     if activations is None and int8:
-        return ([_int8_weight(kernels, qkv)], _int8_weight(kernels, [a.o_proj]), [_int8_weight(kernels, gate_up)],
-                _int8_weight(kernels, [m.down_proj]))
+        return ([int8_weight(kernels, qkv)], int8_weight(kernels, [a.o_proj]), [int8_weight(kernels, gate_up)],
+                int8_weight(kernels, [m.down_proj]))
     if activations is None:
         return (_dense_siblings(kernels, qkv), _shared_weight(kernels, a.o_proj), _dense_siblings(kernels, gate_up),
                 _shared_weight(kernels, m.down_proj))
