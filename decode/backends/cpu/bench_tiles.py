@@ -55,15 +55,17 @@ def seconds_per_call(kernels: Any, x: torch.Tensor, weights: list[Any], calls: i
     return statistics.median(times)
 
 
-def measure(kernels: Any, make: Callable[[int, int], Any], per_weight: float, inputs: int, rows: list[int],
-            repeats: int, stream_bytes: int) -> dict[int, tuple[float, float]]:
-    """Per row count: (resident bytes/s on one thread, streamed bytes/s on all threads), weights' bytes per second."""
+def measure(kernels: Any, make: Callable[[int, int], Any], per_weight: float,
+            args: argparse.Namespace) -> dict[int, tuple[float, float]]:
+    """Per row count of `args.rows`: (resident bytes/s on one thread, streamed bytes/s on all threads), weights'
+    bytes per second (`args`: main's inputs, rows, repeats and stream_mib)."""
+    inputs, repeats = args.inputs, args.repeats
     threads = torch.get_num_threads()
     resident = make(max(48, int(RESIDENT_BYTES / (inputs * per_weight)) // 48 * 48), inputs)
     big = make(1536, inputs)
-    streamed = [big] + [make(1536, inputs) for _ in range(max(1, stream_bytes // big.nbytes) - 1)]
+    streamed = [big] + [make(1536, inputs) for _ in range(max(1, args.stream_mib * 2**20 // big.nbytes) - 1)]
     out = {}
-    for k in rows:
+    for k in args.rows:
         x = torch.randn(k, inputs)
         torch.set_num_threads(1)
         alone = seconds_per_call(kernels, x, [resident], 200, repeats)
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'kind':<24} {'rows':>4} {'1 core, L2 GB/s':>15} {'streamed GB/s':>13} {'streamed t(k)/t(1)':>18} "
           f"{'bound T(k)/T(1)':>15}")  # bound: the k-row arithmetic floor over the 1-row byte floor
     for name, (make, per_weight) in kinds(kernels).items():
-        rates = measure(kernels, make, per_weight, args.inputs, args.rows, args.repeats, args.stream_mib * 2**20)
+        rates = measure(kernels, make, per_weight, args)
         first = rates[args.rows[0]][1]
         for k, (alone, stream) in rates.items():
             bound = max(1.0, bandwidth.bytes_per_s / (threads * alone))
