@@ -17,20 +17,17 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from decode.backends.cpu.llama import dense_weight, int8_weight, native_kernels, stream_kernel
+from decode.backends.cpu.llama import dense_weight, int4_weight, int8_weight, native_kernels, stream_kernel
 from infra.timing import read_bandwidth
 
 RESIDENT_BYTES = 256 * 2**10  # a quarter of Zen 4's L2, a half of Zen 3's: resident with room for the inputs
 
 
-def int4_weight(kernels: Any, outputs: int, inputs: int, activations: str = "int8") -> Any:
-    """Random GPTQ-style codes, one scale per output and group of 128 inputs, in the W4 level's layout for int8 or
+def random_int4(kernels: Any, outputs: int, inputs: int, activations: str = "int8") -> Any:
+    """Random GPTQ-style codes, one scale per output and group of 128 inputs, as the W4 level packs them for int8 or
     fp32 activations."""
-    bounds = torch.tensor([*range(0, inputs, 128), inputs], dtype=torch.long)
     codes = torch.randint(0, 16, (outputs, inputs), dtype=torch.int32)
-    pack = kernels.pack_int4_a8 if activations == "int8" else kernels.pack_int4
-    words, scales = pack(codes, torch.rand(outputs, bounds.numel() - 1) + 0.1)
-    return kernels.PackedWeight(words=words, n=outputs, scales=scales, bounds=bounds)
+    return int4_weight(kernels, (codes, torch.rand(outputs, -(-inputs // 128)) + 0.1, None), 128, activations)
 
 
 def kinds(kernels: Any) -> dict[str, tuple[Callable[[int, int], Any], float]]:
@@ -39,8 +36,8 @@ def kinds(kernels: Any) -> dict[str, tuple[Callable[[int, int], Any], float]]:
         return nn.Linear(inputs, outputs, bias=False)
 
     return {"fp32 panels": (lambda n, k: dense_weight(kernels, [linear(n, k)]), 4.0),
-            "int4 codes, int8 act.": (lambda n, k: int4_weight(kernels, n, k), 0.5),
-            "int4 codes, fp32 act.": (lambda n, k: int4_weight(kernels, n, k, "fp32"), 0.5),
+            "int4 codes, int8 act.": (lambda n, k: random_int4(kernels, n, k), 0.5),
+            "int4 codes, fp32 act.": (lambda n, k: random_int4(kernels, n, k, "fp32"), 0.5),
             "int8 rows, int8 act.": (lambda n, k: int8_weight(kernels, [linear(n, k)]), 1.0)}
 
 

@@ -179,20 +179,28 @@ def int4_parts(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, tor
     return codes.t().to(torch.uint8).contiguous(), module.scales.float().t().contiguous(), module.ret_idx.long()
 
 
+def int4_weight(kernels: Any, parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], group_size: int,
+                activations: str, bias: torch.Tensor | None = None) -> Any:
+    """int4 parts as `int4_parts` gives them (codes [N, K], one scale per output and group of `group_size` inputs
+    [N, G], the act order: None or the identity for none) as one kernel weight, packed for int8 or fp32 activations."""
+    codes, scales, perm = parts
+    pack = kernels.pack_int4_a8 if activations == "int8" else kernels.pack_int4
+    words, panel_scales = pack(codes, scales)
+    k = codes.shape[1]
+    bounds = torch.tensor([*range(0, k, group_size), k], dtype=torch.long)
+    identity = perm is None or torch.equal(perm, torch.arange(k))
+    return kernels.PackedWeight(words=words, n=codes.shape[0], scales=panel_scales, bounds=bounds,
+                                perm=None if identity else perm, bias=bias)
+
+
 def _w4_weight(kernels: Any, modules: list[torch.nn.Module], activations: str) -> Any:
     """Sibling int4 linears (same input, same act order) as one kernel weight: their outputs side by side, packed
     for int8 or fp32 activations."""
     parts = [int4_parts(m) for m in modules]
     codes, scales, perm = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), parts[0][2]
-    pack = kernels.pack_int4_a8 if activations == "int8" else kernels.pack_int4
-    words, panel_scales = pack(codes, scales)
-    k, size = codes.shape[1], modules[0].group_size
-    bounds = torch.tensor([*range(0, k, size), k], dtype=torch.long)
-    identity = torch.equal(perm, torch.arange(k))
     biases = [m.bias.float() if m.bias is not None else torch.zeros(m.out_features) for m in modules]
     bias = torch.cat(biases) if any(m.bias is not None for m in modules) else None
-    return kernels.PackedWeight(words=words, n=codes.shape[0], scales=panel_scales, bounds=bounds,
-                                perm=None if identity else perm, bias=bias)
+    return int4_weight(kernels, (codes, scales, perm), modules[0].group_size, activations, bias)
 
 
 def _w4_siblings(kernels: Any, modules: list[torch.nn.Module], activations: str) -> list[Any]:
