@@ -8,7 +8,8 @@ curve is what decides draft lengths, tree sizes and mu, and whether a level pays
 Beside the curve, one greedy decode of `decode.chain` on the same context splits a round's time into each level's
 forwards and the round overhead: what a round costs beside forwards (acceptance, drafting logic, cache crops,
 Python); and every level's T(1) against its own floor (the bytes its one-token forward streams, counted from the
-buffers it runs on, over the read bandwidth a STREAM-style kernel measures in the same process) and its T(k) / T(1).
+buffers it runs on, over the read bandwidth a STREAM-style kernel measures in the same process, timed among the
+forwards: its median; beside it the floor at that kernel's best read) and its T(k) / T(1).
 Writes `decode.costs.out` (json).
 """
 from __future__ import annotations
@@ -28,8 +29,8 @@ from decode.engine.spec import LevelSpec
 from decode.settings import CostsSettings, Decoding, costs_of
 from infra.cli import check_writable, run_main
 from infra.device import use_threads
-from infra.timing import (Bandwidth, CountedStep, Step, cached_forward, floors, forward_bytes, level_forward, median_ms,
-                          module_bytes, read_bandwidth)
+from infra.timing import (Bandwidth, CountedStep, ReadProbe, Step, cached_forward, floors, forward_bytes,
+                          interleaved_ms, level_forward, medians, module_bytes, read_bandwidth)
 
 
 def head_forward(prepared: PreparedHead, context: list[int], features: torch.Tensor) -> Step:
@@ -151,7 +152,7 @@ def steps_for(settings: CostsSettings) -> tuple[dict[str, Step], dict[str, str],
     steps = {"target eager": cached_forward(target, context)}
     notes = {"target eager": f"{decoding.model.dtype}, plain nn.Linear"}
     fast_target = _target_steps(decoding, context, steps, notes)
-    beside = {"bandwidth": _bandwidth(), "round": round_costs(settings, fast_target, tokenizer, context)}
+    beside = {"bandwidth": _best_bandwidth(), "round": round_costs(settings, fast_target, tokenizer, context)}
     w4, w4_dir = None, decoding.layout.output("w4")
     if (w4_dir / "config.json").is_file():
         w4 = backend.drafting(fast_target).prepare(load_model(str(w4_dir), decoding.model.dtype, device)[0])
@@ -208,29 +209,41 @@ def _head_steps(settings: CostsSettings, target: tuple, inputs: tuple, rows: tup
     return heads["head"].draft_vocab if "head" in heads else None
 
 
-def _bandwidth() -> Bandwidth:
-    """The read bandwidth of this process's threads: the C++ STREAM-style probe, else torch's sum (said)."""
+def _stream() -> tuple:
+    """The C++ STREAM-style read kernel and its name, else (None, why not), said: torch's sum measures instead."""
     from decode.backends.cpu.llama import stream_kernel
 
     kernel, name = stream_kernel()
     if kernel is None:
         print(f"costs: no read-bandwidth kernel ({name}); measuring with torch's sum", file=sys.stderr)
-    return read_bandwidth(stream=(kernel, name))
+    return kernel, name
 
 
-def _print_floors(ms: dict, steps: dict[str, Step], before: Bandwidth) -> dict:
-    """Each row's T(1) against its floor and its T(k) / T(1), one line a row; returns the rows (`floors`). The
-    bandwidth is the best of `before` and a second measurement now, after the timings: on shared cores one
-    measurement may land in a busy moment the forwards missed, and a floor must not be slower than they ran."""
-    after = _bandwidth()
-    bandwidth = Bandwidth(max(before.bytes_per_s, after.bytes_per_s), f"{after.method}, before and after the timings")
-    rows = floors(ms, steps, bandwidth)
-    print(f"\neach row's floor: the bytes its one-token forward streams / {bandwidth.bytes_per_s / 1e9:.1f} GB/s read "
-          f"({bandwidth.method})")
+def _best_bandwidth() -> Bandwidth:
+    """The read bandwidth of this process's threads at its best (STREAM's best of 7), apart from the forwards."""
+    return read_bandwidth(stream=_stream())
+
+
+def _print_floors(times: dict, steps: dict[str, Step], probe: ReadProbe, best: Bandwidth) -> dict:
+    """Each row's T(1) against its floor and its T(k) / T(1), one line a row; returns the rows (`floors`). The floor
+    reads at the `probe` timed among the forwards (`times`: interleaved_ms's, the probe's row "read probe"), each
+    repeat's T(1) against the read of its own repeat; beside it T(1) against the floor at the best read of `best`
+    and of a second measurement now (on shared cores one may land in a busy moment), the lowest floor seen."""
+    after = _best_bandwidth()
+    best = Bandwidth(max(best.bytes_per_s, after.bytes_per_s), f"{after.method}, before and after the timings")
+    paired = probe.paired_ratios(times, steps, "read probe")
+    ms = medians(times)
+    read = probe.bandwidth(ms.pop("read probe"))
+    rows, at_best = floors(ms, steps, read), floors(ms, steps, best)
+    print(f"\neach row's floor: the bytes its one-token forward streams / {read.bytes_per_s / 1e9:.1f} GB/s read "
+          f"({read.method}); at best {best.bytes_per_s / 1e9:.1f} GB/s ({best.method})")
     for name, row in rows.items():
+        row["ratio"] = paired[name]
+        row["at_best_read"] = {"ms": at_best[name]["ms"], "ratio": at_best[name]["ratio"], "method": best.method,
+                               "read_bytes_per_s": best.bytes_per_s}
         ratios = " ".join(f"k={k} {r:.2f}" for k, r in sorted(row["t_k_over_t_1"].items()))
         print(f"{name:<18}{row['bytes'] / 2**20:8.1f} MiB  floor {row['ms']:6.2f} ms  T(1)/floor {row['ratio']:5.2f}"
-              f"  T(k)/T(1) {ratios}")
+              f" (at best {row['at_best_read']['ratio']:4.2f})  T(k)/T(1) {ratios}")
     return rows
 
 
@@ -248,8 +261,10 @@ def run(settings: CostsSettings) -> dict:
     check_writable(c.out, "decode.costs.out", kind="file")  # refuse before minutes of timing, not after
     use_threads(settings.decoding.section.threads, "decode.threads")
     steps, notes, beside = steps_for(settings)
-    ks = list(c.ks)
-    ms = median_ms(steps, ks, c.repeats)
+    ks, probe = list(c.ks), ReadProbe(_stream())
+    times = interleaved_ms(steps | {"read probe": probe}, ks, c.repeats)
+    ms = medians(times)
+    ms.pop("read probe")
     base = ms["target"][1]
     print(f"\nmedian ms per forward of k new tokens on a {c.context}-token context, {c.repeats} repeats interleaved, "
           f"{torch.get_num_threads()} threads; (x) = ratio to the configured target's 1-token forward")
@@ -259,7 +274,7 @@ def run(settings: CostsSettings) -> dict:
     result = {"device": str(settings.decoding.device), "context": c.context, "threads": torch.get_num_threads(),
               "repeats": c.repeats, "notes": notes, "ms": ms,
               "ratio_to_target_1": {n: {k: v / base for k, v in per.items()} for n, per in ms.items()}}
-    result["floors"] = _print_floors(ms, steps, beside["bandwidth"])
+    result["floors"] = _print_floors(times, steps, probe, beside["bandwidth"])
     target = result["floors"]["target"]
     result["floor"] = {"ms": target["ms"], "weight_bytes": target["bytes"], "ratio": target["ratio"],
                        "read_bytes_per_s": target["read_bytes_per_s"], "method": target["method"]}

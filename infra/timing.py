@@ -12,7 +12,17 @@ Step = Callable[[int], object]  # one forward of k new tokens on a fixed context
 
 
 def median_ms(steps: dict[str, Step], ks: list[int], repeats: int, warmup: int = 2) -> dict[str, dict[int, float]]:
-    """{name: {k: median ms}}: for each repeat and each k, every step runs once in turn (order rotating)."""
+    """{name: {k: median ms}} of `interleaved_ms`."""
+    return medians(interleaved_ms(steps, ks, repeats, warmup))
+
+
+def medians(times: dict[str, dict[int, list[float]]]) -> dict[str, dict[int, float]]:
+    return {name: {k: statistics.median(ts) for k, ts in per.items()} for name, per in times.items()}
+
+
+def interleaved_ms(steps: dict[str, Step], ks: list[int], repeats: int,
+                   warmup: int = 2) -> dict[str, dict[int, list[float]]]:
+    """{name: {k: ms of each repeat}}: for each repeat and each k, every step runs once in turn (order rotating)."""
     names = list(steps)
     times: dict[str, dict[int, list[float]]] = {name: {k: [] for k in ks} for name in names}
     for r in range(warmup + repeats):
@@ -23,7 +33,7 @@ def median_ms(steps: dict[str, Step], ks: list[int], repeats: int, warmup: int =
                 steps[name](k)
                 if r >= warmup:
                     times[name][k].append((synchronized_clock() - start) * 1000)
-    return {name: {k: statistics.median(ts) for k, ts in per.items()} for name, per in times.items()}
+    return times
 
 
 @dataclass(frozen=True)
@@ -114,6 +124,47 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 7,
     if kernel is None:
         return Bandwidth(data.nbytes / statistics.median(times), f"torch.sum, median of {repeats}")
     return Bandwidth(data.nbytes / min(times), f"{name}, best of {repeats}")
+
+
+class ReadProbe:
+    """A step timed among the forwards (`median_ms`): one STREAM-style read (`stream`: kernel, name; torch's sum
+    without one) of the next `window` bytes of a buffer far past the caches. Its median is the read bandwidth of the
+    moments the forwards ran in: on a shared host it drifts by tens of percent from second to second, and a best-of
+    read taken apart puts the floor in the best of those moments while a forward's median sits in a typical one."""
+
+    def __init__(self, stream: tuple[Callable[[Any], float] | None, str], window: int = 2**28, total: int = 2**30):
+        import torch
+
+        kernel, name = stream
+        self.kernel = kernel or (lambda t: t.sum())
+        self.name = name if kernel is not None else "torch.sum"
+        self.data = torch.ones(total // 4)  # written, so every page is mapped
+        self.window_bytes, self.at = window, 0
+
+    def __call__(self, k: int) -> object:
+        chunk = self.data[self.at: self.at + self.window_bytes // 4]
+        self.at = (self.at + self.window_bytes // 4) % self.data.numel()
+        return self.kernel(chunk)
+
+    def bandwidth(self, times: dict[int, float]) -> Bandwidth:
+        """The read bandwidth from this probe's row of `median_ms`'s result (the median over its ks)."""
+        return Bandwidth(self.window_bytes / statistics.median(times.values()) * 1000,
+                         f"{self.name}, median interleaved with the forwards")
+
+    def paired_ratios(self, times: dict[str, dict[int, list[float]]], steps: dict[str, Step],
+                      name: str) -> dict[str, float]:
+        """Per step that counts its bytes, from `interleaved_ms`'s result (`times`, this probe's row `name` among them):
+        the median over repeats of its T(1) against its floor at this probe's read in the same repeat (the moments a
+        shared host's bandwidth holds for last about a second; a repeat's forwards and read share one)."""
+        first = min(times[name])
+        reads = times[name][first]
+        ratios = {}
+        for row, step in steps.items():
+            size = getattr(step, "streamed_bytes", None)
+            if size is not None:
+                ratios[row] = statistics.median(t * self.window_bytes / (size * read)
+                                                for t, read in zip(times[row][first], reads))
+        return ratios
 
 
 def module_bytes(module, skip: tuple = ()) -> int:

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from infra.timing import Bandwidth, CountedStep, floors, level_bytes, read_bandwidth, weight_bytes
+from infra.timing import Bandwidth, CountedStep, ReadProbe, floors, level_bytes, read_bandwidth, weight_bytes
 
 
 def _bytes(*tensors: torch.Tensor) -> int:
@@ -88,3 +88,29 @@ def test_the_read_bandwidth_agrees_with_a_copy_measured_beside_it():
     A wrong byte count (elements, bits), unit or timing parts them by 4x or more."""
     ratios = [read_bandwidth(gib=0.125, repeats=3).bytes_per_s / copy_read_rate() for _ in range(2)]
     assert 0.75 < sorted(ratios)[-1] and sorted(ratios)[0] < 4, ratios
+
+
+def test_a_read_probe_reads_its_windows_in_turn_and_wraps():
+    """Each call reads the next window of its buffer (never one cached by the last call), wrapping at the end."""
+    seen = []
+    probe = ReadProbe((lambda t: seen.append((t.data_ptr(), t.numel())) or 0.0, "recorder"), window=1024, total=4096)
+    for _ in range(5):
+        probe(1)
+    start = probe.data.data_ptr()
+    assert [((ptr - start) // 4, n) for ptr, n in seen] == [(0, 256), (256, 256), (512, 256), (768, 256), (0, 256)]
+    assert probe.bandwidth({1: 2.0, 8: 4.0, 4: 1.0}).bytes_per_s == 1024 / 2.0 * 1000
+
+
+def test_paired_ratios_divide_each_repeat_by_the_read_of_its_own_repeat():
+    """The host's bandwidth halves three times over the repeats and the forward slows with it, always 1.2x its floor
+    at that moment: paired, 1.2; paired with the wrong repeats it is not. Only counted steps and the smallest k
+    count."""
+    probe = ReadProbe((None, ""), window=2**20, total=2**22)
+    reads = [10.0, 20.0, 40.0, 80.0]
+    times = {"probe": {1: reads, 8: [1.0] * 4}, "fwd": {1: [1.2 * r / 2 for r in reads], 8: [99.0] * 4},
+             "uncounted": {1: [5.0] * 4, 8: [5.0] * 4}}
+    steps = {"fwd": CountedStep(print, 2**19), "uncounted": print}
+    ratios = probe.paired_ratios(times, steps, "probe")
+    assert set(ratios) == {"fwd"} and ratios["fwd"] == pytest.approx(1.2)
+    times["fwd"][1].reverse()
+    assert probe.paired_ratios(times, steps, "probe")["fwd"] != pytest.approx(1.2)

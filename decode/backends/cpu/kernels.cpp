@@ -56,6 +56,8 @@ struct DenseTile {
       for (int j = 0; j < NP; ++j) {
         wk[j] = _mm256_loadu_ps(w + (j * K + k) * kPanel);
         _mm_prefetch(reinterpret_cast<const char*>(w + ((NP + j) * K + k) * kPanel), _MM_HINT_T1);
+        if (row == 0)  // the first row tile streams: its own panels kAheadBytes ahead too (tiles.h)
+          _mm_prefetch(reinterpret_cast<const char*>(w + (j * K + k) * kPanel) + kAheadBytes, _MM_HINT_T1);
       }
 #pragma GCC unroll 16
       for (int m = 0; m < MR; ++m) {

@@ -133,7 +133,8 @@ struct A8Bytes {  // int8 rows (an LM head): byte (lane, i) = input i's weight +
 
 // Rows row .. row + MR - 1 of the quantized x against NP panels from panel p into y (stride ldy). Each step also
 // prefetches the same line of the next NP panels (a thread's next tile, or its next rows' panels): on its own the
-// stream leaves memory idle while a later row tile computes from cache.
+// stream leaves memory idle while a later row tile computes from cache; the first row tile also its own panels
+// kAheadBytes ahead (tiles.h).
 template <class F, int MR, int NP>
 struct A8Tile {
   static void run(int64_t row, int64_t p, const QuantizedRows& x, const Panels& w, float* y, int64_t ldy) {
@@ -160,8 +161,10 @@ struct A8Tile {
           typename F::Codes codes[NP];
 #pragma GCC unroll 16
           for (int j = 0; j < NP; ++j) {
-            codes[j] = F::unpack(wb + j * panel + step * kLanes * 4);
-            _mm_prefetch(reinterpret_cast<const char*>(wb + (NP + j) * panel + step * kLanes * 4), _MM_HINT_T1);
+            const uint8_t* at = wb + j * panel + step * kLanes * 4;
+            codes[j] = F::unpack(at);
+            _mm_prefetch(reinterpret_cast<const char*>(at + NP * panel), _MM_HINT_T1);
+            if (row == 0) _mm_prefetch(reinterpret_cast<const char*>(at + kAheadBytes), _MM_HINT_T1);
           }
 #pragma GCC unroll 16
           for (int m = 0; m < MR; ++m) {

@@ -16,6 +16,11 @@ namespace polyspec {
 
 constexpr int kTileRows = 4;  // rows per tile, every product
 
+// How far ahead in its own panels a tile's first row tile asks for weights (into L2), beside the next tile's line at
+// the same step: with only that line in flight a core keeps too few reads outstanding to stream at the bandwidth
+// the memory gives. Prefetches never fault, so the last tile may ask past its weight's end.
+constexpr int64_t kAheadBytes = 2048;
+
 template <int MR, int NP>
 __attribute__((always_inline)) static inline void zero_tile(Vec (&acc)[MR][NP]) {  // inlined: see store_tile
 #pragma GCC unroll 16
