@@ -90,8 +90,9 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, int64_
   return y;
 }
 
-constexpr int64_t kKeys = 8;      // keys per chunk: one score vector, and the keys and values a block of rows shares
-constexpr int64_t kMaxRows = 8;   // query rows of one K/V head per block, at most
+constexpr int64_t kKeys = 8;        // keys per chunk: one score vector, the keys and values a block of rows shares
+constexpr int64_t kMaxRows = 8;     // query rows of one K/V head per block, at most
+constexpr int64_t kAheadKeys = 32;  // keys (and values) requested ahead of the chunk being read: 4 chunks
 
 // The dot products of q with keys j0 .. j0 + 7 (keys past `last` read as key `last`, never out of bounds): per key one
 // FMA chain over the head dim, then a fixed tree over its 8 lanes, so a key's score does not depend on its chunk.
@@ -142,6 +143,14 @@ struct QueryRow {
   int64_t span;
 };
 
+// Requests the kKeys rows of `width` floats from `first` (row stride `stride`) into L2, a line at a time: a thread
+// reads one head's keys (then values) as a single stream, which on its own leaves memory idle (as a product's would).
+static inline void prefetch_chunk(const float* first, int64_t stride, int64_t width) {
+  for (int64_t e = 0; e < kKeys; ++e)
+    for (int64_t d = 0; d < width; d += 16)
+      _mm_prefetch(reinterpret_cast<const char*>(first + e * stride + d), _MM_HINT_T1);
+}
+
 // What a row's mask adds to the scores of keys j0 .. j0 + 7: its additive mask, or -inf where the key is hidden or
 // past the row's span (0 for a causal row's whole chunks: the same sum, scores unchanged).
 static inline __m256 mask8(const QueryRow& r, int64_t j0, int64_t mask_stride) {
@@ -165,7 +174,8 @@ static void numerators(const QueryRow* rows, int64_t n, const float* k, int64_t 
   for (int64_t i = 0; i < n; ++i) most = std::max(most, rows[i].span);
   __m256 best[kMaxRows];
   for (int64_t i = 0; i < n; ++i) best[i] = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t j0 = 0; j0 < most; j0 += kKeys)
+  for (int64_t j0 = 0; j0 < most; j0 += kKeys) {
+    if (j0 + kAheadKeys < most) prefetch_chunk(k + (j0 + kAheadKeys) * stride, stride, 8 * DV);
     for (int64_t i = 0; i < n; ++i) {
       if (j0 >= rows[i].span) continue;
       const __m256 dot = dots8(rows[i].q, k, stride, j0, rows[i].span - 1, DV);
@@ -173,6 +183,7 @@ static void numerators(const QueryRow* rows, int64_t n, const float* k, int64_t 
       _mm256_storeu_ps(s + i * ld + j0, score);
       best[i] = _mm256_max_ps(best[i], score);
     }
+  }
   for (int64_t i = 0; i < n; ++i) {
     float* si = s + i * ld;
     const float top = max8(best[i]);
@@ -195,7 +206,8 @@ static void weighted_rows(const QueryRow* rows, int64_t n, const float* v, int64
     std::fill(acc[i], acc[i] + D, 0.f);
     total[i] = 0.f;
   }
-  for (int64_t j0 = 0; j0 < most; j0 += kKeys)
+  for (int64_t j0 = 0; j0 < most; j0 += kKeys) {
+    if (j0 + kAheadKeys < most) prefetch_chunk(v + (j0 + kAheadKeys) * stride, stride, D);
     for (int64_t i = 0; i < n; ++i) {
       if (j0 >= rows[i].span) continue;
       const int64_t count = std::min(kKeys, rows[i].span - j0);
@@ -207,6 +219,7 @@ static void weighted_rows(const QueryRow* rows, int64_t n, const float* v, int64
       for (; d + 16 <= D; d += 16) total[i] = weighted<2>(p, count, vj + d, stride, acc[i] + d, before);
       for (; d < D; d += 8) total[i] = weighted<1>(p, count, vj + d, stride, acc[i] + d, before);
     }
+  }
   for (int64_t i = 0; i < n; ++i) {
     const __m256 nv = _mm256_set1_ps(total[i] > 0.f ? 1.f / total[i] : 0.f);
     for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(rows[i].out + d, _mm256_mul_ps(_mm256_load_ps(acc[i] + d), nv));
