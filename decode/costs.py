@@ -33,6 +33,9 @@ from infra.timing import (Bandwidth, CountedStep, ReadProbe, Step, cached_forwar
                           interleaved_ms, level_forward, medians, module_bytes, read_bandwidth)
 
 
+PROBE = "read probe"  # the read probe's row among the timed steps
+
+
 def head_forward(prepared: PreparedHead, context: list[int], features: torch.Tensor) -> Step:
     """A step: one forward of k new tokens (with k features) of a prepared head's runner after a cached context, its
     logits through the LM head the backend runs it with."""
@@ -209,8 +212,9 @@ def _head_steps(settings: CostsSettings, target: tuple, inputs: tuple, rows: tup
     return heads["head"].draft_vocab if "head" in heads else None
 
 
+@functools.cache
 def _stream() -> tuple:
-    """The C++ STREAM-style read kernel and its name, else (None, why not), said: torch's sum measures instead."""
+    """The C++ STREAM-style read kernel and its name, else (None, why not), said once: torch's sum measures instead."""
     from decode.backends.cpu.llama import stream_kernel
 
     kernel, name = stream_kernel()
@@ -224,16 +228,15 @@ def _best_bandwidth() -> Bandwidth:
     return read_bandwidth(stream=_stream())
 
 
-def _print_floors(times: dict, steps: dict[str, Step], probe: ReadProbe, best: Bandwidth) -> dict:
-    """Each row's T(1) against its floor and its T(k) / T(1), one line a row; returns the rows (`floors`). The floor
-    reads at the `probe` timed among the forwards (`times`: interleaved_ms's, the probe's row "read probe"), each
-    repeat's T(1) against the read of its own repeat; beside it T(1) against the floor at the best read of `best`
-    and of a second measurement now (on shared cores one may land in a busy moment), the lowest floor seen."""
+def _print_floors(ms: dict, steps: dict[str, Step], probed: tuple[Bandwidth, dict[str, float]],
+                  best: Bandwidth) -> dict:
+    """Each row's T(1) against its floor and its T(k) / T(1), one line a row; returns the rows (`floors`). `probed`:
+    the read timed among the forwards and each row's T(1)/floor paired repeat by repeat with it (ReadProbe); beside
+    it T(1) against the floor at the best read of `best` and of a second measurement now (on shared cores one may
+    land in a busy moment), the lowest floor seen."""
+    read, paired = probed
     after = _best_bandwidth()
     best = Bandwidth(max(best.bytes_per_s, after.bytes_per_s), f"{after.method}, before and after the timings")
-    paired = probe.paired_ratios(times, steps, "read probe")
-    ms = medians(times)
-    read = probe.bandwidth(ms.pop("read probe"))
     rows, at_best = floors(ms, steps, read), floors(ms, steps, best)
     print(f"\neach row's floor: the bytes its one-token forward streams / {read.bytes_per_s / 1e9:.1f} GB/s read "
           f"({read.method}); at best {best.bytes_per_s / 1e9:.1f} GB/s ({best.method})")
@@ -262,9 +265,9 @@ def run(settings: CostsSettings) -> dict:
     use_threads(settings.decoding.section.threads, "decode.threads")
     steps, notes, beside = steps_for(settings)
     ks, probe = list(c.ks), ReadProbe(_stream())
-    times = interleaved_ms(steps | {"read probe": probe}, ks, c.repeats)
+    times = interleaved_ms(steps | {PROBE: probe}, ks, c.repeats)
     ms = medians(times)
-    ms.pop("read probe")
+    probed = probe.bandwidth(ms.pop(PROBE)), probe.paired_ratios(times, steps, PROBE)
     base = ms["target"][1]
     print(f"\nmedian ms per forward of k new tokens on a {c.context}-token context, {c.repeats} repeats interleaved, "
           f"{torch.get_num_threads()} threads; (x) = ratio to the configured target's 1-token forward")
@@ -274,7 +277,7 @@ def run(settings: CostsSettings) -> dict:
     result = {"device": str(settings.decoding.device), "context": c.context, "threads": torch.get_num_threads(),
               "repeats": c.repeats, "notes": notes, "ms": ms,
               "ratio_to_target_1": {n: {k: v / base for k, v in per.items()} for n, per in ms.items()}}
-    result["floors"] = _print_floors(times, steps, probe, beside["bandwidth"])
+    result["floors"] = _print_floors(ms, steps, probed, beside["bandwidth"])
     target = result["floors"]["target"]
     result["floor"] = {"ms": target["ms"], "weight_bytes": target["bytes"], "ratio": target["ratio"],
                        "read_bytes_per_s": target["read_bytes_per_s"], "method": target["method"]}

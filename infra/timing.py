@@ -17,6 +17,7 @@ def median_ms(steps: dict[str, Step], ks: list[int], repeats: int, warmup: int =
 
 
 def medians(times: dict[str, dict[int, list[float]]]) -> dict[str, dict[int, float]]:
+    """{name: {k: median ms}} of `interleaved_ms`'s per-repeat times."""
     return {name: {k: statistics.median(ts) for k, ts in per.items()} for name, per in times.items()}
 
 
@@ -127,7 +128,7 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 7,
 
 
 class ReadProbe:
-    """A step timed among the forwards (`median_ms`): one STREAM-style read (`stream`: kernel, name; torch's sum
+    """A step timed among the forwards (`interleaved_ms`): one STREAM-style read (`stream`: kernel, name; torch's sum
     without one) of the next `window` bytes of a buffer far past the caches. Its median is the read bandwidth of the
     moments the forwards ran in: on a shared host it drifts by tens of percent from second to second, and a best-of
     read taken apart puts the floor in the best of those moments while a forward's median sits in a typical one."""
