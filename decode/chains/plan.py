@@ -25,14 +25,15 @@ A configuration is then predicted without decoding (engine.planner), and the pla
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from decode.engine.chain import Chain
 from decode.engine.levels import GenerationStats, LevelStats, ModelLevel
-from decode.engine.planner import ChainModel, Dist, Shape, best, capped, predict
+from decode.engine.planner import ChainModel, Dist, Shape, best, capped, mean, predict
 from decode.engine.spec import ChainSpec
-from decode.engine.theory import forward_cost
+from decode.engine.theory import forward_cost, refined_time
 
 if TYPE_CHECKING:
     from decode.settings import PlanSettings
@@ -158,6 +159,27 @@ def calibrate(spec: ChainSpec, build: Build, prompts: list[list[int]], plan: Pla
                   for level, src, scale, curve in zip(chain.levels, sources, scales, curves)},
     }
     return model, measured
+
+
+def at_measured_acceptance(predicted: dict[str, Any], calibration: dict[str, Any],
+                           stats: list[GenerationStats]) -> float:
+    """Seconds per decoded token by a plan's costs (its verifying levels' cost curves, the drafter's cost per forward,
+    the overheads a round and the prompt reading it calibrated) on what `stats`' decodes measured: each level's
+    acceptance, hand-ups and draft forwards per round, the tokens each forward carried, the turns and their tokens.
+    Against the measured time its error is the cost model's alone; the rest of a plan's error is acceptance (the
+    calibration prompts are not the eval's)."""
+    n = len(stats[0].levels)
+    costs = []
+    for i, level in enumerate(calibration["costs"].values()):  # the verifying levels', target first
+        curve = {int(k): v / 1e3 for k, v in level["ms"].items()}
+        carried = [k for s in stats for k, _ in (s.levels[i].forwards[1:] if i else s.levels[i].forwards)]
+        costs.append(statistics.fmean(forward_cost(curve, k) for k in carried) if carried else forward_cost(curve, 1))
+    lengths = [1 + mean(_accepted(stats, i)) for i in range(n - 1)]
+    handed_up = [_per_round(stats, i, "size") for i in range(n - 2)]
+    seconds = refined_time(lengths, handed_up, _per_round(stats, n - 2, "beta"), 1,
+                           costs + predicted["costs_s"][-1:], predicted["overheads_s"])
+    tokens = sum(max(s.new_tokens - 1, 0) for s in stats)
+    return seconds + len(stats) * calibration["prefill_ms"] / 1e3 / max(tokens, 1)
 
 
 def plan_chain(spec: ChainSpec, build: Build, prompts: list[list[int]], plan: PlanSettings, eos: Any,

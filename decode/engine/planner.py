@@ -80,7 +80,7 @@ def predict(model: ChainModel, mus: Sequence[int], shape: Shape) -> dict[str, An
     upper = list(model.overheads) or [0.0] * (n - 1)
     seconds = refined_time(lengths, handed_up, shape.beta, 1, costs + [shape.cost], upper + [shape.overhead])
     return {"s_per_token": seconds + model.prefill, "L": lengths, "P": handed_up, "beta": shape.beta,
-            "costs_s": costs + [shape.cost]}
+            "costs_s": costs + [shape.cost], "overheads_s": upper + [shape.overhead]}
 
 
 def best(model: ChainModel, mu_grid: Sequence[int]) -> tuple[tuple[int, ...], Shape, dict[str, Any]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from decode.chains.plan import at_measured_acceptance
 from decode.evaluation import speedup as paired
 from decode.evaluation import EvalError
 from decode.engine.theory import InsertionCase, TheoryError, insertion_conditions, insertion_improves
@@ -234,10 +235,13 @@ def evaluate_chains(decoded: Decoded, reference_fn: ReferenceFn, checks: CheckSe
     for base, plan in plans.items():  # the planner's predictions against what the chains measured
         for side in plan["decoded"]:
             name = base if side == "configured" else plan["chain"]
+            costs_alone = at_measured_acceptance(plan[side]["predicted"], plan["calibration"],
+                                                 [r.stats for r in records[name]])
             plan[side] |= {"measured_s_per_token": per_token[name],
                            "measured_speedup": per_token[reference] / per_token[name],
                            "error": plan[side]["predicted"]["s_per_token"] / per_token[name] - 1,
-                           "measured_L": [level["L_mean"] for level in summaries[name]["levels"][:-1]]}
+                           "measured_L": [level["L_mean"] for level in summaries[name]["levels"][:-1]],
+                           "cost_error": costs_alone / per_token[name] - 1}
     verdicts = [
         check_lossless(records, reference_fn, near_tie, reference),
         check_insertion(insertions),

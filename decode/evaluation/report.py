@@ -124,17 +124,20 @@ def _plan_section(report: dict[str, Any]) -> list[str]:
                          ", ".join(f"{a}={b}" for a, b in k["draft"].items() if a != "mode")
                          + f" ({k['draft']['mode']})",
                          _ms(pr["predicted"]["s_per_token"]), _ms(pr.get("measured_s_per_token")),
-                         _f(pr.get("error"), "+.0%"), _lengths(pr["predicted"]["L"], pr.get("measured_L")),
+                         _f(pr.get("error"), "+.0%"), _f(pr.get("cost_error"), "+.0%"),
+                         _lengths(pr["predicted"]["L"], pr.get("measured_L")),
                          _f(pr["predicted"]["speedup"]), _f(pr.get("measured_speedup"))])
     lines = ["", "## Plan (decode.chains.plan)", ""]
     lines += _table(["chain", "mu", "draft", "predicted ms/token", "measured ms/token", "error",
-                     "L predicted / measured", "predicted speedup", "measured speedup"], rows)
+                     "error at the eval's L", "L predicted / measured", "predicted speedup", "measured speedup"],
+                    rows)
     lines += ["", "Decoding time after the first token; speedups over AR's own decoding (predicted: the target's "
               "1-token forward from the same cost curve), which cancels load that changed since the calibration. "
               "A stack is a chain the configured chains' levels allow that none of them is (eval.plan.stacks: the "
-              "fastest predicted are decoded; the others show no measurement). Where L predicted and measured "
-              "differ, the calibration prompts' acceptance was not the eval's; where they agree, the error is in "
-              "the costs.", ""]
+              "fastest predicted are decoded; the others show no measurement). The error at the eval's L is the "
+              "plan's cost model alone: its costs (curves, the drafter's forward, overheads, the prompt reading) "
+              "on what the eval's decodes measured (each level's acceptance, hand-ups, draft forwards a round, "
+              "tokens a forward); the rest of the error is acceptance, the calibration prompts' not the eval's.", ""]
     for base, plan in report["plans"].items():
         cal = plan["calibration"]
         costs = ", ".join(f"{n} ({c['source']}, x{c['scale']:.2f})" for n, c in cal["costs"].items())

@@ -176,8 +176,9 @@ def test_planned_chain_runs_next_to_the_configured_one_and_its_plan_is_published
                                                     / plan[side]["measured_s_per_token"] - 1)
         name = "dualistic" if side == "configured" else plan["chain"]  # the target's L, as the chain measured it
         assert plan[side]["measured_L"] == [report["summaries"][name]["levels"][0]["L_mean"]]
+        assert -1 < plan[side]["cost_error"] < 10  # the plan's costs on the measured acceptance: a time, not a NaN
     assert plan["levels"][-1]["draft"] == plan["planned"]["knobs"]["draft"]
-    assert "## Plan (decode.chains.plan)" in (tmp_path / "eval" / "report.md").read_text()
+    assert "| error at the eval's L |" in (tmp_path / "eval" / "report.md").read_text()
     assert code == 0, report["gate"]
     manifest = json.loads((tmp_path / "publish" / "chain.json").read_text())
     assert (manifest["plan"]["planned"]["knobs"] == plan["planned"]["knobs"]

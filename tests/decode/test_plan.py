@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from decode.chains.plan import _draft_cost, _overhead, _per_round, _prefill, _upper_overheads, plan_chain
+from decode.chains.plan import (_draft_cost, _overhead, _per_round, _prefill, _upper_overheads, at_measured_acceptance,
+                               plan_chain)
 from decode.engine.levels import GenerationStats, LevelStats
 from decode.engine.planner import ChainModel, Shape, best, capped, first_passage, predict
 from decode.settings import PlanSettings
@@ -85,6 +86,40 @@ def test_three_level_prediction_by_hand():
     assert p["costs_s"] == pytest.approx([14.0, 3.0, 0.5])
     # R_1 = 1/3, R_2 = R_1 * 4 / 2 = 2/3, drafter 2 * R_2 = 4/3 forwards a token
     assert p["s_per_token"] == pytest.approx(14 / 3 + 2 / 3 * 3 + 4 / 3 * 0.5)
+
+
+def _decode(levels: list[LevelStats], tokens: int) -> GenerationStats:
+    return GenerationStats(wall_time_s=1.0, time_to_first_token_s=0.1, new_tokens=tokens + 1, levels=levels)
+
+
+def test_a_plans_costs_on_the_measured_acceptance_reproduce_its_prediction_and_follow_the_acceptance():
+    """The cost model alone: a decode that measured what the plan assumed gives the plan's own prediction; one that
+    accepted less costs what the plan's costs say at that acceptance, not at the plan's."""
+    model = ChainModel([{1: 0.010, 4: 0.012}], [], [])
+    shape = Shape({"mode": "chain", "length": 3}, {2: 1.0}, 3, 3, 0.001, overhead=0.0005)
+    predicted = predict(model, (), shape)
+    calibration = {"costs": {"target": {"ms": {1: 10.0, 4: 12.0}}}, "prefill_ms": 50.0}  # 50 ms a turn's prompt
+
+    def drafter():  # its prompt reading, then 3 drafts a round for 4 rounds
+        return LevelStats("draft", "model", forward_calls=13, forwards=[(40, 0.05)] + [(1, 0.001)] * 12)
+
+    as_planned = _decode([LevelStats("target", "model", forwards=[(4, 0.012)] * 4, acceptance_lengths=[3] * 4,
+                                     proposed=12), drafter()], tokens=12)
+    assert at_measured_acceptance(predicted, calibration, [as_planned]) == pytest.approx(
+        predicted["s_per_token"] + 0.05 / 12)
+    none_kept = _decode([LevelStats("target", "model", forwards=[(4, 0.012)] * 4, acceptance_lengths=[1] * 4,
+                                    proposed=12), drafter()], tokens=4)
+    assert at_measured_acceptance(predicted, calibration, [none_kept]) == pytest.approx(
+        0.012 + 3 * 0.001 + 0.0005 + 0.05 / 4)
+    # three levels (test_three_level_prediction_by_hand's): the middle level's prompt reading is not a verify
+    model = ChainModel([{1: 10.0, 5: 14.0}, {1: 2.0, 3: 3.0}], [{2: 1.0}], [])
+    predicted = predict(model, (3,), Shape({"mode": "chain", "length": 2}, {1: 1.0}, 2, 2, 0.5))
+    calibration = {"costs": {"target": {"ms": {1: 1e4, 5: 1.4e4}}, "mid": {"ms": {1: 2e3, 3: 3e3}}}, "prefill_ms": 0}
+    levels = [LevelStats("target", "model", forwards=[(5, 14.0)] * 2, acceptance_lengths=[3] * 2, proposed=8),
+              LevelStats("mid", "model", forwards=[(40, 9.0)] + [(3, 3.0)] * 4, acceptance_lengths=[2] * 4, proposed=8),
+              LevelStats("draft", "model", forward_calls=9, forwards=[(40, 9.0)] + [(1, 0.5)] * 8)]
+    assert at_measured_acceptance(predicted, calibration, [_decode(levels, 6)]) == pytest.approx(
+        predicted["s_per_token"])
 
 
 def _chain_shapes(accepted: dict[int, float], lengths: list[int], cost: float) -> list[Shape]:
