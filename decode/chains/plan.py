@@ -166,8 +166,8 @@ def at_measured_acceptance(predicted: dict[str, Any], calibration: dict[str, Any
     """Seconds per decoded token by a plan's costs (its verifying levels' cost curves, the drafter's cost per forward,
     the overheads a round and the prompt reading it calibrated) on what `stats`' decodes measured: each level's
     acceptance, hand-ups and draft forwards per round, the tokens each forward carried, the turns and their tokens.
-    Against the measured time its error is the cost model's alone; the rest of a plan's error is acceptance (the
-    calibration prompts are not the eval's)."""
+    Against the measured time its error is the cost model's and the host's load since the calibration; the rest of a
+    plan's error is acceptance (the calibration prompts are not the eval's)."""
     n = len(stats[0].levels)
     costs = []
     for i, level in enumerate(calibration["costs"].values()):  # the verifying levels', target first

@@ -135,9 +135,10 @@ def _plan_section(report: dict[str, Any]) -> list[str]:
               "1-token forward from the same cost curve), which cancels load that changed since the calibration. "
               "A stack is a chain the configured chains' levels allow that none of them is (eval.plan.stacks: the "
               "fastest predicted are decoded; the others show no measurement). The error at the eval's L is the "
-              "plan's cost model alone: its costs (curves, the drafter's forward, overheads, the prompt reading) "
-              "on what the eval's decodes measured (each level's acceptance, hand-ups, draft forwards a round, "
-              "tokens a forward); the rest of the error is acceptance, the calibration prompts' not the eval's.", ""]
+              "plan's costs (curves, the drafter's forward, overheads, the prompt reading) on what the eval's "
+              "decodes measured (each level's acceptance, hand-ups, draft forwards a round, tokens a forward), "
+              "against the measured time: what is left is the cost model's error and the host's load since the "
+              "calibration; the rest of the error is acceptance, the calibration prompts' not the eval's.", ""]
     for base, plan in report["plans"].items():
         cal = plan["calibration"]
         costs = ", ".join(f"{n} ({c['source']}, x{c['scale']:.2f})" for n, c in cal["costs"].items())
