@@ -4,7 +4,8 @@ the refined prediction (decode.engine.theory.refined_time) of a chain's decoding
 Calibration: a short greedy decode of held-out prompts, every middle level at the largest mu tried and
 the drafter at its longest draft (a shorter chain draft is a prefix of a longer one, so one decode
 serves every length) or at each tree shape (a tree of another depth or size is built differently, so
-each shape is decoded). From it:
+each shape is decoded). The chains planned together decode prompt by prompt, interleaved, so that a shared host's
+load, which changes from one second to the next, falls on each chain's calibration alike. From it:
   accepted  per verifying level, the distribution of the tokens C it accepts of what the level below
             proposes; a proposal of m tokens (the first m of the longer one) is accepted min(C, m);
   costs     per verifying level a cost curve {tokens fed: seconds per forward} (decode.costs' costs.json
@@ -27,6 +28,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from decode.engine.chain import Chain
@@ -110,35 +112,73 @@ def cost_curves(chain: Chain, rows: list[str | None], context: list[int],
     return curves, [f"costs.json {key}" if key in stored else "timed" for key in keys]
 
 
-def calibrate(spec: ChainSpec, build: Build, prompts: list[list[int]], plan: PlanSettings, eos: Any,
-              turn_tokens: int) -> tuple[ChainModel, dict[str, Any]]:
-    """Decode `prompts` at each calibration setting (a variant of `spec` each); the model of the chain for turns of
-    `turn_tokens` decoded tokens, and what was measured."""
+@dataclass
+class Calibration:
+    """One chain's calibration: its settings (a variant of the spec each, `lengths` the chain drafts they stand
+    for), its verifying levels' cost curves, and each setting's decodes as `decode_interleaved` adds them."""
+
+    spec: ChainSpec
+    chain: Chain  # the spec's own chain (its levels' names; the curves were timed on it)
+    settings: list[dict[str, Any]]
+    lengths: list[int]
+    mu: int
+    variants: list[Chain]
+    curves: tuple[list[dict[int, float]], list[str]]  # seconds per forward at k tokens, and where each came from
+    runs: list[list[GenerationStats]] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def prepare(spec: ChainSpec, build: Build, prompts: list[list[int]], plan: PlanSettings) -> Calibration:
+    """A chain's calibration before decoding: every middle level at the largest mu, the drafter at its longest chain
+    draft or at each tree shape, each a variant of `spec`."""
     configured = spec.knobs()
     draft = configured["draft"]
     mu_max = max(list(plan.mu) + list(configured["mu"].values()))
+    lengths = sorted(set(plan.lengths) | {int(draft["length"])}) if draft["mode"] != "tree" else []
     if draft["mode"] == "tree":
         trees = [{**draft, **t} for t in plan.trees]
         settings = trees + ([draft] if draft not in trees else [])
     else:
-        lengths = sorted(set(plan.lengths) | {int(draft["length"])})
         settings = [{**draft, "length": lengths[-1]}]
     context = [t for p in prompts for t in p][: plan.context]
     chain = build(spec)
-    curves, sources = cost_curves(chain, [level.cost_row for level in spec.levels[:-1]], context, plan)
-    start, runs = time.perf_counter(), []
-    for setting in settings:
-        variant = build(spec.with_knobs({"mu": {name: mu_max for name in configured["mu"]}, "draft": setting}))
-        runs.append([variant.generate(p, plan.max_new_tokens, eos_token_id=eos).stats for p in prompts])
-    n, pooled = len(chain.levels), [s for run in runs for s in run]
-    scales = []  # per verifying level, in-chain seconds over the curve's (a prompt's prefill is outside the curve)
+    curves = cost_curves(chain, [level.cost_row for level in spec.levels[:-1]], context, plan)
+    variants = [build(spec.with_knobs({"mu": {name: mu_max for name in configured["mu"]}, "draft": setting}))
+                for setting in settings]
+    return Calibration(spec, chain, settings, lengths, mu_max, variants, curves, [[] for _ in settings])
+
+
+def decode_interleaved(calibrations: list[Calibration], prompts: list[list[int]], max_new_tokens: int,
+                       eos: Any) -> None:
+    """Every calibration's settings decode one prompt, then the next: load on a shared host changes from one second to
+    the next, and this way it falls on every chain's calibration alike (as the eval interleaves its methods)."""
+    for prompt in prompts:
+        for cal in calibrations:
+            for variant, runs in zip(cal.variants, cal.runs):
+                start = time.perf_counter()
+                runs.append(variant.generate(prompt, max_new_tokens, eos_token_id=eos).stats)
+                cal.seconds += time.perf_counter() - start
+
+
+def _scaled(curves: list[dict[int, float]], pooled: list[GenerationStats]) -> list[float]:
+    """Per verifying level, its in-chain seconds over its curve's for the same forwards (a prompt's prefill, a lower
+    level's first forward, is outside the curve)."""
+    scales = []
     for i, curve in enumerate(curves):
         steady = [f for s in pooled for f in (s.levels[i].forwards[1:] if i else s.levels[i].forwards)]
         inside = [(k, t) for k, t in steady if k <= max(curve)]
         scales.append(sum(t for _, t in inside) / sum(forward_cost(curve, k) for k, _ in inside) if inside else 1.0)
+    return scales
+
+
+def model_of(cal: Calibration, prompts: int, max_new_tokens: int, turn_tokens: int) -> tuple[ChainModel, dict]:
+    """The model of a decoded calibration's chain for turns of `turn_tokens` decoded tokens, and what was measured."""
+    n, pooled = len(cal.chain.levels), [s for run in cal.runs for s in run]
+    curves, sources = cal.curves
+    scales = _scaled(curves, pooled)
     curves = [{k: v * scale for k, v in curve.items()} for curve, scale in zip(curves, scales)]
     shapes, by_setting = [], {}
-    for setting, stats in zip(settings, runs):
+    for setting, stats in zip(cal.settings, cal.runs):
         cost = _draft_cost(stats)
         beta, size = _per_round(stats, n - 2, "beta"), _per_round(stats, n - 2, "size")
         accepted, overhead = _accepted(stats, n - 2), _overhead(stats, n - 2)
@@ -147,16 +187,16 @@ def calibrate(spec: ChainSpec, build: Build, prompts: list[list[int]], plan: Pla
             shapes.append(Shape(setting, accepted, size, beta, cost, overhead))
         else:
             shapes += [Shape({**setting, "length": k}, capped(accepted, {k: 1.0}), min(size, k), min(beta, k), cost,
-                             overhead) for k in lengths]
+                             overhead) for k in cal.lengths]
     upper, prefill = _upper_overheads(pooled, n - 2), _prefill(pooled)
     model = ChainModel(curves, [_accepted(pooled, i) for i in range(n - 2)], shapes, upper,
                        prefill / max(turn_tokens, 1))
     measured = {
-        "prompts": len(prompts), "max_new_tokens": plan.max_new_tokens, "decodes": len(settings) * len(prompts),
-        "mu": mu_max, "seconds": time.perf_counter() - start, "prefill_ms": 1e3 * prefill, "turn_tokens": turn_tokens,
+        "prompts": prompts, "max_new_tokens": max_new_tokens, "decodes": len(cal.settings) * prompts,
+        "mu": cal.mu, "seconds": cal.seconds, "prefill_ms": 1e3 * prefill, "turn_tokens": turn_tokens,
         "overhead_ms": {"upper levels": [1e3 * o for o in upper], "last verifier": by_setting},
         "costs": {level.name: {"source": src, "scale": scale, "ms": {k: 1e3 * v for k, v in curve.items()}}
-                  for level, src, scale, curve in zip(chain.levels, sources, scales, curves)},
+                  for level, src, scale, curve in zip(cal.chain.levels, sources, scales, curves)},
     }
     return model, measured
 
@@ -182,14 +222,21 @@ def at_measured_acceptance(predicted: dict[str, Any], calibration: dict[str, Any
     return seconds + len(stats) * calibration["prefill_ms"] / 1e3 / max(tokens, 1)
 
 
-def plan_chain(spec: ChainSpec, build: Build, prompts: list[list[int]], plan: PlanSettings, eos: Any,
-               turn_tokens: int) -> dict[str, Any]:
-    """Calibrate, then the planned knobs next to the configured ones, each with its predicted time per token of
-    turns of `turn_tokens` decoded tokens and its predicted speedup over AR (the target's 1-token forward, from the
-    same curve). A plan predicted less than `plan.min_gain` faster keeps the configured values: the calibration is
-    short and noisy."""
-    configured = spec.knobs()
-    model, calibration = calibrate(spec, build, prompts, plan, eos, turn_tokens)
+def plan_chains(specs: dict[str, ChainSpec], build: Build, prompts: list[list[int]], plan: PlanSettings, eos: Any,
+                turn_tokens: int) -> dict[str, dict[str, Any]]:
+    """Calibrate every chain of `specs` on `prompts`, interleaved (`decode_interleaved`), then per chain the planned
+    knobs next to the configured ones, each with its predicted time per token of turns of `turn_tokens` decoded tokens
+    and its predicted speedup over AR (the target's 1-token forward, from the same curve)."""
+    calibrations = {name: prepare(spec, build, prompts, plan) for name, spec in specs.items()}
+    decode_interleaved(list(calibrations.values()), prompts, plan.max_new_tokens, eos)
+    return {name: _plan(cal, model_of(cal, len(prompts), plan.max_new_tokens, turn_tokens), plan)
+            for name, cal in calibrations.items()}
+
+
+def _plan(cal: Calibration, modelled: tuple[ChainModel, dict[str, Any]], plan: PlanSettings) -> dict[str, Any]:
+    """A plan predicted less than `plan.min_gain` faster keeps the configured values: the calibration is short and
+    noisy."""
+    (model, calibration), configured = modelled, cal.spec.knobs()
     mine = predict(model, list(configured["mu"].values()),
                    next(s for s in model.shapes if s.draft == configured["draft"]))
     mus, shape, predicted = best(model, list(plan.mu))
@@ -200,6 +247,6 @@ def plan_chain(spec: ChainSpec, build: Build, prompts: list[list[int]], plan: Pl
     return {
         "configured": {"knobs": configured, "predicted": mine | {"speedup": ar / mine["s_per_token"]}},
         "planned": {"knobs": planned, "predicted": predicted | {"speedup": ar / predicted["s_per_token"]}},
-        "candidates": len(model.shapes) * len(plan.mu) ** (len(spec.levels) - 2),
+        "candidates": len(model.shapes) * len(plan.mu) ** (len(cal.spec.levels) - 2),
         "calibration": calibration,
     }

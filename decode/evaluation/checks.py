@@ -203,7 +203,7 @@ def evaluate_chains(decoded: Decoded, reference_fn: ReferenceFn, checks: CheckSe
                     reference: str = "ar") -> dict[str, Any]:
     """Everything the report holds, computed from the decoded records: summaries, theory, checks, plans.
 
-    `decoded.plans` maps a configured chain or a searched stack to its plan (decode.chains.plan.plan_chain, plus
+    `decoded.plans` maps a configured chain or a searched stack to its plan (decode.chains.plan.plan_chains, plus
     "chain": the planned chain's name, "decoded": the sides decoded); insertions pair configured chains and stacks
     with each other and planned chains with planned ones."""
     records, chains, plans, confidence = decoded.records, decoded.names, decoded.plans, checks.confidence

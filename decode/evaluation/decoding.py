@@ -134,40 +134,38 @@ def calibration_prompts(prompts_file: str | None, count: int, questions: list, t
 
 def plan_chains(settings: EvalSettings, builder: Any, decoders: dict[str, Decoder], questions: list,
                 eos: Any) -> dict[str, dict[str, Any]]:
-    """Plan the chains of eval.plan.chains (null: all) on held-out prompts. A plan that changes the knobs adds
-    the decoder `<chain>_planned` (a chain built from the planned spec), decoded next to the configured chain.
-    Then every other stack their levels allow (decode.engine.spec.stacks) is planned too, and the eval.plan.stacks
-    predicted fastest are decoded at their planned knobs. A plan's `decoded` names the sides the eval decodes."""
-    from decode.chains.plan import plan_chain
+    """Plan the chains of eval.plan.chains (null: all) and every other stack their levels allow
+    (decode.engine.spec.stacks) on held-out prompts, calibrated together (decode.chains.plan.plan_chains). A plan that
+    changes a chain's knobs adds the decoder `<chain>_planned` (a chain built from the planned spec), decoded next to
+    the configured chain; the eval.plan.stacks stacks predicted fastest are decoded at their planned knobs. A plan's
+    `decoded` names the sides the eval decodes."""
+    from decode.chains.plan import plan_chains as plan_specs
     from decode.engine.spec import stacks
 
-    specs, plan_settings, plans = settings.specs, settings.plan, {}
-    prompts = calibration_prompts(settings.section.prompts, plan_settings.questions, questions, builder.tokenizer)
-    turn_tokens = max(settings.section.max_new_tokens - 1, 1)  # a turn's tokens after its first (decoding time's)
-
-    def planned(name: str, spec: Any) -> tuple[dict[str, Any], Any]:
-        print(f"plan: calibrating {name} on {len(prompts)} held-out prompts", file=sys.stderr)
-        plan = plan_chain(spec, builder.build, prompts, plan_settings, eos, turn_tokens)
-        return plan, spec.with_knobs(plan["planned"]["knobs"])
-
+    specs, plan_settings = settings.specs, settings.plan
     names = plan_settings.chains or list(specs)
     for name in names:
         if name not in specs:
             raise EvalError(f"eval.plan.chains: {name!r} is not one of eval.chains ({', '.join(specs)})")
-        plan, planned_spec = planned(name, specs[name])
+    searched = {name: settings.decoding.parse_chain(levels, f"stack {name}")
+                for name, levels in (stacks(specs[n] for n in names).items() if plan_settings.stacks else ())}
+    prompts = calibration_prompts(settings.section.prompts, plan_settings.questions, questions, builder.tokenizer)
+    turn_tokens = max(settings.section.max_new_tokens - 1, 1)  # a turn's tokens after its first (decoding time's)
+    print(f"plan: calibrating {len(names) + len(searched)} chains on {len(prompts)} held-out prompts, interleaved",
+          file=sys.stderr)
+    plans = plan_specs({n: specs[n] for n in names} | searched, builder.build, prompts, plan_settings, eos, turn_tokens)
+    for name in names:
+        planned_spec = specs[name].with_knobs(plans[name]["planned"]["knobs"])
         chain = name if planned_spec == specs[name] else f"{name}_planned"
         if chain != name:
             decoders[chain] = chain_decoder(builder.build(planned_spec), eos)
-        plans[name] = plan | {"chain": chain, "levels": planned_spec.as_config(), "decoded": ["configured", "planned"]}
-    searched = {}
-    for name, levels in stacks(specs[n] for n in names).items() if plan_settings.stacks else ():
-        plan, planned_spec = planned(name, settings.decoding.parse_chain(levels, f"stack {name}"))
-        del plan["configured"]  # a stack has no configured knobs, only the planner's
-        searched[name] = (plan | {"chain": name, "levels": planned_spec.as_config(), "decoded": [], "stack": True},
-                          planned_spec)
-    fastest = sorted(searched, key=lambda n: searched[n][0]["planned"]["predicted"]["s_per_token"])
+        plans[name] |= {"chain": chain, "levels": planned_spec.as_config(), "decoded": ["configured", "planned"]}
+    for name, spec in searched.items():
+        planned_spec = spec.with_knobs(plans[name]["planned"]["knobs"])
+        del plans[name]["configured"]  # a stack has no configured knobs, only the planner's
+        plans[name] |= {"chain": name, "levels": planned_spec.as_config(), "decoded": [], "stack": True}
+    fastest = sorted(searched, key=lambda n: plans[n]["planned"]["predicted"]["s_per_token"])
     for name in fastest[: plan_settings.stacks]:
-        plan, spec = searched[name]
-        decoders[name] = chain_decoder(builder.build(spec), eos)
-        plan["decoded"] = ["planned"]
-    return plans | {name: plan for name, (plan, _) in searched.items()}
+        decoders[name] = chain_decoder(builder.build(searched[name].with_knobs(plans[name]["planned"]["knobs"])), eos)
+        plans[name]["decoded"] = ["planned"]
+    return plans

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from decode.chains.plan import (_draft_cost, _overhead, _per_round, _prefill, _upper_overheads, at_measured_acceptance,
-                               plan_chain)
+from decode.chains.plan import (Calibration, _draft_cost, _overhead, _per_round, _prefill, _upper_overheads,
+                               at_measured_acceptance, decode_interleaved, plan_chains)
 from decode.engine.levels import GenerationStats, LevelStats
 from decode.engine.planner import ChainModel, Shape, best, capped, first_passage, predict
 from decode.settings import PlanSettings
@@ -148,7 +148,29 @@ def test_best_picks_mu_for_a_middle_level():
     assert predict(model, (6,), model.shapes[0])["s_per_token"] == pytest.approx(5.75)
 
 
-def test_plan_chain_calibrates_a_real_chain_and_predicts_the_configured_values(one_thread):
+def test_calibrations_decode_prompt_by_prompt_every_chain_in_turn():
+    """The host's load changes from second to second: each prompt is decoded by every chain's settings before the
+    next prompt, so no chain's calibration sits in a moment of its own."""
+    from types import SimpleNamespace
+
+    calls = []
+
+    class Decodes:
+        def __init__(self, name: str):
+            self.name = name
+
+        def generate(self, prompt, max_new_tokens, eos_token_id=None):
+            calls.append((self.name, prompt[0]))
+            return SimpleNamespace(stats=f"{self.name} {prompt[0]}")
+
+    two = Calibration(None, None, [{}, {}], [], 1, [Decodes("a1"), Decodes("a2")], ([], []), [[], []])
+    one = Calibration(None, None, [{}], [], 1, [Decodes("b")], ([], []), [[]])
+    decode_interleaved([two, one], [[0], [1]], 4, eos=None)
+    assert calls == [("a1", 0), ("a2", 0), ("b", 0), ("a1", 1), ("a2", 1), ("b", 1)]
+    assert two.runs == [["a1 0", "a1 1"], ["a2 0", "a2 1"]] and one.runs == [["b 0", "b 1"]] and two.seconds > 0
+
+
+def test_plan_chains_calibrates_real_chains_and_predicts_the_configured_values(one_thread):
     from decode.engine.chain import Chain
     from decode.engine.levels import ModelLevel
     from decode.engine.spec import ChainSpec
@@ -166,11 +188,15 @@ def test_plan_chain_calibrates_a_real_chain_and_predicts_the_configured_values(o
 
     settings = PlanSettings(mu=(1, 2, 4), lengths=(1, 2, 4), min_gain=0.0, ks=(1, 4, 8), repeats=1, context=32,
                             max_new_tokens=12)
-    plan = plan_chain(spec, build, prompts(300, n=2), settings, eos=None, turn_tokens=11)
+    pair = ChainSpec.parse([{"name": "target"},
+                            {"name": "draft", "model": "draft", "draft": {"mode": "chain", "length": 3}}])
+    plans = plan_chains({"three": spec, "pair": pair}, build, prompts(300, n=2), settings, eos=None, turn_tokens=11)
+    plan = plans["three"]
+    assert list(plans) == ["three", "pair"] and plans["pair"]["candidates"] == 4  # lengths 1, 2, 4 and its own 3
     assert plan["configured"]["knobs"] == {"mu": {"mid": 2}, "draft": {"mode": "chain", "length": 3}}
     # the spec is never changed: variants are new ones
     assert spec.knobs() == plan["configured"]["knobs"] and built[0] == spec
-    assert {v.knobs()["mu"]["mid"] for v in built[1:]} == {4}  # calibration runs at the largest mu
+    assert {v.knobs()["mu"]["mid"] for v in built[1:] if v.knobs()["mu"]} == {4}  # calibration runs at the largest mu
     planned = plan["planned"]["knobs"]
     assert planned["mu"]["mid"] in (1, 2, 4) and planned["draft"]["length"] in (1, 2, 3, 4)
     assert plan["planned"]["predicted"]["s_per_token"] <= plan["configured"]["predicted"]["s_per_token"]
@@ -182,8 +208,8 @@ def test_plan_chain_calibrates_a_real_chain_and_predicts_the_configured_values(o
     assert len(overheads["upper levels"]) == 1 and overheads["upper levels"][0] > 0
     assert list(overheads["last verifier"]) == ["length 4"] and overheads["last verifier"]["length 4"] > 0
     assert plan["calibration"]["prefill_ms"] > 0 and plan["calibration"]["turn_tokens"] == 11
-    cautious = plan_chain(spec, build, prompts(300, n=2), dataclasses.replace(settings, min_gain=0.99), eos=None,
-                          turn_tokens=11)
+    cautious = plan_chains({"three": spec}, build, prompts(300, n=2), dataclasses.replace(settings, min_gain=0.99),
+                           eos=None, turn_tokens=11)["three"]
     assert cautious["planned"] == cautious["configured"]  # not predicted 99% faster: keep the configured values
 
 
@@ -212,7 +238,7 @@ def test_the_plan_reads_a_costs_json_row_only_for_the_level_as_it_runs(one_threa
     sources = {}
     for rows in ({"target": curve, "w4": curve}, {"target": curve, "w4": curve, "w4 int8 head": curve}):
         costs.write_text(json.dumps({"ms": rows}))
-        plan = plan_chain(spec, build, prompts(300, n=1), settings, eos=None, turn_tokens=5)
+        plan = plan_chains({"w4": spec}, build, prompts(300, n=1), settings, eos=None, turn_tokens=5)["w4"]
         sources[len(rows)] = {name: c["source"] for name, c in plan["calibration"]["costs"].items()}
     assert sources[2] == {"target": "costs.json target", "w4": "timed"}
     assert sources[3] == {"target": "costs.json target", "w4": "costs.json w4 int8 head"}
