@@ -124,8 +124,11 @@ class Calibration:
     mu: int
     variants: list[Chain]
     curves: tuple[list[dict[int, float]], list[str]]  # seconds per forward at k tokens, and where each came from
-    runs: list[list[GenerationStats]] = field(default_factory=list)
-    seconds: float = 0.0
+    runs: list[list[GenerationStats]] = field(init=False)  # per setting, its decodes
+    seconds: float = field(init=False, default=0.0)
+
+    def __post_init__(self) -> None:
+        self.runs = [[] for _ in self.settings]
 
 
 def prepare(spec: ChainSpec, build: Build, prompts: list[list[int]], plan: PlanSettings) -> Calibration:
@@ -145,7 +148,7 @@ def prepare(spec: ChainSpec, build: Build, prompts: list[list[int]], plan: PlanS
     curves = cost_curves(chain, [level.cost_row for level in spec.levels[:-1]], context, plan)
     variants = [build(spec.with_knobs({"mu": {name: mu_max for name in configured["mu"]}, "draft": setting}))
                 for setting in settings]
-    return Calibration(spec, chain, settings, lengths, mu_max, variants, curves, [[] for _ in settings])
+    return Calibration(spec, chain, settings, lengths, mu_max, variants, curves)
 
 
 def decode_interleaved(calibrations: list[Calibration], prompts: list[list[int]], max_new_tokens: int,

@@ -163,8 +163,8 @@ def test_calibrations_decode_prompt_by_prompt_every_chain_in_turn():
             calls.append((self.name, prompt[0]))
             return SimpleNamespace(stats=f"{self.name} {prompt[0]}")
 
-    two = Calibration(None, None, [{}, {}], [], 1, [Decodes("a1"), Decodes("a2")], ([], []), [[], []])
-    one = Calibration(None, None, [{}], [], 1, [Decodes("b")], ([], []), [[]])
+    two = Calibration(None, None, [{}, {}], [], 1, [Decodes("a1"), Decodes("a2")], ([], []))
+    one = Calibration(None, None, [{}], [], 1, [Decodes("b")], ([], []))
     decode_interleaved([two, one], [[0], [1]], 4, eos=None)
     assert calls == [("a1", 0), ("a2", 0), ("b", 0), ("a1", 1), ("a2", 1), ("b", 1)]
     assert two.runs == [["a1 0", "a1 1"], ["a2 0", "a2 1"]] and one.runs == [["b 0", "b 1"]] and two.seconds > 0
