@@ -137,11 +137,11 @@ def prepare(spec: ChainSpec, build: Build, prompts: list[list[int]], plan: PlanS
     configured = spec.knobs()
     draft = configured["draft"]
     mu_max = max(list(plan.mu) + list(configured["mu"].values()))
-    lengths = sorted(set(plan.lengths) | {int(draft["length"])}) if draft["mode"] != "tree" else []
     if draft["mode"] == "tree":
-        trees = [{**draft, **t} for t in plan.trees]
+        trees, lengths = [{**draft, **t} for t in plan.trees], []
         settings = trees + ([draft] if draft not in trees else [])
     else:
+        lengths = sorted(set(plan.lengths) | {int(draft["length"])})
         settings = [{**draft, "length": lengths[-1]}]
     context = [t for p in prompts for t in p][: plan.context]
     chain = build(spec)
@@ -163,13 +163,18 @@ def decode_interleaved(calibrations: list[Calibration], prompts: list[list[int]]
                 cal.seconds += time.perf_counter() - start
 
 
+def _steady(stats: list[GenerationStats], i: int) -> list[tuple[int, float]]:
+    """Level i's (tokens fed, seconds) forwards after its prefill: a lower level's first forward reads the prompt (the
+    target's prefill is not among its forwards)."""
+    return [f for s in stats for f in (s.levels[i].forwards[1:] if i else s.levels[i].forwards)]
+
+
 def _scaled(curves: list[dict[int, float]], pooled: list[GenerationStats]) -> list[float]:
-    """Per verifying level, its in-chain seconds over its curve's for the same forwards (a prompt's prefill, a lower
-    level's first forward, is outside the curve)."""
+    """Per verifying level, its in-chain seconds over its curve's for the same forwards (`_steady`: a prompt's
+    prefill is outside the curve)."""
     scales = []
     for i, curve in enumerate(curves):
-        steady = [f for s in pooled for f in (s.levels[i].forwards[1:] if i else s.levels[i].forwards)]
-        inside = [(k, t) for k, t in steady if k <= max(curve)]
+        inside = [(k, t) for k, t in _steady(pooled, i) if k <= max(curve)]
         scales.append(sum(t for _, t in inside) / sum(forward_cost(curve, k) for k, _ in inside) if inside else 1.0)
     return scales
 
@@ -215,7 +220,7 @@ def at_measured_acceptance(predicted: dict[str, Any], calibration: dict[str, Any
     costs = []
     for i, level in enumerate(calibration["costs"].values()):  # the verifying levels', target first
         curve = {int(k): v / 1e3 for k, v in level["ms"].items()}
-        carried = [k for s in stats for k, _ in (s.levels[i].forwards[1:] if i else s.levels[i].forwards)]
+        carried = [k for k, _ in _steady(stats, i)]
         costs.append(statistics.fmean(forward_cost(curve, k) for k in carried) if carried else forward_cost(curve, 1))
     lengths = [1 + mean(_accepted(stats, i)) for i in range(n - 1)]
     handed_up = [_per_round(stats, i, "size") for i in range(n - 2)]

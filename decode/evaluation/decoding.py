@@ -160,12 +160,12 @@ def plan_chains(settings: EvalSettings, builder: Any, decoders: dict[str, Decode
         if chain != name:
             decoders[chain] = chain_decoder(builder.build(planned_spec), eos)
         plans[name] |= {"chain": chain, "levels": planned_spec.as_config(), "decoded": ["configured", "planned"]}
-    for name, spec in searched.items():
-        planned_spec = spec.with_knobs(plans[name]["planned"]["knobs"])
+    planned_stacks = {name: spec.with_knobs(plans[name]["planned"]["knobs"]) for name, spec in searched.items()}
+    for name, planned_spec in planned_stacks.items():
         del plans[name]["configured"]  # a stack has no configured knobs, only the planner's
         plans[name] |= {"chain": name, "levels": planned_spec.as_config(), "decoded": [], "stack": True}
     fastest = sorted(searched, key=lambda n: plans[n]["planned"]["predicted"]["s_per_token"])
     for name in fastest[: plan_settings.stacks]:
-        decoders[name] = chain_decoder(builder.build(searched[name].with_knobs(plans[name]["planned"]["knobs"])), eos)
+        decoders[name] = chain_decoder(builder.build(planned_stacks[name]), eos)
         plans[name]["decoded"] = ["planned"]
     return plans
