@@ -7,8 +7,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from decode.backends.cpu import attention
-from decode.backends.cpu.dense import PackedLinear, gemm_for, packed_with
-from decode.backends.cpu.fusion import fuse_siblings
+from decode.backends.cpu.dense import PackedLinear, gemm_for, in_huge_page_panels, packed_with
+from decode.backends.cpu.fusion import StackedProduct, fuse_siblings
 from decode.backends.cpu.int4 import _is_cpu_int4, _pack_int4, is_lean_int4
 
 
@@ -21,7 +21,8 @@ def _children(model: nn.Module):
 def pack(model: nn.Module, gemm: str = "auto") -> int:
     """Swap every CPU nn.Linear of a float32 (bfloat16 where oneDNN packs it) model for a PackedLinear on the
     `gemm` product (see `gemm_for`) and give every CPU GPTQ int4 linear the lean forward, in place; returns how
-    many layers changed. Dense layers no packed product can run stay plain."""
+    many layers changed. Dense layers no packed product can run stay plain; the panels the model then runs on lie
+    in huge pages (decode.backends.cpu.hugepages)."""
     count = 0
     for parent, name, child in _children(model):
         if _is_cpu_int4(child):
@@ -37,7 +38,19 @@ def pack(model: nn.Module, gemm: str = "auto") -> int:
             attention.register()
             model.set_attn_implementation(attention.KERNEL_ATTENTION if packed_with(model) == "avx2"
                                           else attention.GROUPED_SDPA)
+    _to_huge_pages(model)
     return count
+
+
+def _to_huge_pages(model: nn.Module) -> None:
+    """The panels the packed model runs on (its packed linears' and their stacked siblings'), once final, into huge
+    pages (decode.backends.cpu.hugepages)."""
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            m.packed = in_huge_page_panels(m.packed)
+            stacked = m.sibling[0].run if m.sibling is not None and m.sibling[1] == 0 else None
+            if isinstance(stacked, StackedProduct):
+                stacked.packed = in_huge_page_panels(stacked.packed)
 
 
 def unpack(model: nn.Module) -> int:

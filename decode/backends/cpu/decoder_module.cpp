@@ -17,6 +17,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init(&packed_weight), py::arg("words"), py::arg("n"), py::arg("scales") = py::none(),
            py::arg("bounds") = py::none(), py::arg("perm") = py::none(), py::arg("bias") = py::none())
       .def_readonly("words", &PackedWeight::words)
+      .def_readonly("scales", &PackedWeight::scales)
       .def_readonly("n", &PackedWeight::n)
       .def_property_readonly("nbytes", &PackedWeight::nbytes);
   m.def("packed_mm", &packed_mm, "x W^T (+ b) through a PackedWeight of either kind");

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from decode.backends.cpu.hugepages import in_huge_pages
 from decode.backends.cpu.kernels import avx2_kernel
 
 GEMMS = ("auto", "avx2", "onednn")
@@ -52,6 +53,12 @@ def pack_weight(weight: torch.Tensor, gemm: str) -> Panels | torch.Tensor:
     if gemm == "avx2":
         return Panels(avx2_kernel()[0].pack(weight.contiguous()), weight.shape[0])
     return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+
+def in_huge_page_panels(packed: Panels | torch.Tensor | None) -> Panels | torch.Tensor | None:
+    """avx2 panels copied into transparent huge pages (hugepages.in_huge_pages): done once a packed linear is final
+    (after fusion), so no panel dropped later holds huge pages; oneDNN's opaque weights stay as they are."""
+    return Panels(in_huge_pages(packed.data), packed.rows) if isinstance(packed, Panels) else packed
 
 
 def packed_with(model: nn.Module) -> str | None:
@@ -118,5 +125,9 @@ class PackedLinear(nn.Module):
 
 
 def packed_or_plain(linear: nn.Linear, gemm: str = "auto") -> nn.Module:
-    """`linear` on a packed product where one runs for its dtype, else unchanged."""
-    return PackedLinear(linear, gemm) if gemm_for(linear.weight.dtype, gemm) else linear
+    """`linear` on a packed product where one runs for its dtype (its panels in huge pages), else unchanged."""
+    if not gemm_for(linear.weight.dtype, gemm):
+        return linear
+    packed = PackedLinear(linear, gemm)
+    packed.packed = in_huge_page_panels(packed.packed)
+    return packed

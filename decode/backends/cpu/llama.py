@@ -32,6 +32,7 @@ from transformers import PretrainedConfig
 
 from decode.backends.cpu.dense import PackedLinear, pack_weight
 from decode.backends.cpu.fusion import StackedProduct
+from decode.backends.cpu.hugepages import in_huge_pages
 from decode.backends.cpu.kernels import FP32_SOURCES, HERE, avx2_kernel, build_extension
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
@@ -179,6 +180,13 @@ def int4_parts(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, tor
     return codes.t().to(torch.uint8).contiguous(), module.scales.float().t().contiguous(), module.ret_idx.long()
 
 
+def kernel_weight(kernels: Any, words: torch.Tensor, scales: torch.Tensor | None = None, **parts: Any) -> Any:
+    """A PackedWeight built from a packer's final output, its streamed parts (words, scales) copied into huge pages
+    (decode.backends.cpu.hugepages); `parts`: its n, bounds, perm, bias."""
+    placed = None if scales is None else in_huge_pages(scales)
+    return kernels.PackedWeight(words=in_huge_pages(words), scales=placed, **parts)
+
+
 def int4_weight(kernels: Any, parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], group_size: int,
                 activations: str, bias: torch.Tensor | None = None) -> Any:
     """int4 parts as `int4_parts` gives them (codes [N, K], one scale per output and group of `group_size` inputs
@@ -189,8 +197,8 @@ def int4_weight(kernels: Any, parts: tuple[torch.Tensor, torch.Tensor, torch.Ten
     k = codes.shape[1]
     bounds = torch.tensor([*range(0, k, group_size), k], dtype=torch.long)
     identity = perm is None or torch.equal(perm, torch.arange(k))
-    return kernels.PackedWeight(words=words, n=codes.shape[0], scales=panel_scales, bounds=bounds,
-                                perm=None if identity else perm, bias=bias)
+    return kernel_weight(kernels, words, panel_scales, n=codes.shape[0], bounds=bounds,
+                         perm=None if identity else perm, bias=bias)
 
 
 def _w4_weight(kernels: Any, modules: list[torch.nn.Module], activations: str) -> Any:
@@ -219,7 +227,7 @@ def dense_weight(kernels: Any, modules: list[torch.nn.Module]) -> Any:
     bias = None
     if any(m.bias is not None for m in modules):
         bias = torch.cat([m.bias.detach() if m.bias is not None else weight.new_zeros(m.out_features) for m in modules])
-    return kernels.PackedWeight(words=pack_weight(weight, "avx2").data, n=weight.shape[0], bias=bias)
+    return kernel_weight(kernels, pack_weight(weight, "avx2").data, n=weight.shape[0], bias=bias)
 
 
 def int8_weight(kernels: Any, modules: list[torch.nn.Module]) -> Any:
@@ -229,8 +237,7 @@ def int8_weight(kernels: Any, modules: list[torch.nn.Module]) -> Any:
 
     rows, scales = int8_rows(torch.cat([m.weight.detach() for m in modules]))
     words, panel_scales = kernels.pack_int8(rows, scales)
-    return kernels.PackedWeight(words=words, scales=panel_scales, bounds=torch.tensor([0, rows.shape[1]]),
-                                n=rows.shape[0])
+    return kernel_weight(kernels, words, panel_scales, bounds=torch.tensor([0, rows.shape[1]]), n=rows.shape[0])
 
 
 def _shared_weight(kernels: Any, module: torch.nn.Module) -> Any:
@@ -424,8 +431,8 @@ class NativeInt8Linear(torch.nn.Module):
         self.weight, self.bias = head.weight, None
         kernels = native_kernels()[0]
         words, scales = kernels.pack_int8(head.qweight, head.scales.float())
-        self.packed = kernels.PackedWeight(words=words, scales=scales, bounds=torch.tensor([0, self.in_features]),
-                                           n=self.out_features)
+        self.packed = kernel_weight(kernels, words, scales, bounds=torch.tensor([0, self.in_features]),
+                                    n=self.out_features)
 
     def streamed_bytes(self) -> int:
         """The bytes a forward reads: the packed int8 rows and their scales."""
