@@ -111,10 +111,11 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 7,
     far larger than the caches. `stream`: (a kernel reading a float32 tensor once the way a good kernel does, all
     threads and wide loads, e.g. decode.backends.cpu.llama.stream_kernel(); its name), timed best of `repeats` as
     STREAM reports; without one, torch's sum, median of `repeats` (below what engines are seen to stream)."""
-    import torch
+
+    from infra import hugepages
 
     kernel, name = stream
-    data = torch.ones(int(gib * 2**30) // 4)  # written, so every page is mapped: no shared zero page to read
+    data = _read_buffer(int(gib * 2**30))
     read = kernel or (lambda t: t.sum())
     read(data)
     times = []
@@ -123,8 +124,17 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 7,
         read(data)
         times.append(time.perf_counter() - start)
     if kernel is None:
-        return Bandwidth(data.nbytes / statistics.median(times), f"torch.sum, median of {repeats}")
-    return Bandwidth(data.nbytes / min(times), f"{name}, best of {repeats}")
+        return Bandwidth(data.nbytes / statistics.median(times), f"torch.sum, {hugepages.mode()} pages, median of "
+                                                               f"{repeats}")
+    return Bandwidth(data.nbytes / min(times), f"{name}, {hugepages.mode()} pages, best of {repeats}")
+
+
+def _read_buffer(nbytes: int) -> Any:
+    """A float32 buffer to read, in the pages packed weights lie in (infra.hugepages), written so that every page is
+    mapped (no shared zero page to read)."""
+    from infra import hugepages
+
+    return hugepages.empty((nbytes // 4,)).fill_(1.0)
 
 
 class ReadProbe:
@@ -134,12 +144,13 @@ class ReadProbe:
     read taken apart puts the floor in the best of those moments while a forward's median sits in a typical one."""
 
     def __init__(self, stream: tuple[Callable[[Any], float] | None, str], window: int = 2**28, total: int = 2**30):
-        import torch
+
+        from infra import hugepages
 
         kernel, name = stream
         self.kernel = kernel or (lambda t: t.sum())
-        self.name = name if kernel is not None else "torch.sum"
-        self.data = torch.ones(total // 4)  # written, so every page is mapped
+        self.name = f"{name if kernel is not None else 'torch.sum'}, {hugepages.mode()} pages"
+        self.data = _read_buffer(total)
         self.window_bytes, self.at = window, 0
 
     def __call__(self, k: int) -> object:

@@ -22,7 +22,7 @@ def pack(model: nn.Module, gemm: str = "auto") -> int:
     """Swap every CPU nn.Linear of a float32 (bfloat16 where oneDNN packs it) model for a PackedLinear on the
     `gemm` product (see `gemm_for`) and give every CPU GPTQ int4 linear the lean forward, in place; returns how
     many layers changed. Dense layers no packed product can run stay plain; the panels the model then runs on lie
-    in huge pages (decode.backends.cpu.hugepages)."""
+    in huge pages (infra.hugepages)."""
     count = 0
     for parent, name, child in _children(model):
         if _is_cpu_int4(child):
@@ -44,7 +44,7 @@ def pack(model: nn.Module, gemm: str = "auto") -> int:
 
 def _to_huge_pages(model: nn.Module) -> None:
     """The panels the packed model runs on (its packed linears' and their stacked siblings'), once final, into huge
-    pages (decode.backends.cpu.hugepages)."""
+    pages (infra.hugepages)."""
     for m in model.modules():
         if isinstance(m, PackedLinear):
             m.packed = in_huge_page_panels(m.packed)

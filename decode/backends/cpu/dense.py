@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from decode.backends.cpu.hugepages import in_huge_pages
+from infra.hugepages import in_huge_pages
 from decode.backends.cpu.kernels import avx2_kernel
 
 GEMMS = ("auto", "avx2", "onednn")

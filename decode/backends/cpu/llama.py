@@ -32,7 +32,7 @@ from transformers import PretrainedConfig
 
 from decode.backends.cpu.dense import PackedLinear, pack_weight
 from decode.backends.cpu.fusion import StackedProduct
-from decode.backends.cpu.hugepages import in_huge_pages
+from infra.hugepages import in_huge_pages
 from decode.backends.cpu.kernels import FP32_SOURCES, HERE, avx2_kernel, build_extension
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
@@ -182,7 +182,7 @@ def int4_parts(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, tor
 
 def kernel_weight(kernels: Any, words: torch.Tensor, scales: torch.Tensor | None = None, **parts: Any) -> Any:
     """A PackedWeight built from a packer's final output, its streamed parts (words, scales) copied into huge pages
-    (decode.backends.cpu.hugepages); `parts`: its n, bounds, perm, bias."""
+    (infra.hugepages); `parts`: its n, bounds, perm, bias."""
     placed = None if scales is None else in_huge_pages(scales)
     return kernels.PackedWeight(words=in_huge_pages(words), scales=placed, **parts)
 

@@ -1,12 +1,13 @@
-"""Packed weights in transparent huge pages.
+"""Memory in transparent huge pages, for what a forward streams: packed weights, and the read probe that measures
+their floor (infra.timing).
 
 A forward streams every packed weight once, a few hundred KiB per product. On 4 KiB pages each page costs a TLB miss
 and the hardware prefetchers stop at every page boundary, so a cold product starts over every 4 KiB; in 2 MiB pages
-the weights of a layer sit in a handful of pages, one after the other. Linux gives an anonymous mapping huge pages
-where it is advised (MADV_HUGEPAGE) and the system's mode is `always` or `madvise`; torch's allocator advises
-nothing. So the packers' outputs are copied into chunks of such memory, packed tensors side by side in the order they
-are built (a model's layers in order), each 64-byte aligned. Where the system offers no transparent huge pages a
-tensor is returned as it is. Placement changes no bits: only where the bytes lie.
+the weights of a layer sit in a handful of pages, one after the other. Linux backs an anonymous mapping with huge
+pages where it is advised (MADV_HUGEPAGE) and the system's mode is `always` or `madvise`; torch's allocator advises
+nothing. So tensors are cut from chunks of such memory, side by side in the order they are made (a model's layers in
+order), each 64-byte aligned. Where the system offers no transparent huge pages, torch allocates as usual. Placement
+changes no bits: only where the bytes lie.
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 @functools.cache
 def available() -> bool:
-    """Whether this system gives advised mappings transparent huge pages (mode `always` or `madvise`) and takes the
-    advice."""
+    """Whether this system backs advised mappings with transparent huge pages (mode `always` or `madvise`) and
+    takes the advice."""
     try:
         mode = THP_MODE.read_text()
         if not hasattr(mmap, "MADV_HUGEPAGE") or ("[always]" not in mode and "[madvise]" not in mode):
@@ -69,11 +70,22 @@ def _room(nbytes: int) -> torch.Tensor:
     return room
 
 
+def empty(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An uninitialized contiguous CPU tensor in memory advised for huge pages (torch's own where there are none)."""
+    if not available():
+        return torch.empty(shape, dtype=dtype)
+    return _room(torch.Size(shape).numel() * dtype.itemsize).view(dtype).view(shape)
+
+
 def in_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of a CPU tensor in memory advised for transparent huge pages, or the tensor itself where the
-    system offers none."""
+    """A contiguous copy of a CPU tensor in memory advised for huge pages, or the tensor itself where the system
+    offers none."""
     if not available() or tensor.device.type != "cpu" or tensor.numel() == 0:
         return tensor
-    placed = _room(tensor.nbytes).view(tensor.dtype).view(tensor.shape)
-    placed.copy_(tensor)
-    return placed
+    return empty(tuple(tensor.shape), tensor.dtype).copy_(tensor)
+
+
+def mode() -> str:
+    """What a timing's reader needs to know of the pages: `2 MiB` where tensors are placed in huge pages, else
+    `4 KiB`."""
+    return "2 MiB" if available() else "4 KiB"

@@ -1,16 +1,18 @@
-"""Packed weights in transparent huge pages (decode/backends/cpu/hugepages.py): copies equal to what was packed, in
-mappings the kernel was advised to back with huge pages (smaps' VmFlags `hg`), alive as long as any tensor cut
-from them; every packer's final output placed there, and nothing placed where the system offers none."""
+"""Memory in transparent huge pages (infra/hugepages.py): copies equal to what was placed, in mappings the kernel
+was advised to back with huge pages (smaps' VmFlags `hg`), alive as long as any tensor cut from them; every packer's
+final output and the read probe's buffer placed there, and nothing placed where the system offers none."""
 from __future__ import annotations
 
 import gc
 
 import pytest
 import torch
-from decode_fixtures import packed, tiny_model
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from decode.backends.cpu import hugepages
+from decode.backends.cpu import pack
 from decode.backends.cpu.llama import int4_weight, int8_weight, native_kernels
+from infra import hugepages
+from infra.timing import ReadProbe
 
 needs_huge_pages = pytest.mark.skipif(not hugepages.available(), reason="this system offers no transparent huge pages")
 
@@ -63,10 +65,22 @@ def test_nothing_is_placed_where_the_system_offers_no_huge_pages(monkeypatch):
 def test_every_packers_final_output_lies_in_huge_pages():
     """The panels a packed model runs on (stacked siblings and lone linears), and the native kernels' int4 and
     int8 weights (words and scales)."""
-    model, kernels = packed(tiny_model(seed=3), "avx2"), native_kernels()[0]
+    torch.manual_seed(3)
+    model, kernels = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128,
+                                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                  tie_word_embeddings=False)).eval(), native_kernels()[0]
+    assert pack(model, "avx2") > 0
     attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     assert advised(attention.q_proj.sibling[0].run.packed.data) and advised(mlp.down_proj.packed.data)
     assert advised(model.lm_head.packed.data)
     codes, scales = torch.randint(0, 16, (32, 64), dtype=torch.int32), torch.rand(32, 1) + 0.1
     for weight in (int4_weight(kernels, (codes, scales, None), 64, "int8"), int8_weight(kernels, [mlp.down_proj])):
         assert advised(weight.words) and advised(weight.scales)
+
+
+@needs_huge_pages
+def test_the_read_probe_reads_the_pages_the_weights_lie_in():
+    """A floor is the bytes over the read of a buffer in the same kind of pages as the weights (4 KiB pages read
+    slower than 2 MiB ones), and says so."""
+    probe = ReadProbe((None, ""), window=2**21, total=2**23)
+    assert advised(probe.data) and bool((probe.data == 1).all()) and "2 MiB pages" in probe.name
