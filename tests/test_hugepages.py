@@ -73,6 +73,8 @@ def test_every_packers_final_output_lies_in_huge_pages():
     attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     assert advised(attention.q_proj.sibling[0].run.packed.data) and advised(mlp.down_proj.packed.data)
     assert advised(model.lm_head.packed.data)
+    placed = model.lm_head.packed.data.data_ptr()
+    assert pack(model, "avx2") == 0 and model.lm_head.packed.data.data_ptr() == placed  # packed again: not copied
     codes, scales = torch.randint(0, 16, (32, 64), dtype=torch.int32), torch.rand(32, 1) + 0.1
     for weight in (int4_weight(kernels, (codes, scales, None), 64, "int8"), int8_weight(kernels, [mlp.down_proj])):
         assert advised(weight.words) and advised(weight.scales)

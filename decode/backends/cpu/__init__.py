@@ -38,7 +38,8 @@ def pack(model: nn.Module, gemm: str = "auto") -> int:
             attention.register()
             model.set_attn_implementation(attention.KERNEL_ATTENTION if packed_with(model) == "avx2"
                                           else attention.GROUPED_SDPA)
-    _to_huge_pages(model)
+    if count:  # a model packed before keeps its panels where they lie
+        _to_huge_pages(model)
     return count
 
 
