@@ -162,6 +162,7 @@ def steps_for(settings: CostsSettings) -> tuple[dict[str, Step], dict[str, str],
         _w4_steps(w4, context, steps, notes)
     else:
         print(f"costs: no W4 model in {w4_dir}; skipping it", file=sys.stderr)
+    _small_page_steps(decoding, fast_target, context, (steps, notes))
     with torch.inference_mode():
         states = target(torch.tensor([context], device=device), output_hidden_states=True).hidden_states
     vocab = _head_steps(settings, (fast_target, tokenizer), (context, states), (steps, notes))
@@ -174,6 +175,30 @@ def steps_for(settings: CostsSettings) -> tuple[dict[str, Step], dict[str, str],
         steps[row] = level_forward(ModelLevel("w4", w4, vocab=vocab, compute=LevelCompute(lm_head=rows)), context)
         notes[row] = f"the W4 level restricted to the head's {len(vocab)}-token vocabulary (vocab: head)"
     return steps, notes, beside
+
+
+def _small_page_steps(decoding: Decoding, fast_target: Any, context: list[int], rows: tuple) -> None:
+    """Beside the target and the W4 level (its int8 LM head, as the chains run it), each built again with its packed
+    weights on 4 KiB pages (infra.hugepages.small_pages): what the huge pages gain, in the same process; only where
+    the system offers them (`rows`: the steps and notes to add to)."""
+    from data.models import load_model
+    from decode import backends
+    from decode.backends.cpu.int8 import Int8RowLinear
+    from decode.engine.levels import ModelLevel
+    from infra import hugepages
+
+    (steps, notes), model, w4_dir = rows, decoding.model, decoding.layout.output("w4")
+    if not hugepages.available() or not backends.runs_natively(fast_target):
+        return
+    with hugepages.small_pages():
+        target = decoding.backend.prepare(load_model(model.name, model.dtype, decoding.device)[0])
+        steps["target 4KiB pages"] = level_forward(ModelLevel("target", target), context)
+        notes["target 4KiB pages"] = "the target (default) with its packed weights on 4 KiB pages"
+        if (w4_dir / "config.json").is_file():
+            w4 = decoding.backend.drafting(target).prepare(load_model(str(w4_dir), model.dtype, decoding.device)[0])
+            int8 = backends.with_lm_head(w4, Int8RowLinear(w4.model.get_output_embeddings()))
+            steps["w4 int8 head 4KiB"] = level_forward(ModelLevel("w4", int8), context)
+            notes["w4 int8 head 4KiB"] = "the W4 level with lm_head: int8, its packed weights on 4 KiB pages"
 
 
 def _head_steps(settings: CostsSettings, target: tuple, inputs: tuple, rows: tuple) -> torch.Tensor | None:

@@ -11,9 +11,11 @@ changes no bits: only where the bytes lie.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import mmap
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -59,6 +61,19 @@ class _Chunk:
 
 
 _chunk: _Chunk | None = None
+_small_pages = False
+
+
+@contextlib.contextmanager
+def small_pages() -> Iterator[None]:
+    """Within it, tensors are allocated by torch as if the system offered no huge pages: the baseline a benchmark
+    times beside them (decode.costs)."""
+    global _small_pages
+    before, _small_pages = _small_pages, True
+    try:
+        yield
+    finally:
+        _small_pages = before
 
 
 def _room(nbytes: int) -> torch.Tensor:
@@ -72,7 +87,7 @@ def _room(nbytes: int) -> torch.Tensor:
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """An uninitialized contiguous CPU tensor in memory advised for huge pages (torch's own where there are none)."""
-    if not available():
+    if _small_pages or not available():
         return torch.empty(shape, dtype=dtype)
     return _room(torch.Size(shape).numel() * dtype.itemsize).view(dtype).view(shape)
 
@@ -80,7 +95,7 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.T
 def in_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of a CPU tensor in memory advised for huge pages, or the tensor itself where the system
     offers none."""
-    if not available() or tensor.device.type != "cpu" or tensor.numel() == 0:
+    if _small_pages or not available() or tensor.device.type != "cpu" or tensor.numel() == 0:
         return tensor
     return empty(tuple(tensor.shape), tensor.dtype).copy_(tensor)
 

@@ -61,6 +61,14 @@ def test_nothing_is_placed_where_the_system_offers_no_huge_pages(monkeypatch):
 
 
 @needs_huge_pages
+def test_a_baseline_on_small_pages_is_placed_nowhere_and_only_inside():
+    tensor = torch.randn(4, 4)
+    with hugepages.small_pages():
+        assert hugepages.in_huge_pages(tensor) is tensor and not advised(hugepages.empty((1 << 20,)))
+    assert advised(hugepages.in_huge_pages(tensor))
+
+
+@needs_huge_pages
 @pytest.mark.skipif(native_kernels()[0] is None, reason="the native kernels do not build here")
 def test_every_packers_final_output_lies_in_huge_pages():
     """The panels a packed model runs on (stacked siblings and lone linears), and the native kernels' int4 and

@@ -19,6 +19,7 @@ from decode.engine.chain import Chain
 from decode.engine.levels import EagleLevel, ModelLevel
 from decode.engine.runner import Prepared, PreparedHead
 from decode.engine.sampling import Sampling
+from infra import hugepages
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -92,6 +93,8 @@ def check_costs(run_dir: Path) -> None:
     for level in ("target", "w4", "head"):
         assert set(costs["ms"][level]) == {"1", "2"} and costs["floors"][level]["bytes"] > 0, (level, costs)
     assert costs["floors"]["w4"]["bytes"] < costs["floors"]["target"]["bytes"] / 2, costs["floors"]
+    if hugepages.available():  # the huge pages' baseline, timed beside them
+        assert {"target 4KiB pages", "w4 int8 head 4KiB"} <= set(costs["ms"]), costs["ms"]
     split = costs["round"]
     assert split["chain"] == "polybasic" and set(split["forward_ms"]) == {"target", "w4", "head"}, split
     assert 0 < split["overhead_ms"] < split["round_ms"] and split["tokens_per_round"] >= 1, split
