@@ -5,8 +5,8 @@
 // (norms, rotary, cache concatenation, casts, act-order gathers). Here a forward is one call: the layers loop in C++
 // over buffers allocated once per call, keys and values go into a preallocated cache (rollback is setting a length,
 // done by the caller), and every linear is `packed_linear` (packed_linear.h), which takes either kind of weight: one
-// layer loop for both. Attention is kernels.cpp's `attend` on views of the cache (row-exact, grouped heads read in
-// place). Norms, rotary and SiLU (layers.h) work row by row: a forward of k tokens gives, row for row, the bits of k
+// layer loop for both. Attention is kernels.cpp's `attend_views` on plain pointers into the cache (row-exact, grouped
+// heads read in place; a layer makes no tensors). Norms, rotary and SiLU (layers.h) work row by row: a forward of k tokens gives, row for row, the bits of k
 // one-token forwards.
 #include "decoder.h"
 
@@ -95,7 +95,7 @@ torch::Tensor Decoder::layers_forward(torch::Tensor& h, const torch::Tensor& pos
   auto normed = torch::empty({T, H});
   auto step = torch::empty({T, H});
   Scratch scratch;
-  std::vector<float> wide;
+  std::vector<float> wide, attended(T * heads_ * head_dim_);
   const int64_t aux_width = H * static_cast<int64_t>(aux_layers.size());
   TORCH_CHECK(aux_layers.empty() || (aux.has_value() && aux->is_contiguous() &&
                                      aux->scalar_type() == torch::kFloat && aux->size(0) == T &&
@@ -111,9 +111,9 @@ torch::Tensor Decoder::layers_forward(torch::Tensor& h, const torch::Tensor& pos
       rms_norm(input, T, H, layer.input_norm.data_ptr<float>(), eps_, normed.data_ptr<float>());
       input = normed.data_ptr<float>();
     }
-    const auto attended = attention(static_cast<int64_t>(i), input, T, pos, mask, cached, keys[i], values[i],
-                                    scratch, wide);
-    packed_linear(attended.data_ptr<float>(), T, layer.o, step.data_ptr<float>(), H, scratch);
+    attention(static_cast<int64_t>(i), {input, T, pos, cached}, mask, {keys, values}, {scratch, wide},
+              attended.data());
+    packed_linear(attended.data(), T, layer.o, step.data_ptr<float>(), H, scratch);
     add(step, h);
     rms_norm(h.data_ptr<float>(), T, H, layer.post_norm.data_ptr<float>(), eps_, normed.data_ptr<float>());
     mlp(layer, normed.data_ptr<float>(), T, step.data_ptr<float>(), scratch, wide);
@@ -124,30 +124,33 @@ torch::Tensor Decoder::layers_forward(torch::Tensor& h, const torch::Tensor& pos
   return normed;
 }
 
-// q/k/v of T rows, rotary, keys and values into the cache after `cached`, attention: [T, heads * head dim].
-// Each layer's keys/values: [kv heads, capacity, head dim].
-torch::Tensor Decoder::attention(int64_t i, const float* x, int64_t T, const int64_t* pos,
-                                 const c10::optional<torch::Tensor>& mask, int64_t cached, const torch::Tensor& keys,
-                                 const torch::Tensor& values, Scratch& scratch, std::vector<float>& qkv) {
+// q/k/v of layer i's T rows, rotary, keys and values into the cache after `cached`, attention into out [T, heads *
+// head dim]. The cache [layers, kv heads, capacity, head dim] is read in place through plain pointers (attend_views):
+// a layer makes no tensors.
+void Decoder::attention(int64_t i, const Rows& x, const c10::optional<torch::Tensor>& mask, const Cache& cache,
+                        const Buffers& buffers, float* out) {
   const Layer& layer = layers_[i];
-  const int64_t D = head_dim_, Q = heads_ * D, KV = kv_heads_ * D, N = width(layer.qkv), cap = keys.size(1);
+  const int64_t D = head_dim_, Q = heads_ * D, KV = kv_heads_ * D, N = width(layer.qkv), T = x.count;
+  const int64_t cap = cache.keys.size(2), L = x.cached + T;
   TORCH_CHECK(N == Q + 2 * KV, "attention: q/k/v widths do not match the heads");
+  std::vector<float>& qkv = buffers.wide;
   qkv.resize(T * N);
-  siblings(x, T, layer.qkv, qkv.data(), N, scratch);
-  float* kc = keys.data_ptr<float>();
-  float* vc = values.data_ptr<float>();
+  siblings(x.data, T, layer.qkv, qkv.data(), N, buffers.scratch);
+  float* kc = cache.keys.data_ptr<float>() + i * kv_heads_ * cap * D;
+  float* vc = cache.values.data_ptr<float>() + i * kv_heads_ * cap * D;
   for (int64_t t = 0; t < T; ++t) {
     float* row = qkv.data() + t * N;
-    rotate(row, heads_ + kv_heads_, D, cos_.data_ptr<float>() + pos[t] * D, sin_.data_ptr<float>() + pos[t] * D);
+    rotate(row, heads_ + kv_heads_, D, cos_.data_ptr<float>() + x.pos[t] * D, sin_.data_ptr<float>() + x.pos[t] * D);
     for (int64_t h = 0; h < kv_heads_; ++h) {
-      std::copy(row + Q + h * D, row + Q + (h + 1) * D, kc + (h * cap + cached + t) * D);
-      std::copy(row + Q + KV + h * D, row + Q + KV + (h + 1) * D, vc + (h * cap + cached + t) * D);
+      std::copy(row + Q + h * D, row + Q + (h + 1) * D, kc + (h * cap + x.cached + t) * D);
+      std::copy(row + Q + KV + h * D, row + Q + KV + (h + 1) * D, vc + (h * cap + x.cached + t) * D);
     }
   }
-  const auto q = torch::from_blob(qkv.data(), {1, heads_, T, D}, {T * N, D, N, 1}, torch::kFloat);
-  const auto k = keys.narrow(1, 0, cached + T).unsqueeze(0);
-  const auto v = values.narrow(1, 0, cached + T).unsqueeze(0);
-  return attend(q, k, v, mask, 1.0 / std::sqrt(static_cast<double>(D)), !mask.has_value() && T > 1);
+  Attention a{{qkv.data(), T * N, D, N, 1}, {kc, 0, cap * D, D, 1}, {vc, 0, cap * D, D, 1}, {}, false, out,
+              1, heads_, kv_heads_, T, L, D};
+  torch::Tensor expanded;
+  set_mask(a, mask, expanded);
+  attend_views(a, 1.0 / std::sqrt(static_cast<double>(D)), !mask.has_value() && T > 1);
 }
 
 // down(silu(gate(x)) * up(x)) of T rows into y [T, hidden].

@@ -54,9 +54,22 @@ class Decoder {
                                const c10::optional<torch::Tensor>& mask, int64_t cached, const torch::Tensor& keys,
                                const torch::Tensor& values, const c10::optional<torch::Tensor>& aux,
                                const std::vector<int64_t>& aux_layers);
-  torch::Tensor attention(int64_t i, const float* x, int64_t T, const int64_t* pos,
-                          const c10::optional<torch::Tensor>& mask, int64_t cached, const torch::Tensor& keys,
-                          const torch::Tensor& values, Scratch& scratch, std::vector<float>& qkv);
+  struct Rows {  // a layer's input rows: T of them, their positions, after `cached` positions
+    const float* data;
+    int64_t count;
+    const int64_t* pos;
+    int64_t cached;
+  };
+  struct Cache {  // the caller's KV cache, [layers, kv heads, capacity, head dim] each
+    const torch::Tensor& keys;
+    const torch::Tensor& values;
+  };
+  struct Buffers {  // a forward's scratch: quantized inputs, q/k/v rows
+    Scratch& scratch;
+    std::vector<float>& wide;
+  };
+  void attention(int64_t i, const Rows& x, const c10::optional<torch::Tensor>& mask, const Cache& cache,
+                 const Buffers& buffers, float* out);
   void mlp(const Layer& layer, const float* x, int64_t T, float* y, Scratch& scratch, std::vector<float>& wide);
 
   torch::Tensor embed_, final_norm_, cos_, sin_;

@@ -9,8 +9,8 @@
 // weight loaded once serves up to 4 rows. Threads split the panels (OpenMP, torch's thread count). Each step
 // prefetches the same line of the next panels, so memory keeps streaming while a second row tile computes from cache.
 //
-// `attend`: attention of a few query rows against a KV cache, grouped-query heads read in place, any
-// bool/additive mask or causal. The rows of one K/V head share each chunk of 8 keys and values (read once, from L1
+// `attend` (tensors) and `attend_views` (plain pointers and strides, the native decoder's per layer): attention of a
+// few query rows against a KV cache, grouped-query heads read in place, any bool/additive mask or causal. The rows of one K/V head share each chunk of 8 keys and values (read once, from L1
 // for all but the first row); a row scores a chunk's 8 keys at once, 8 independent FMA chains.
 //
 // `stream_sum`: the read-bandwidth probe (infra.timing.read_bandwidth times it), a buffer read once the way a
@@ -226,11 +226,53 @@ static void weighted_rows(const QueryRow* rows, int64_t n, const float* v, int64
   }
 }
 
+void set_mask(Attention& a, const c10::optional<torch::Tensor>& mask, torch::Tensor& expanded) {
+  a.mask = {nullptr, 0, 0, 0, 0};
+  a.mask_is_bool = false;
+  if (!mask.has_value()) return;
+  expanded = mask->expand({a.B, a.Hq, a.T, a.L});
+  a.mask_is_bool = expanded.scalar_type() == torch::kBool;
+  TORCH_CHECK(a.mask_is_bool || expanded.scalar_type() == torch::kFloat, "attend: a bool or float32 mask");
+  a.mask = {expanded.data_ptr(), expanded.stride(0), expanded.stride(1), expanded.stride(2), expanded.stride(3)};
+}
+
+// The attention of `a` (kernels.h), causal where asked (used without a mask: query t sees keys j <= L - T + t).
+// Each (b, head, t) row is computed alone, in one fixed order over the keys it can see: its bits do not depend on L
+// beyond them, on the other rows, or on the threads. Every thread takes an equal share of the rows (K/V head by K/V
+// head), in blocks of at most kMaxRows rows of one head. Plain pointers: the native decoder calls it once a layer.
+void attend_views(const Attention& a, double scale, bool causal) {
+  const int64_t groups = a.Hq / a.Hkv, T = a.T, L = a.L;
+  const bool has_mask = a.mask.data != nullptr;
+  const float* qd = static_cast<const float*>(a.q.data);
+  const float* kd = static_cast<const float*>(a.k.data);
+  const float* vd = static_cast<const float*>(a.v.data);
+  const int64_t rows = groups * T, all = a.B * a.Hkv * rows;  // `rows` query rows read each K/V head
+  const int64_t shares = std::min<int64_t>(at::get_num_threads(), all);
+  const int64_t ld = (L + kKeys - 1) / kKeys * kKeys;  // a row of scores, whole chunks
+  at::parallel_for(0, shares, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> s(kMaxRows * ld);
+    for (int64_t r = all * lo / shares, end = all * hi / shares; r < end;) {
+      const int64_t head = r / rows, first = r % rows, n = std::min({kMaxRows, rows - first, end - r});
+      const int64_t b = head / a.Hkv, kh = head % a.Hkv;
+      r += n;
+      QueryRow block[kMaxRows];
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t h = kh * groups + (first + i) / T, t = (first + i) % T;
+        const int64_t mo = b * a.mask.batch + h * a.mask.head + t * a.mask.row;
+        block[i] = {qd + b * a.q.batch + h * a.q.head + t * a.q.row,
+                    has_mask && a.mask_is_bool ? static_cast<const bool*>(a.mask.data) + mo : nullptr,
+                    has_mask && !a.mask_is_bool ? static_cast<const float*>(a.mask.data) + mo : nullptr,
+                    a.out + ((b * T + t) * a.Hq + h) * a.D, (causal && !has_mask) ? L - T + t + 1 : L};
+      }
+      numerators(block, n, kd + b * a.k.batch + kh * a.k.head, a.k.row, a.D / 8, static_cast<float>(scale),
+                 a.mask.column, s.data(), ld);
+      weighted_rows(block, n, vd + b * a.v.batch + kh * a.v.head, a.v.row, ld, a.D, s.data());
+    }
+  });
+}
+
 // q [B, Hq, T, D], k/v [B, Hkv, L, D] (unit stride in D), mask: none, bool (true = attend) or additive float,
-// broadcastable to [B, Hq, T, L]; causal (used without a mask): query t sees keys j <= L - T + t.
-// Returns [B, T, Hq, D]. Each (b, head, t) row is computed alone, in one fixed order over the keys it can see:
-// its bits do not depend on L beyond them, on the other rows, or on the threads. Every thread takes an equal share of
-// the rows (K/V head by K/V head), in blocks of at most kMaxRows rows of one head.
+// broadcastable to [B, Hq, T, L]; causal (used without a mask). Returns [B, T, Hq, D] (attend_views).
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                      const c10::optional<torch::Tensor>& mask, double scale, bool causal) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attend: 4-D q, k, v");
@@ -240,41 +282,17 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
   TORCH_CHECK(D % 8 == 0 && D <= 256 && Hkv > 0 && Hq % Hkv == 0 && q.stride(3) == 1 && k.stride(3) == 1 &&
               v.stride(3) == 1,
               "attend: head dim a multiple of 8 up to 256, query heads a multiple of K/V heads, unit stride");
-  const int64_t groups = Hq / Hkv;
   auto out = torch::empty({B, T, Hq, D}, q.options());
-  torch::Tensor m;
-  const bool has_mask = mask.has_value();
-  bool is_bool = false;
-  if (has_mask) {
-    m = mask->expand({B, Hq, T, L});
-    is_bool = m.scalar_type() == torch::kBool;
-    TORCH_CHECK(is_bool || m.scalar_type() == torch::kFloat, "attend: a bool or float32 mask");
-  }
-  const float* qd = q.data_ptr<float>(); const float* kd = k.data_ptr<float>(); const float* vd = v.data_ptr<float>();
-  float* od = out.data_ptr<float>();
-  const int64_t rows = groups * T, all = B * Hkv * rows;  // `rows` query rows read each K/V head
-  const int64_t shares = std::min<int64_t>(at::get_num_threads(), all);
-  const int64_t ld = (L + kKeys - 1) / kKeys * kKeys;  // a row of scores, whole chunks
-  at::parallel_for(0, shares, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> s(kMaxRows * ld);
-    for (int64_t r = all * lo / shares, end = all * hi / shares; r < end;) {
-      const int64_t head = r / rows, first = r % rows, n = std::min({kMaxRows, rows - first, end - r});
-      const int64_t b = head / Hkv, kh = head % Hkv;
-      r += n;
-      QueryRow block[kMaxRows];
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t h = kh * groups + (first + i) / T, t = (first + i) % T;
-        const int64_t mo = has_mask ? b * m.stride(0) + h * m.stride(1) + t * m.stride(2) : 0;
-        block[i] = {qd + b * q.stride(0) + h * q.stride(1) + t * q.stride(2),
-                    has_mask && is_bool ? m.data_ptr<bool>() + mo : nullptr,
-                    has_mask && !is_bool ? m.data_ptr<float>() + mo : nullptr,
-                    od + ((b * T + t) * Hq + h) * D, (causal && !has_mask) ? L - T + t + 1 : L};
-      }
-      numerators(block, n, kd + b * k.stride(0) + kh * k.stride(1), k.stride(2), D / 8, static_cast<float>(scale),
-                 has_mask ? m.stride(3) : 0, s.data(), ld);
-      weighted_rows(block, n, vd + b * v.stride(0) + kh * v.stride(1), v.stride(2), ld, D, s.data());
-    }
-  });
+  Attention a{{q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), 1},
+              {k.data_ptr(), k.stride(0), k.stride(1), k.stride(2), 1},
+              {v.data_ptr(), v.stride(0), v.stride(1), v.stride(2), 1},
+              {},
+              false,
+              out.data_ptr<float>(),
+              B, Hq, Hkv, T, L, D};
+  torch::Tensor expanded;
+  set_mask(a, mask, expanded);
+  attend_views(a, scale, causal);
   return out;
 }
 

@@ -19,6 +19,26 @@ void dense_linear(const float* x, int64_t M, const DensePanels& w, float* y, int
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
                      const c10::optional<torch::Tensor>& bias);
 double stream_sum(const torch::Tensor& data);
+
+// One operand of `attend_views`: [B, heads, rows, columns] at `data` with these element strides.
+struct Strided {
+  const void* data;  // null: no operand (a mask that is not there)
+  int64_t batch, head, row, column;
+};
+
+// What `attend_views` reads (q [B, Hq, T, D], k and v [B, Hkv, L, D], unit stride in D; an optional mask, bool or
+// additive float, as [B, Hq, T, L]) and where it writes (out: [B, T, Hq, D], contiguous).
+struct Attention {
+  Strided q, k, v, mask;
+  bool mask_is_bool;
+  float* out;
+  int64_t B, Hq, Hkv, T, L, D;
+};
+
+// `a`'s mask operand from a mask broadcastable to [a.B, a.Hq, a.T, a.L] (none: no operand); `expanded` keeps the view
+// it points into alive.
+void set_mask(Attention& a, const c10::optional<torch::Tensor>& mask, torch::Tensor& expanded);
+void attend_views(const Attention& a, double scale, bool causal);
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                      const c10::optional<torch::Tensor>& mask, double scale, bool causal);
 
