@@ -158,6 +158,17 @@ def test_models_it_cannot_run_are_refused_with_a_reason(capsys):
         NativeLlamaRunner(bf16)
 
 
+def test_head_dims_attention_cannot_take_are_refused_before_the_decoder_is_built():
+    """attend_views reads keys 8 floats at a time and trusts the shapes it is given: a head dim of 12 must never reach
+    it (it would read past each head), neither through the Python check nor through the C++ constructor."""
+    odd = tiny_model(seed=11, hidden=48)  # 4 heads of 12
+    assert "head dim 12" in unsupported(odd)
+    cos = sin = torch.zeros(16, 12)
+    with pytest.raises(RuntimeError, match="head dims that are multiples of 8"):
+        native_kernels()[0].Decoder(odd.get_input_embeddings().weight.detach(), None, cos, sin, 4, 2, 1e-5, 1)
+    assert unsupported(tiny_model(seed=11, hidden=64)) is None  # 4 heads of 16
+
+
 def test_decode_native_fp32_is_checked_and_off_without_fast():
     from omegaconf import OmegaConf
 

@@ -6,8 +6,8 @@
 // over buffers allocated once per call, keys and values go into a preallocated cache (rollback is setting a length,
 // done by the caller), and every linear is `packed_linear` (packed_linear.h), which takes either kind of weight: one
 // layer loop for both. Attention is kernels.cpp's `attend_views` on plain pointers into the cache (row-exact, grouped
-// heads read in place; a layer makes no tensors). Norms, rotary and SiLU (layers.h) work row by row: a forward of k tokens gives, row for row, the bits of k
-// one-token forwards.
+// heads read in place; a layer makes no tensors). Norms, rotary and SiLU (layers.h) work row by row: a forward of k
+// tokens gives, row for row, the bits of k one-token forwards.
 #include "decoder.h"
 
 #include <algorithm>
@@ -41,7 +41,11 @@ Decoder::Decoder(torch::Tensor embed, const c10::optional<torch::Tensor>& final_
                  torch::Tensor sin, int64_t heads, int64_t kv_heads, double eps, int64_t layers)
     : embed_(embed.contiguous()), final_norm_(optional_weight(final_norm)), cos_(cos.contiguous()),
       sin_(sin.contiguous()), heads_(heads), kv_heads_(kv_heads), head_dim_(cos.size(1)), layers_wanted_(layers),
-      eps_(static_cast<float>(eps)) {}
+      eps_(static_cast<float>(eps)) {
+  TORCH_CHECK(head_dim_ % 8 == 0 && head_dim_ <= 256 && kv_heads > 0 && heads % kv_heads == 0,
+              "Decoder: attention takes head dims that are multiples of 8 up to 256, query heads a multiple of K/V "
+              "heads");
+}
 
 void Decoder::add_layer(const c10::optional<torch::Tensor>& input_norm, torch::Tensor post_norm,
                         const std::vector<PackedWeight>& qkv, const PackedWeight& o,

@@ -10,8 +10,9 @@
 // prefetches the same line of the next panels, so memory keeps streaming while a second row tile computes from cache.
 //
 // `attend` (tensors) and `attend_views` (plain pointers and strides, the native decoder's per layer): attention of a
-// few query rows against a KV cache, grouped-query heads read in place, any bool/additive mask or causal. The rows of one K/V head share each chunk of 8 keys and values (read once, from L1
-// for all but the first row); a row scores a chunk's 8 keys at once, 8 independent FMA chains.
+// few query rows against a KV cache, grouped-query heads read in place, any bool/additive mask or causal. The rows of
+// one K/V head share each chunk of 8 keys and values (read once, from L1 for all but the first row); a row scores a
+// chunk's 8 keys at once, 8 independent FMA chains.
 //
 // `stream_sum`: the read-bandwidth probe (infra.timing.read_bandwidth times it), a buffer read once the way a
 // memory-bound forward streams its weights: every one of torch's threads sums one contiguous, cache-line aligned chunk

@@ -91,6 +91,12 @@ def config_problem(config: PretrainedConfig) -> str | None:
         return f"rope type {rope_type!r} is not one of {', '.join(STATIC_ROPE)}"
     if getattr(config, "mlp_bias", False):
         return "the MLP has biases"
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if head_dim % 8 or head_dim > 256 or heads % kv_heads:
+        return (f"head dim {head_dim}, {heads} heads over {kv_heads} K/V heads: attention takes head dims that are "
+                "multiples of 8 up to 256, and query heads a multiple of K/V heads")
     sliding = getattr(config, "use_sliding_window", config.model_type == "mistral")
     if sliding and getattr(config, "sliding_window", None):
         return "sliding-window attention"
