@@ -111,7 +111,6 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 7,
     far larger than the caches. `stream`: (a kernel reading a float32 tensor once the way a good kernel does, all
     threads and wide loads, e.g. decode.backends.cpu.llama.stream_kernel(); its name), timed best of `repeats` as
     STREAM reports; without one, torch's sum, median of `repeats` (below what engines are seen to stream)."""
-
     from infra import hugepages
 
     kernel, name = stream
@@ -144,7 +143,6 @@ class ReadProbe:
     read taken apart puts the floor in the best of those moments while a forward's median sits in a typical one."""
 
     def __init__(self, stream: tuple[Callable[[Any], float] | None, str], window: int = 2**28, total: int = 2**30):
-
         from infra import hugepages
 
         kernel, name = stream

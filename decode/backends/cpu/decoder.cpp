@@ -42,9 +42,7 @@ Decoder::Decoder(torch::Tensor embed, const c10::optional<torch::Tensor>& final_
     : embed_(embed.contiguous()), final_norm_(optional_weight(final_norm)), cos_(cos.contiguous()),
       sin_(sin.contiguous()), heads_(heads), kv_heads_(kv_heads), head_dim_(cos.size(1)), layers_wanted_(layers),
       eps_(static_cast<float>(eps)) {
-  TORCH_CHECK(head_dim_ % 8 == 0 && head_dim_ <= 256 && kv_heads > 0 && heads % kv_heads == 0,
-              "Decoder: attention takes head dims that are multiples of 8 up to 256, query heads a multiple of K/V "
-              "heads");
+  check_heads(head_dim_, heads, kv_heads);
 }
 
 void Decoder::add_layer(const c10::optional<torch::Tensor>& input_norm, torch::Tensor post_norm,

@@ -227,6 +227,11 @@ static void weighted_rows(const QueryRow* rows, int64_t n, const float* v, int64
   }
 }
 
+void check_heads(int64_t head_dim, int64_t heads, int64_t kv_heads) {
+  TORCH_CHECK(head_dim % 8 == 0 && head_dim <= 256 && kv_heads > 0 && heads % kv_heads == 0,
+              "attention takes head dims that are multiples of 8 up to 256, query heads a multiple of K/V heads");
+}
+
 void set_mask(Attention& a, const c10::optional<torch::Tensor>& mask, torch::Tensor& expanded) {
   a.mask = {nullptr, 0, 0, 0, 0};
   a.mask_is_bool = false;
@@ -280,9 +285,8 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1), L = k.size(2);
   TORCH_CHECK(q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat,
               "attend: float32 q, k, v");
-  TORCH_CHECK(D % 8 == 0 && D <= 256 && Hkv > 0 && Hq % Hkv == 0 && q.stride(3) == 1 && k.stride(3) == 1 &&
-              v.stride(3) == 1,
-              "attend: head dim a multiple of 8 up to 256, query heads a multiple of K/V heads, unit stride");
+  check_heads(D, Hq, Hkv);
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "attend: unit stride in the head dim");
   auto out = torch::empty({B, T, Hq, D}, q.options());
   Attention a{{q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), 1},
               {k.data_ptr(), k.stride(0), k.stride(1), k.stride(2), 1},

@@ -35,6 +35,10 @@ struct Attention {
   int64_t B, Hq, Hkv, T, L, D;
 };
 
+// The shapes `attend_views` can take (it trusts them): head dims a multiple of 8 up to 256, query heads a multiple of
+// K/V heads; a clear error otherwise.
+void check_heads(int64_t head_dim, int64_t heads, int64_t kv_heads);
+
 // `a`'s mask operand from a mask broadcastable to [a.B, a.Hq, a.T, a.L] (none: no operand); `expanded` keeps the view
 // it points into alive.
 void set_mask(Attention& a, const c10::optional<torch::Tensor>& mask, torch::Tensor& expanded);
