@@ -196,6 +196,34 @@ def test_the_int8_activation_products_hold_their_largest_integer_sums(kind, sign
     assert torch.allclose(kernels.packed_mm(x, weight), torch.full((3, n), exact), rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_int8_activation_rows_do_not_depend_on_the_batch_the_tiles_or_the_threads(kind):
+    """Rows 1 to 13 (every tail of the 4-row tile) against 5 panels and part of a sixth (the two-panel tasks, the
+    narrower tiles a task splits into where rows leave too few registers, the odd panel done alone): each row has
+    the bits of that row computed alone, on 1 to 3 threads."""
+    kernels, k = native_kernels()[0], 256
+    n = 5 * kernels.lanes() + 3
+    gen = torch.Generator().manual_seed(7)
+    if kind == "int4":
+        codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
+        words, scales = kernels.pack_int4_a8(codes, torch.rand(n, 2, generator=gen) + 0.1)
+        weight = kernels.PackedWeight(words=words, scales=scales, bounds=torch.tensor([0, 128, k]), n=n)
+    else:
+        rows = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+        words, scales = kernels.pack_int8(rows, torch.rand(n, generator=gen) + 0.1)
+        weight = kernels.PackedWeight(words=words, scales=scales, bounds=torch.tensor([0, k]), n=n)
+    x = torch.randn(13, k, generator=gen)
+    alone = torch.cat([kernels.packed_mm(x[m:m + 1], weight) for m in range(13)])
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            for m in range(1, 14):
+                assert torch.equal(kernels.packed_mm(x[:m], weight), alone[:m]), (count, m)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_int8_activations_stay_close_to_fp32_ones(w4, one_thread):
     """The same W4 model on int8 activations: hidden states near the exact ones, the same greedy tokens nearly
     everywhere (the real model's agreement with GPTQModel: the slow test)."""

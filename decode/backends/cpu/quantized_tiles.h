@@ -85,7 +85,12 @@ template <int MR, int NP> using NibbleTile = Fp32Tile<Nibbles, MR, NP>;
 // per weight and an FMA per weight and row: the forward is bound by memory at 1 row. Each row's quantization and fp32
 // sequence depend on that row alone: row exactness holds as in the fp32 product. Layout: per panel, per 8 inputs,
 // kLanes x 4 bytes, byte (lane, i) holding input i's code in its low nibble and input 4 + i's in its high one.
-constexpr int kA8Panels = kLanes == 16 ? 2 : 1;  // panels per tile: 4 rows x panels of int32 and fp32 accumulators
+// Panels per task of over_panels, and the accumulators (rows x panels) a tile keeps in registers: the int32 block
+// sums, the fp32 group parts and the fp32 totals, one each per row and panel (AVX-512 has 32 vector registers, AVX2
+// 16). A tile wider than its rows allow runs as narrower tiles: 1 row on 2 panels gives a core two independent
+// chains of dependent products, where 1 row on 1 panel leaves it waiting on one (BENCHMARKS, "A8 tiles").
+constexpr int kA8Panels = 2;
+constexpr int kA8Accumulators = kLanes == 16 ? 8 : 4;
 
 // One block of 16 inputs at a time, as two AVX2 vectors (the conversion rounds to nearest even, as nearbyint does).
 static inline void quantize_rows(const float* x, int64_t M, int64_t K, QuantizedRows& out) {
@@ -138,24 +143,39 @@ struct A8Bytes {  // int8 rows (an LM head): byte (lane, i) = input i's weight +
 template <class F, int MR, int NP>
 struct A8Tile {
   static void run(int64_t row, int64_t p, const QuantizedRows& x, const Panels& w, float* y, int64_t ldy) {
-    const int64_t K = w.inputs, groups = w.groups, panel = w.stride;
+    constexpr int kFit = kA8Accumulators / MR > 0 ? kA8Accumulators / MR : 1;  // panels this many rows keep
+    if constexpr (NP > kFit) {
+      static_assert(NP % kFit == 0, "a wide tile splits into tiles of kFit panels");
+      for (int j = 0; j < NP; j += kFit) A8Tile<F, MR, kFit>::run(row, p + j, x, w, y, ldy);
+    } else {
+      tile(row, p, x, w, y, ldy);
+    }
+  }
+
+  // The rows' inputs, sums and scales are addressed from pointers taken once a tile and a block counter: a signed
+  // division per block and row, and the vectors' data pointers reread after every store, were a fifth of the work.
+  static void tile(int64_t row, int64_t p, const QuantizedRows& x, const Panels& w, float* y, int64_t ldy) {
+    const int64_t K = w.inputs, groups = w.groups, panel = w.stride, row_blocks = K / kA8Block;
     const uint8_t* wp = static_cast<const uint8_t*>(w.words) + p * panel;
     const float* s = w.scales + p * groups * kLanes;
     const int64_t* bounds = w.bounds;
+    const int8_t* xq = x.q.data() + row * K;
+    const int32_t* sums = x.sum.data() + row * row_blocks;
+    const float* x_scales = x.scale.data() + row * row_blocks;
     Vec acc[MR][NP];
     zero_tile(acc);
     for (int64_t g = 0; g < groups; ++g) {
       Vec part[MR][NP];  // this group's sum over its blocks of dot * s_x, scaled by s_w once at its end
       zero_tile(part);
-      for (int64_t block = bounds[g]; block < bounds[g + 1]; block += kA8Block) {
+      for (int64_t b = bounds[g] / kA8Block; b < bounds[g + 1] / kA8Block; ++b) {
         IVec dot[MR][NP];  // the block's sums of code x input, in F::dot's own form until F::widen
 #pragma GCC unroll 16
         for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 16
           for (int j = 0; j < NP; ++j) dot[m][j] = ivzero();
         // the block's chunks, a constant count: fully unrolled, the addresses moved by constants
-        const uint8_t* wb = wp + block / F::kStep * kLanes * 4;
-        const int8_t* xb = x.q.data() + row * K + block;
+        const uint8_t* wb = wp + b * (kA8Block / F::kStep) * kLanes * 4;
+        const int8_t* xb = xq + b * kA8Block;
 #pragma GCC unroll 16
         for (int step = 0; step < kA8Block / F::kStep; ++step) {
           typename F::Codes codes[NP];
@@ -174,9 +194,8 @@ struct A8Tile {
         }
 #pragma GCC unroll 16
         for (int m = 0; m < MR; ++m) {
-          const int64_t at = ((row + m) * K + block) / kA8Block;
-          const IVec zero_point = ivset(-F::kZero * x.sum[at]);  // sum (q - z) x = sum q x - z sum x
-          const Vec xs = vset(x.scale[at]);
+          const IVec zero_point = ivset(-F::kZero * sums[m * row_blocks + b]);  // sum (q - z) x = sum q x - z sum x
+          const Vec xs = vset(x_scales[m * row_blocks + b]);
 #pragma GCC unroll 16
           for (int j = 0; j < NP; ++j)
             part[m][j] = vfma(ivfloat(ivadd(F::widen(dot[m][j]), zero_point)), xs, part[m][j]);
