@@ -137,16 +137,16 @@ struct A8Bytes {  // int8 rows (an LM head): byte (lane, i) = input i's weight +
 };
 
 // Rows row .. row + MR - 1 of the quantized x against NP panels from panel p into y (stride ldy). Each step also
-// prefetches the same line of the next NP panels (a thread's next tile, or its next rows' panels): on its own the
-// stream leaves memory idle while a later row tile computes from cache; the first row tile also its own panels
-// kAheadBytes ahead (tiles.h).
-template <class F, int MR, int NP>
+// prefetches the same line of the panels `Ahead` panels on (a thread's next task, or its next rows' panels: a tile
+// split into narrower ones still asks for its task's successor): on its own the stream leaves memory idle while a
+// later row tile computes from cache; the first row tile also its own panels kAheadBytes ahead (tiles.h).
+template <class F, int MR, int NP, int Ahead = NP>
 struct A8Tile {
   static void run(int64_t row, int64_t p, const QuantizedRows& x, const Panels& w, float* y, int64_t ldy) {
     constexpr int kFit = kA8Accumulators / MR > 0 ? kA8Accumulators / MR : 1;  // panels this many rows keep
     if constexpr (NP > kFit) {
       static_assert(NP % kFit == 0, "a wide tile splits into tiles of kFit panels");
-      for (int j = 0; j < NP; j += kFit) A8Tile<F, MR, kFit>::run(row, p + j, x, w, y, ldy);
+      for (int j = 0; j < NP; j += kFit) A8Tile<F, MR, kFit, NP>::run(row, p + j, x, w, y, ldy);
     } else {
       tile(row, p, x, w, y, ldy);
     }
@@ -183,7 +183,7 @@ struct A8Tile {
           for (int j = 0; j < NP; ++j) {
             const uint8_t* at = wb + j * panel + step * kLanes * 4;
             codes[j] = F::unpack(at);
-            _mm_prefetch(reinterpret_cast<const char*>(at + NP * panel), _MM_HINT_T1);
+            _mm_prefetch(reinterpret_cast<const char*>(at + Ahead * panel), _MM_HINT_T1);
             if (row == 0) _mm_prefetch(reinterpret_cast<const char*>(at + kAheadBytes), _MM_HINT_T1);
           }
 #pragma GCC unroll 16
