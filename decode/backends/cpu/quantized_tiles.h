@@ -152,8 +152,8 @@ struct A8Tile {
     }
   }
 
-  // The rows' inputs, sums and scales are addressed from pointers taken once a tile and a block counter: a signed
-  // division per block and row, and the vectors' data pointers reread after every store, were a fifth of the work.
+  // The rows' inputs, sums and scales are addressed from pointers taken once a tile and a block counter: otherwise a
+  // signed division per block and row, and the vectors' data pointers reread after every store, sit in the inner loop.
   static void tile(int64_t row, int64_t p, const QuantizedRows& x, const Panels& w, float* y, int64_t ldy) {
     const int64_t K = w.inputs, groups = w.groups, panel = w.stride, row_blocks = K / kA8Block;
     const uint8_t* wp = static_cast<const uint8_t*>(w.words) + p * panel;
