@@ -88,7 +88,7 @@ template <int MR, int NP> using NibbleTile = Fp32Tile<Nibbles, MR, NP>;
 // Panels per task of over_panels, and the accumulators (rows x panels) a tile keeps in registers: the int32 block
 // sums, the fp32 group parts and the fp32 totals, one each per row and panel (AVX-512 has 32 vector registers, AVX2
 // 16). A tile wider than its rows allow runs as narrower tiles: 1 row on 2 panels gives a core two independent
-// chains of dependent products, where 1 row on 1 panel leaves it waiting on one (BENCHMARKS, "A8 tiles").
+// chains of dependent products, where 1 row on 1 panel leaves it waiting on one (BENCHMARKS.md, "A8 tiles").
 constexpr int kA8Panels = 2;
 constexpr int kA8Accumulators = kLanes == 16 ? 8 : 4;
 
