@@ -15,7 +15,8 @@ from w4_fixtures import stage_config
 from omegaconf import OmegaConf
 from transformers import LlamaForCausalLM
 
-from decode.backends.cpu.llama import NativeInt8Linear, NativeLlamaRunner, int4_parts, native_kernels, unsupported
+from decode.backends.cpu.llama import (NativeInt8Linear, NativeLlamaRunner, int4_parts, int4_weight, int8_weight,
+                                       native_kernels, unsupported)
 from decode.engine.runner import HFRunner
 from decode.engine.tree import Tree
 
@@ -206,12 +207,9 @@ def test_int8_activation_rows_do_not_depend_on_the_batch_the_tiles_or_the_thread
     gen = torch.Generator().manual_seed(7)
     if kind == "int4":
         codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
-        words, scales = kernels.pack_int4_a8(codes, torch.rand(n, 2, generator=gen) + 0.1)
-        weight = kernels.PackedWeight(words=words, scales=scales, bounds=torch.tensor([0, 128, k]), n=n)
+        weight = int4_weight(kernels, (codes, torch.rand(n, k // 128, generator=gen) + 0.1, None), 128, "int8")
     else:
-        rows = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
-        words, scales = kernels.pack_int8(rows, torch.rand(n, generator=gen) + 0.1)
-        weight = kernels.PackedWeight(words=words, scales=scales, bounds=torch.tensor([0, k]), n=n)
+        weight = int8_weight(kernels, [torch.nn.Linear(k, n, bias=False)])
     x = torch.randn(13, k, generator=gen)
     alone = torch.cat([kernels.packed_mm(x[m:m + 1], weight) for m in range(13)])
     threads = torch.get_num_threads()
