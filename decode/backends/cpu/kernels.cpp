@@ -6,8 +6,9 @@
 // Decoding forwards multiply 1-16 rows by weights read from memory once per forward: the product must stream W at
 // memory speed whatever the row count. Each tile keeps 4 rows x 3 panels of accumulators in 12 of AVX2's 16
 // registers (3 more hold the panels' weights, 1 the broadcast input), so three weight streams run per thread and a
-// weight loaded once serves up to 4 rows. Threads split the panels (OpenMP, torch's thread count). Each step
-// prefetches the same line of the next panels, so memory keeps streaming while a second row tile computes from cache.
+// weight loaded once serves up to 4 rows. Threads split the panels (OpenMP, torch's thread count). The first step of
+// each cache line prefetches the same line of the next panels, so memory keeps streaming while a second row tile
+// computes from cache.
 //
 // `attend` (tensors) and `attend_views` (plain pointers and strides, the native decoder's per layer): attention of a
 // few query rows against a KV cache, grouped-query heads read in place, any bool/additive mask or causal. The rows of
@@ -39,9 +40,34 @@ namespace polyspec {
 
 constexpr int kPanels = 3;  // panels per tile: 4 x 3 accumulators + 3 weights + 1 broadcast = 16 registers
 
-// Rows row .. row + MR - 1 of x [M, K] against NP panels from panel p: one FMA chain per output over k.
+// Rows row .. row + MR - 1 of x [M, K] against NP panels from panel p: one FMA chain per output over k. A panel's cache
+// line holds kLineSteps inputs: only the first of them asks for lines ahead, since a request every input would take
+// the load slots the FMAs' operands need, and beyond 4 rows the tile runs out of them (BENCHMARKS.md, "fp32 tiles").
 template <int MR, int NP>
 struct DenseTile {
+  static constexpr int64_t kLineSteps = kLineBytes / (kPanel * static_cast<int64_t>(sizeof(float)));
+
+  template <bool Ask>
+  __attribute__((always_inline)) static inline void step(int64_t row, int64_t k, int64_t K, const float* x,
+                                                         const float* w, __m256 (&acc)[MR][NP]) {
+    __m256 wk[NP];
+#pragma GCC unroll 16
+    for (int j = 0; j < NP; ++j) {
+      wk[j] = _mm256_loadu_ps(w + (j * K + k) * kPanel);
+      if (Ask) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + ((NP + j) * K + k) * kPanel), _MM_HINT_T1);
+        if (row == 0)  // the first row tile streams: its own panels kAheadBytes ahead too (tiles.h)
+          _mm_prefetch(reinterpret_cast<const char*>(w + (j * K + k) * kPanel) + kAheadBytes, _MM_HINT_T1);
+      }
+    }
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      const __m256 xk = _mm256_broadcast_ss(x + m * K + k);
+#pragma GCC unroll 16
+      for (int j = 0; j < NP; ++j) acc[m][j] = _mm256_fmadd_ps(xk, wk[j], acc[m][j]);
+    }
+  }
+
   static void run(int64_t row, int64_t p, const float* x, const DensePanels& panels, float* y, int64_t ldy) {
     const int64_t K = panels.inputs;
     const float* w = panels.data + p * K * kPanel;
@@ -51,22 +77,13 @@ struct DenseTile {
     for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 16
       for (int j = 0; j < NP; ++j) acc[m][j] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; ++k) {
-      __m256 wk[NP];
+    int64_t k = 0;
+    for (; k + kLineSteps <= K; k += kLineSteps) {  // a panel starting mid-line (odd K) still asks once a line
+      step<true>(row, k, K, x, w, acc);
 #pragma GCC unroll 16
-      for (int j = 0; j < NP; ++j) {
-        wk[j] = _mm256_loadu_ps(w + (j * K + k) * kPanel);
-        _mm_prefetch(reinterpret_cast<const char*>(w + ((NP + j) * K + k) * kPanel), _MM_HINT_T1);
-        if (row == 0)  // the first row tile streams: its own panels kAheadBytes ahead too (tiles.h)
-          _mm_prefetch(reinterpret_cast<const char*>(w + (j * K + k) * kPanel) + kAheadBytes, _MM_HINT_T1);
-      }
-#pragma GCC unroll 16
-      for (int m = 0; m < MR; ++m) {
-        const __m256 xk = _mm256_broadcast_ss(x + m * K + k);
-#pragma GCC unroll 16
-        for (int j = 0; j < NP; ++j) acc[m][j] = _mm256_fmadd_ps(xk, wk[j], acc[m][j]);
-      }
+      for (int64_t s = 1; s < kLineSteps; ++s) step<false>(row, k + s, K, x, w, acc);
     }
+    for (; k < K; ++k) step<true>(row, k, K, x, w, acc);
     store_tile<kPanel>(acc, y + row * ldy + p * kPanel, ldy, std::min<int64_t>(NP * kPanel, panels.n - p * kPanel));
   }
 };

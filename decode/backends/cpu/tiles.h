@@ -20,6 +20,7 @@ constexpr int kTileRows = 4;  // rows per tile, every product
 // the same step: with only that line in flight a core keeps too few reads outstanding to stream at the bandwidth
 // the memory gives. Prefetches never fault, so the last tile may ask past its weight's end.
 constexpr int64_t kAheadBytes = 2048;
+constexpr int64_t kLineBytes = 64;  // a cache line: what one prefetch asks for
 
 template <int MR, int NP>
 __attribute__((always_inline)) static inline void zero_tile(Vec (&acc)[MR][NP]) {  // inlined: see store_tile
