@@ -41,8 +41,9 @@ namespace polyspec {
 constexpr int kPanels = 3;  // panels per tile: 4 x 3 accumulators + 3 weights + 1 broadcast = 16 registers
 
 // Rows row .. row + MR - 1 of x [M, K] against NP panels from panel p: one FMA chain per output over k. A panel's cache
-// line holds kLineSteps inputs: only the first of them asks for lines ahead, since a request every input would take
-// the load slots the FMAs' operands need, and beyond 4 rows the tile runs out of them (BENCHMARKS.md, "fp32 tiles").
+// line holds kLineSteps inputs: only the first of them asks for lines ahead. A request is a load, and with one every
+// input a 4-row step (3 weights, 4 broadcast inputs, 6 requests) waits on the load ports, not on its 12 FMAs
+// (BENCHMARKS.md, "fp32 tiles").
 template <int MR, int NP>
 struct DenseTile {
   static constexpr int64_t kLineSteps = kLineBytes / (kPanel * static_cast<int64_t>(sizeof(float)));
