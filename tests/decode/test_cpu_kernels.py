@@ -27,7 +27,7 @@ def kernel():
 
 
 # K x N: SmolLM2's projection widths scaled down, a tile-sized one, and awkward ones (N not a multiple of 8
-# or of the 3-panel tile, odd K)
+# or of the 3-panel and 2-panel tiles, odd K)
 SHAPES = [(64, 48), (96, 24), (33, 61), (576, 200), (16, 8)]
 
 
@@ -40,7 +40,7 @@ def test_avx2_product_matches_float64_and_rows_do_not_depend_on_batch(kernel, k,
     full = _packed_mm(x, panels, bias)
     exact = (x.double() @ weight.double().T + bias.double()).float()
     assert full.shape == (13, n) and torch.allclose(full, exact, rtol=1e-5, atol=1e-5 * k ** 0.5)
-    for m in range(1, 13):  # every tail of the 4-row tile, alone and in batches
+    for m in range(1, 13):  # every tail of the 4-row tile, the 5-6 row tile, alone and in batches
         assert torch.equal(_packed_mm(x[:m], panels, bias), full[:m])
         assert torch.equal(_packed_mm(x[m - 1:m], panels, bias), full[m - 1:m])
     assert torch.equal(_packed_mm(x.view(1, 13, k), panels, bias), full.view(1, 13, n))  # leading dims kept

@@ -6,7 +6,7 @@
 // Decoding forwards multiply 1-16 rows by weights read from memory once per forward: the product must stream W at
 // memory speed whatever the row count. Each tile keeps 4 rows x 3 panels of accumulators in 12 of AVX2's 16
 // registers (3 more hold the panels' weights, 1 the broadcast input), so three weight streams run per thread and a
-// weight loaded once serves up to 4 rows. Threads split the panels (OpenMP, torch's thread count). The first step of
+// weight loaded once serves up to 4 rows; 5 or 6 rows (a 4-token draft's verification) run as one tile of 6 x 2. Threads split the panels (OpenMP, torch's thread count). The first step of
 // each cache line prefetches the same line of the next panels, so memory keeps streaming while a second row tile
 // computes from cache.
 //
@@ -39,6 +39,8 @@
 namespace polyspec {
 
 constexpr int kPanels = 3;  // panels per tile: 4 x 3 accumulators + 3 weights + 1 broadcast = 16 registers
+constexpr int kTallRows = 6;  // 5-6 rows: one tile of them all, 6 x 2 accumulators + 2 weights + 1 broadcast
+constexpr int kTallPanels = 2;
 
 // Rows row .. row + MR - 1 of x [M, K] against NP panels from panel p: one FMA chain per output over k. A panel's cache
 // line holds kLineSteps inputs: only the first of them asks for lines ahead. A request is a load, and with one every
@@ -91,8 +93,17 @@ struct DenseTile {
 
 // y[:, :w.n] (row stride ldy) = x [M, K] W^T; threads take at least ~64k multiply-adds each.
 void dense_linear(const float* x, int64_t M, const DensePanels& w, float* y, int64_t ldy) {
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, M * w.inputs * kPanels * kPanel));
-  over_panels<DenseTile, kPanels>(M, w.count, grain, x, w, y, ldy);
+  const auto grain = [&](int64_t panels) {
+    return std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, M * w.inputs * panels * kPanel));
+  };
+  // 5-6 rows as a 4-row tile and then a 1-2 row one cost what 8 rows do: the second tile computes from cache while
+  // memory idles. One tile of them all loads each weight once; beyond 6 rows, 6-row tiles gain nothing over 4-row
+  // ones (BENCHMARKS.md, "fp32 tiles").
+  if (M > kTileRows && M <= kTallRows) {
+    over_panels<DenseTile, kTallPanels, kTallRows>(M, w.count, grain(kTallPanels), x, w, y, ldy);
+  } else {
+    over_panels<DenseTile, kPanels>(M, w.count, grain(kPanels), x, w, y, ldy);
+  }
 }
 
 // x [M, K] float32, panels from `pack`, n = W's row count; returns [M, n].

@@ -51,30 +51,38 @@ __attribute__((always_inline)) static inline void store_tile(const V (&acc)[MR][
   }
 }
 
-// All M rows against panel p and the NP - 1 after it: tiles of kTileRows rows, then the remainder (the panels stay
-// in cache across row tiles). `Tile<MR, NP>::run(row, p, x, w, y, ldy)` computes rows row .. row + MR - 1.
-template <template <int, int> class Tile, int NP, class X, class W>
-static inline void over_rows(int64_t M, int64_t p, const X& x, const W& w, float* y, int64_t ldy) {
-  int64_t m = 0;
-  for (; m + kTileRows <= M; m += kTileRows) Tile<kTileRows, NP>::run(m, p, x, w, y, ldy);
-  switch (M - m) {
-    case 1: Tile<1, NP>::run(m, p, x, w, y, ldy); break;
-    case 2: Tile<2, NP>::run(m, p, x, w, y, ldy); break;
-    case 3: Tile<3, NP>::run(m, p, x, w, y, ldy); break;
-    default: break;
+// The last `rows` (< MR) rows, from row m, in one tile of that many rows.
+template <template <int, int> class Tile, int NP, int MR, class X, class W>
+__attribute__((always_inline)) static inline void rest_rows(int64_t rows, int64_t m, int64_t p, const X& x, const W& w,
+                                                            float* y, int64_t ldy) {
+  if constexpr (MR > 1) {
+    if (rows == MR - 1) {
+      Tile<MR - 1, NP>::run(m, p, x, w, y, ldy);
+    } else {
+      rest_rows<Tile, NP, MR - 1>(rows, m, p, x, w, y, ldy);
+    }
   }
 }
 
-// Every row against each of `panels` panels, threads splitting the panels NP at a time (the last few one by one),
-// at least `grain` groups of NP per task.
-template <template <int, int> class Tile, int NP, class X, class W>
+// All M rows against panel p and the NP - 1 after it: tiles of MR rows, then the remainder in one tile (the panels
+// stay in cache across row tiles). `Tile<MR, NP>::run(row, p, x, w, y, ldy)` computes rows row .. row + MR - 1.
+template <template <int, int> class Tile, int NP, int MR, class X, class W>
+static inline void over_rows(int64_t M, int64_t p, const X& x, const W& w, float* y, int64_t ldy) {
+  int64_t m = 0;
+  for (; m + MR <= M; m += MR) Tile<MR, NP>::run(m, p, x, w, y, ldy);
+  rest_rows<Tile, NP, MR>(M - m, m, p, x, w, y, ldy);
+}
+
+// Every row against each of `panels` panels in tiles of up to MR rows, threads splitting the panels NP at a time
+// (the last few one by one), at least `grain` groups of NP per task.
+template <template <int, int> class Tile, int NP, int MR = kTileRows, class X, class W>
 static void over_panels(int64_t M, int64_t panels, int64_t grain, const X& x, const W& w, float* y, int64_t ldy) {
   at::parallel_for(0, (panels + NP - 1) / NP, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       if ((t + 1) * NP <= panels) {
-        over_rows<Tile, NP>(M, t * NP, x, w, y, ldy);
+        over_rows<Tile, NP, MR>(M, t * NP, x, w, y, ldy);
       } else {
-        for (int64_t p = t * NP; p < panels; ++p) over_rows<Tile, 1>(M, p, x, w, y, ldy);
+        for (int64_t p = t * NP; p < panels; ++p) over_rows<Tile, 1, MR>(M, p, x, w, y, ldy);
       }
     }
   });
