@@ -211,7 +211,7 @@ class PlanSettings:
     min_gain: float = 0.03
     trees: tuple[dict[str, int], ...] = ()
     costs: Path | None = None
-    ks: tuple[Positive, ...] = (1, 2, 4, 8, 16, 32)
+    ks: tuple[Positive, ...] = (1, 2, 3, 4, 5, 6, 8, 16, 32)
     repeats: Positive = 5
     context: Positive = 192
     stacks: NonNegative = 2  # 0: plan only the configured chains

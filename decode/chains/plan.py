@@ -100,10 +100,13 @@ def _setting_name(draft: dict[str, Any]) -> str:
 def cost_curves(chain: Chain, rows: list[str | None], context: list[int],
                 plan: PlanSettings) -> tuple[list[dict[int, float]], list[str]]:
     """Seconds per forward at k tokens for every verifying level: its costs.json row (`rows`: LevelSpec.cost_row, the
-    level as it runs, its LM head included), else timed here."""
+    level as it runs, its LM head included) where that was timed at every k of `plan.ks`, else timed here: the curve
+    is read linearly between its points, and a row timed at fewer widths would be read across those where the
+    products change tiles."""
     from infra.timing import level_forward, median_ms
 
     stored = json.loads(plan.costs.read_text())["ms"] if plan.costs and plan.costs.is_file() else {}
+    stored = {row: ms for row, ms in stored.items() if {str(k) for k in plan.ks} <= set(ms)}
     verifiers: list[ModelLevel] = chain.levels[:-1]
     keys = [row if row in stored else f"{level.name} (timed)" for level, row in zip(verifiers, rows)]
     timed = {key: level_forward(level, context) for level, key in zip(verifiers, keys) if key not in stored}

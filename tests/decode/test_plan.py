@@ -215,7 +215,7 @@ def test_plan_chains_calibrates_real_chains_and_predicts_the_configured_values(o
 
 def test_the_plan_reads_a_costs_json_row_only_for_the_level_as_it_runs(one_thread, tmp_path):
     """A W4 level on int8 LM-head rows is timed here where costs.json has only the fp32 head's row "w4"; with a
-    "w4 int8 head" row it reads that one. The target reads its own row."""
+    "w4 int8 head" row it reads that one. The target reads its own row, unless that lacks a width the plan times."""
     import json
 
     from decode.engine.chain import Chain
@@ -235,10 +235,15 @@ def test_the_plan_reads_a_costs_json_row_only_for_the_level_as_it_runs(one_threa
     costs = tmp_path / "costs.json"
     settings = PlanSettings(mu=(1, 2), lengths=(1, 2), min_gain=0.0, ks=(1, 4, 8), repeats=1, context=32,
                             max_new_tokens=6, costs=costs)
+    gappy = {"1": 5.0, "8": 7.0}  # timed without k 4: read linearly from 1 to 8 it would price 4 tokens blind
+    cases = {"fp32 head row": {"target": curve, "w4": curve},
+             "int8 head row": {"target": curve, "w4": curve, "w4 int8 head": curve},
+             "target row without k 4": {"target": gappy, "w4 int8 head": curve}}
     sources = {}
-    for rows in ({"target": curve, "w4": curve}, {"target": curve, "w4": curve, "w4 int8 head": curve}):
+    for case, rows in cases.items():
         costs.write_text(json.dumps({"ms": rows}))
         plan = plan_chains({"w4": spec}, build, prompts(300, n=1), settings, eos=None, turn_tokens=5)["w4"]
-        sources[len(rows)] = {name: c["source"] for name, c in plan["calibration"]["costs"].items()}
-    assert sources[2] == {"target": "costs.json target", "w4": "timed"}
-    assert sources[3] == {"target": "costs.json target", "w4": "costs.json w4 int8 head"}
+        sources[case] = {name: c["source"] for name, c in plan["calibration"]["costs"].items()}
+    assert sources["fp32 head row"] == {"target": "costs.json target", "w4": "timed"}
+    assert sources["int8 head row"] == {"target": "costs.json target", "w4": "costs.json w4 int8 head"}
+    assert sources["target row without k 4"] == {"target": "timed", "w4": "costs.json w4 int8 head"}
