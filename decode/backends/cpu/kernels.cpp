@@ -6,9 +6,9 @@
 // Decoding forwards multiply 1-16 rows by weights read from memory once per forward: the product must stream W at
 // memory speed whatever the row count. Each tile keeps 4 rows x 3 panels of accumulators in 12 of AVX2's 16
 // registers (3 more hold the panels' weights, 1 the broadcast input), so three weight streams run per thread and a
-// weight loaded once serves up to 4 rows; 5 or 6 rows (a 4-token draft's verification) run as one tile of 6 x 2. Threads split the panels (OpenMP, torch's thread count). The first step of
-// each cache line prefetches the same line of the next panels, so memory keeps streaming while a second row tile
-// computes from cache.
+// weight loaded once serves up to 4 rows; 5 or 6 rows (a 4-token draft's verification) run as one tile of 6 x 2.
+// Threads split the panels (OpenMP, torch's thread count). The first step of each cache line prefetches the same line
+// of the next panels, so memory keeps streaming while a second row tile computes from cache.
 //
 // `attend` (tensors) and `attend_views` (plain pointers and strides, the native decoder's per layer): attention of a
 // few query rows against a KV cache, grouped-query heads read in place, any bool/additive mask or causal. The rows of
@@ -98,7 +98,7 @@ void dense_linear(const float* x, int64_t M, const DensePanels& w, float* y, int
   };
   // 5-6 rows as a 4-row tile and then a 1-2 row one cost what 8 rows do: the second tile computes from cache while
   // memory idles. One tile of them all loads each weight once; beyond 6 rows, 6-row tiles gain nothing over 4-row
-  // ones (BENCHMARKS.md, "fp32 tiles").
+  // ones (BENCHMARKS.md, "5-6 rows as one 6 x 2 tile").
   if (M > kTileRows && M <= kTallRows) {
     over_panels<DenseTile, kTallPanels, kTallRows>(M, w.count, grain(kTallPanels), x, w, y, ldy);
   } else {
