@@ -21,6 +21,25 @@ def bundled_target():
     return load_model(DEFAULT_MODEL, "float32")
 
 
+@pytest.fixture(scope="session")
+def bundled_w4(tmp_path_factory) -> Path:
+    """The real default target through `quantize.w4` with reduced settings (a few minutes on 2 busy cores), once:
+    the W4 stage's test reads its report, the native W4 runner's test decodes with it."""
+    from data.models import DEFAULT_MODEL
+    from quantize.settings import w4_of
+    from quantize.w4 import run
+    from w4_fixtures import stage_config
+
+    run_dir = tmp_path_factory.mktemp("bundled_w4")
+    cfg = stage_config(DEFAULT_MODEL, Path("bundled"), run_dir, **{
+        "calibration.samples": 8, "calibration.max_len": 128, "calibration.min_len": 64,
+        "eval.ppl_conversations": 8, "eval.agreement_prompts": 2, "eval.continuation_tokens": 32,
+        "eval.timing_repeats": 3})
+    cfg.model.name = DEFAULT_MODEL
+    cfg.data = {"source": "bundled", "max_len": 1024, "held_out_fraction": 0.02, "max_conversations": None}
+    return run(w4_of(cfg))
+
+
 @pytest.fixture
 def tiny_llama():
     """A tiny random Llama causal LM (vocab 512) for fast tests; fp32, eval mode, seeded."""

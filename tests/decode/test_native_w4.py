@@ -320,18 +320,11 @@ DATA = {"source": "bundled", "max_len": 1024, "held_out_fraction": 0.02, "max_co
 
 
 @pytest.mark.slow
-def test_the_bundled_w4_model_agrees_with_gptqmodel_on_real_text(tmp_path):
-    """The real SmolLM2 quantized with reduced settings (a few minutes on 2 busy cores)."""
-    from data.models import DEFAULT_MODEL, load_model
-    from quantize.settings import w4_of
-    from quantize.w4 import run
+def test_the_bundled_w4_model_agrees_with_gptqmodel_on_real_text(bundled_w4):
+    """The real SmolLM2 quantized with reduced settings (tests/conftest.py)."""
+    from data.models import load_model
 
-    cfg = stage_config(DEFAULT_MODEL, tmp_path, tmp_path, **{
-        "calibration.samples": 8, "calibration.max_len": 128, "calibration.min_len": 64, "eval.ppl_conversations": 1,
-        "eval.agreement_prompts": 1, "eval.continuation_tokens": 8, "eval.timing_repeats": 1})
-    cfg.model.name = DEFAULT_MODEL
-    cfg.data = DATA
-    model, tokenizer = load_model(str(run(w4_of(cfg))))
+    model, tokenizer = load_model(str(bundled_w4))
     assert unsupported(model) is None
     for activations, (least, most) in AGREEMENT.items():
         agreement, gap = real_text_agreement(model, tokenizer, activations)

@@ -204,18 +204,9 @@ def test_acceptance_lengths_follow_greedy_verification():
 
 
 @pytest.mark.slow
-def test_bundled_model_quantizes_and_the_w4_level_is_close(tmp_path):
-    """The real SmolLM2 with reduced settings (~2-3 min on 2 busy cores): quantized, re-encoded, measured."""
-    from data.models import DEFAULT_MODEL
-
-    cfg = stage_config(DEFAULT_MODEL, Path("bundled"), tmp_path, **{
-        "calibration.samples": 16, "calibration.max_len": 256, "calibration.min_len": 64,
-        "eval.ppl_conversations": 8, "eval.agreement_prompts": 2, "eval.continuation_tokens": 32,
-        "eval.timing_repeats": 3,
-    })
-    cfg.model.name = DEFAULT_MODEL
-    cfg.data = {"source": "bundled", "max_len": 1024, "held_out_fraction": 0.02, "max_conversations": None}
-    out = run(w4_of(cfg))
+def test_bundled_model_quantizes_and_the_w4_level_is_close(bundled_w4):
+    """The real SmolLM2 with reduced settings (tests/conftest.py): quantized, re-encoded, measured."""
+    out = bundled_w4
     metrics = json.loads((out / "metrics.json").read_text())
     quant = json.loads((out / "config.json").read_text())["quantization_config"]
     assert quant["meta"]["polyspec"]["groups"]["ragged_modules"] == 30 * 6  # every module with a 576-wide input
