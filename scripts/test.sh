@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# Set up, then run the test suite: fast unit tests first, then the slow real-model ones. On an AVX-512 host the
-# kernel tests run a second time with torch's and the project's AVX2 code paths forced (ATEN_CPU_CAPABILITY=avx2),
-# so both CPU kinds' code is exercised whichever host runs this.
+# Set up, then run the test suite: fast unit tests first, two at a time (pytest-xdist: most are single-threaded
+# Python, so the second core would idle), then the slow real-model ones one by one (each uses both cores, and vLLM's
+# and llama.cpp's runs need the memory). On an AVX-512 host the kernel tests run a second time with torch's and the
+# project's AVX2 code paths forced (ATEN_CPU_CAPABILITY=avx2), so both CPU kinds' code is exercised whichever host
+# runs this.
 # Exits non-zero if any test fails or if a stage collects no tests (pytest's exit code 5).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || { echo "setup failed" >&2; exit 1; }
 export WANDB_MODE=disabled
 
-run() {  # run SELECTION [ENV=VALUE...]: pytest -m SELECTION, with the environment given
-    local selection=$1 rc
-    shift
-    env "$@" python -m pytest -m "$selection" -p no:cacheprovider --durations=12
+run() {  # run SELECTION WORKERS [ENV=VALUE...]: pytest -m SELECTION in WORKERS processes (0: this one), with the
+         # environment given
+    local selection=$1 workers=$2 rc
+    shift 2
+    env "$@" python -m pytest -m "$selection" -n "$workers" -p no:cacheprovider --durations=12
     rc=$?
     if [ "$rc" -eq 5 ]; then
         echo "no tests collected for -m '$selection': treating as a failure" >&2
@@ -21,8 +24,8 @@ run() {  # run SELECTION [ENV=VALUE...]: pytest -m SELECTION, with the environme
     fi
 }
 
-run "not slow"
+run "not slow" 2
 if grep -qw avx512f /proc/cpuinfo; then
-    run "cpu_kernels and not slow" ATEN_CPU_CAPABILITY=avx2
+    run "cpu_kernels and not slow" 0 ATEN_CPU_CAPABILITY=avx2
 fi
-run "slow"
+run "slow" 0
