@@ -28,7 +28,7 @@ def bundled_w4(tmp_path_factory) -> Path:
     from data.models import DEFAULT_MODEL
     from quantize.settings import w4_of
     from quantize.w4 import run
-    from w4_fixtures import stage_config
+    from w4_fixtures import BUNDLED_DATA, stage_config
 
     run_dir = tmp_path_factory.mktemp("bundled_w4")
     cfg = stage_config(DEFAULT_MODEL, Path("bundled"), run_dir, **{
@@ -36,7 +36,7 @@ def bundled_w4(tmp_path_factory) -> Path:
         "eval.ppl_conversations": 8, "eval.agreement_prompts": 2, "eval.continuation_tokens": 32,
         "eval.timing_repeats": 3})
     cfg.model.name = DEFAULT_MODEL
-    cfg.data = {"source": "bundled", "max_len": 1024, "held_out_fraction": 0.02, "max_conversations": None}
+    cfg.data = BUNDLED_DATA
     return run(w4_of(cfg))
 
 

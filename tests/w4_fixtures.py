@@ -1,5 +1,6 @@
-"""Helpers for the tests that quantize a tiny random Llama (tests/quantize, tests/decode's native W4 runner): its
-tokenizer and the quantize.w4 stage config; the models themselves are fixtures in tests/conftest.py."""
+"""Helpers for the tests that quantize a model (tests/quantize, tests/decode's native W4 runner): the tiny random
+Llama's tokenizer, the quantize.w4 stage config and the bundled data's settings; the models themselves are fixtures in
+tests/conftest.py."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,6 +12,10 @@ TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+# The bundled ShareGPT data as the real-model W4 tests read it: calibration from the train split, held-out text from
+# the rest (one setting for both, so the two never overlap).
+BUNDLED_DATA = {"source": "bundled", "max_len": 1024, "held_out_fraction": 0.02, "max_conversations": None}
 
 
 def tiny_tokenizer():

@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from w4_fixtures import stage_config
+from w4_fixtures import BUNDLED_DATA, stage_config
 from omegaconf import OmegaConf
 from transformers import LlamaForCausalLM
 
@@ -295,7 +295,7 @@ def held_out_text(tokenizer, conversations: int = 4, tokens: int = 300) -> list[
     from data.sharegpt import load_split, tokenize_conversation
     from data.settings import DataSettings
 
-    held_out = load_split(DataSettings(**DATA))[1][:conversations]
+    held_out = load_split(DataSettings(**BUNDLED_DATA))[1][:conversations]
     return [torch.tensor([tokenize_conversation(tokenizer, c, tokens).input_ids]) for c in held_out]
 
 
@@ -316,7 +316,6 @@ def real_text_agreement(model, tokenizer, activations: str) -> tuple[float, floa
 # "Tolerances"): GPTQ's own float arithmetic differs between AVX2 and AVX-512 hosts, so the W4 weights do too, and
 # near-tied logits flip; the worst logit gap grows on int8 activations (per-16 rounding of every layer's input).
 AGREEMENT = {"fp32": (0.97, 1.5), "int8": (0.95, 3.0)}
-DATA = {"source": "bundled", "max_len": 1024, "held_out_fraction": 0.02, "max_conversations": None}
 
 
 @pytest.mark.slow
