@@ -1,6 +1,6 @@
 """decode.eval end to end on tiny random models: plan, decode, check, report, and publish the best chain
-that pays, never one slower than AR. The target sleeps 10 ms a forward, so that drafting pays, as it does
-for a real target."""
+that pays, never one slower than AR. The target sleeps TARGET_SLEEP_S a forward, so that drafting pays, as it does
+for a real target, by a margin that holds while the other test worker slows the tiny models' real forwards."""
 from __future__ import annotations
 
 import json
@@ -20,6 +20,7 @@ from decode.evaluation.decoding import Decoded, chain_decoder, decode_questions,
 from infra.cli import EXIT_NOT_PUBLISHED
 from infra.tracking import Tracker
 
+TARGET_SLEEP_S = 0.03
 DRAFT = {"mode": "chain", "length": 4}
 LEVELS = {  # what the config says about each level (only names and sources matter to the gate)
     "target": {"kind": "model", "name": "target", "model": "target"},
@@ -35,7 +36,7 @@ def models():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     target = tiny_model(0)
-    yield SlowModel(target, 0.01), noisy_copy(target, 0.02, seed=1), noisy_copy(target, 0.02, seed=2)
+    yield SlowModel(target, TARGET_SLEEP_S), noisy_copy(target, 0.02, seed=1), noisy_copy(target, 0.02, seed=2)
     torch.set_num_threads(threads)
 
 
@@ -46,7 +47,7 @@ def dualistic(models, drafter=None):
 
 def slow_polybasic(models):
     target, w4, drafter = models
-    return Chain([ModelLevel("target", target), ModelLevel("w4", SlowModel(w4, 0.03), mu=4),
+    return Chain([ModelLevel("target", target), ModelLevel("w4", SlowModel(w4, 3 * TARGET_SLEEP_S), mu=4),
                   ModelLevel("draft", drafter, draft=DRAFT)])
 
 
@@ -86,7 +87,7 @@ def test_rejected_w4_level_still_publishes_target_head(models, tmp_path, capsys)
     out = capsys.readouterr()
     assert checks["lossless"]["passed"], checks["lossless"]["reasons"]
     (ins,) = report["insertions"]
-    assert ins["level"] == "w4" and ins["values"]["T_new"] > 0.03 and not ins["improves"]
+    assert ins["level"] == "w4" and ins["values"]["T_new"] > 3 * TARGET_SLEEP_S and not ins["improves"]
     assert list(checks["insertion"]["by_chain"]) == ["polybasic"]
     assert "check failed: insertion: w4 between target and draft does not pay for itself" in out.err
     assert code == 0 and report["gate"]["chain"] == "dualistic", report["gate"]
@@ -127,7 +128,7 @@ def test_rejected_w4_level_still_publishes_target_head(models, tmp_path, capsys)
 def test_no_chain_slower_than_ar_is_published_and_a_refusal_sets_the_old_bundle_aside(models, tmp_path, capsys):
     assert run_eval(models, tmp_path, {"dualistic": dualistic(models)}, tolerance=100.0)[0] == 0
     (tmp_path / ".publish.tmp-left-over").mkdir()  # an interrupted earlier publish
-    slow = dualistic(models, drafter=SlowModel(models[2], 0.02))  # 4 drafts of 20 ms a round: slower than AR
+    slow = dualistic(models, drafter=SlowModel(models[2], 2 * TARGET_SLEEP_S))  # 4 drafts cost 8 target forwards
     capsys.readouterr()
     code, report, checks = run_eval(models, tmp_path, {"dualistic": slow}, tolerance=100.0, force=True)
     out = capsys.readouterr().out
