@@ -4,6 +4,9 @@ target's verification of k tokens (a chain, or a tree) gives exactly the logits 
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,7 +16,7 @@ from decode.settings import decode_section, gemm_choice
 from decode.engine.errors import DecodeError
 from decode.backends.cpu.dense import GEMMS, PackedLinear, gemm_for, pack_weight, _packed_mm
 from decode.backends.cpu.attention import KERNEL_ATTENTION
-from decode.backends.cpu.kernels import avx2_kernel
+from decode.backends.cpu.kernels import avx2_kernel, build_folder
 
 pytestmark = pytest.mark.cpu_kernels
 
@@ -191,3 +194,27 @@ def test_the_stream_bandwidth_agrees_with_torch_sum_measured_beside_it(kernel):
         ratios.append(stream.bytes_per_s / read_bandwidth(gib=0.25, repeats=3).bytes_per_s)
         assert stream.method.startswith("stream_sum")
     assert 0.8 < max(ratios) and min(ratios) < 3, ratios
+
+
+EMPTY_MODULE = """#include <Python.h>
+#define INIT_OF(name) PyInit_##name
+#define INIT(name) INIT_OF(name)
+static PyModuleDef empty = {PyModuleDef_HEAD_INIT, "empty", nullptr, -1, nullptr};
+PyMODINIT_FUNC INIT(TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&empty); }
+"""
+
+
+def test_a_build_killed_a_moment_ago_does_not_stall_the_next(tmp_path, monkeypatch):
+    """torch's lock file, fresh, as a build killed mid-compile leaves it: the next build goes ahead (torch alone
+    waits for that file to go, forever)."""
+    source = tmp_path / "empty.cpp"
+    source.write_text(EMPTY_MODULE)
+    monkeypatch.setenv("POLYSPEC_CACHE", str(tmp_path / "cache"))
+    build = build_folder((source,), ["-O0"])
+    build.mkdir(parents=True)
+    (build / "lock").touch()
+    script = ("from pathlib import Path; from decode.backends.cpu.kernels import build_extension; "
+              f"print(build_extension('empty', (Path({str(source)!r}),), ['-O0'])[0] is not None)")
+    done = subprocess.run([sys.executable, "-c", script], env=os.environ, capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["True"], done.stderr[-2000:]
+

@@ -14,10 +14,13 @@ The C++ is headers plus sources, one job each:
   decoder_module.cpp   its Python module: decode.backends.cpu.llama's `native_kernels`"""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,22 +33,35 @@ HEADERS = tuple(sorted(HERE.glob("*.h")))
 FP32_SOURCES = (HERE / "kernels.cpp", HERE / "pack.cpp")  # what both extensions link
 
 
-def build_extension(name: str, sources: tuple[Path, ...], flags: list[str]) -> tuple[Any | None, str]:
-    """(the extension module of `sources`, "") or (None, why it did not build: said once on stderr). The cache key
-    covers the sources, every header beside them, the flags and torch's version."""
-    from torch.utils import cpp_extension
-
+def build_folder(sources: tuple[Path, ...], flags: list[str]) -> Path:
+    """Where `sources` build: keyed by the sources, every header beside them, the flags and torch's version."""
     text = b"".join(p.name.encode() + p.read_bytes() for p in (*sources, *HEADERS))
     key = hashlib.sha256(text + " ".join(flags + [torch.__version__]).encode()).hexdigest()[:12]
-    build = cache_dir() / "kernels" / key
+    return cache_dir() / "kernels" / key
+
+
+@contextlib.contextmanager
+def only_builder(build: Path) -> Iterator[None]:
+    """Held while one process builds in `build`. The kernel frees a flock when its holder dies, unlike torch's own
+    lock file, which a killed build leaves behind for every later one to wait on forever: under the flock, that
+    file can only be such a leftover, and goes."""
     build.mkdir(parents=True, exist_ok=True)
-    lock = build / "lock"  # left behind by a build that was killed: torch would wait for it forever
-    if lock.exists() and time.time() - lock.stat().st_mtime > 300:
-        lock.unlink(missing_ok=True)
+    with open(build / "build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (build / "lock").unlink(missing_ok=True)
+        yield
+
+
+def build_extension(name: str, sources: tuple[Path, ...], flags: list[str]) -> tuple[Any | None, str]:
+    """(the extension module of `sources`, "") or (None, why it did not build: said once on stderr)."""
+    from torch.utils import cpp_extension
+
+    build = build_folder(sources, flags)
     started = time.perf_counter()
     try:
-        module = cpp_extension.load(f"{name}_{key}", [str(s) for s in sources], extra_cflags=flags,
-                                    extra_ldflags=["-fopenmp"], build_directory=str(build))
+        with only_builder(build):
+            module = cpp_extension.load(f"{name}_{build.name}", [str(s) for s in sources], extra_cflags=flags,
+                                        extra_ldflags=["-fopenmp"], build_directory=str(build))
     except Exception as err:  # no compiler, no ninja, no Python headers: the caller falls back, said once
         why = (str(err).strip().splitlines() or [type(err).__name__])[-1]
         print(f"decode: the {name} kernels did not build ({why[:200]}); using the fallback", file=sys.stderr)
