@@ -350,11 +350,11 @@ def test_a_native_w4_drafter_keeps_decoding_lossless(w4, tiny_source, draft, one
         assert ok
 
 
-def w4_invariants(w4, tiny_source, draft: dict) -> tuple[bool, bool, bool]:
+def w4_invariants(w4, tiny_source, draft: dict) -> tuple[bool, bool, bool, int]:
     """target <- W4 (native runner, mu 2) <- a noisy copy of the target, and W4 <- that drafter, on 2 prompts: (the
     output is the target's, every block the W4 level hands up is W4's own greedy continuation, W4 <- drafter decodes
-    exactly as W4 alone). A middle level's error does not reach the output (the target corrects it): only the last
-    two see it."""
+    exactly as W4 alone, how many drafted tokens W4 accepted in the three-level chain). A middle level's error does
+    not reach the output (the target corrects it): only the second and third see it."""
     from decode_fixtures import noisy_copy
     from lossless_fixtures import greedy_equal, handed_up, self_consistent
 
@@ -372,8 +372,8 @@ def w4_invariants(w4, tiny_source, draft: dict) -> tuple[bool, bool, bool]:
         prompt = text(12, seed=30 + seed)[0].tolist()
         lossless &= greedy_equal(target, prompt, three.generate(prompt, 30).tokens)[0]
         w4_alone &= greedy_equal(middle, prompt, two.generate(prompt, 30).tokens)[0]
-    assert blocks and three.levels[1].stats.accepted > 0, "the W4 level verified nothing: the test exercises nothing"
-    return lossless, self_consistent(blocks, {1: middle}), w4_alone
+    assert blocks and three.levels[1].stats.proposed > 0, "the W4 level verified nothing: the test exercises nothing"
+    return lossless, self_consistent(blocks, {1: middle}), w4_alone, three.levels[1].stats.accepted
 
 
 W4_DRAFTS = {"chain": {"length": 4}, "tree": {"mode": "tree", "depth": 3, "top_k": 2, "total_tokens": 6}}
@@ -381,14 +381,16 @@ W4_DRAFTS = {"chain": {"length": 4}, "tree": {"mode": "tree", "depth": 3, "top_k
 
 @pytest.mark.parametrize("draft", W4_DRAFTS)
 def test_a_native_w4_level_is_lossless_with_respect_to_itself(w4, tiny_source, draft, one_thread):  # noqa: F811
-    assert w4_invariants(w4, tiny_source, W4_DRAFTS[draft]) == (True, True, True)
+    *invariants, accepted = w4_invariants(w4, tiny_source, W4_DRAFTS[draft])
+    assert invariants == [True, True, True] and accepted > 0  # some drafts taken: W4's accept path ran too
 
 
 @pytest.mark.parametrize("draft", W4_DRAFTS)
 def test_a_wrong_row_in_the_native_w4_verify_is_caught(w4, tiny_source, draft, monkeypatch, one_thread):  # noqa: F811
     """Planted: the native runner's forward of several tokens on a W4 model returns its rows one position early (row
     t holds position t + 1's states, the last row twice): in a verification every row but the last checks its
-    drafted token against the next position's logits, mostly a wrong argmax. A prefill reads only its last row, so
+    drafted token against the next position's logits, mostly a wrong argmax (on Zen 3 always: W4 accepts
+    nothing). A prefill reads only its last row, so
     W4's own one-token AR reference is untouched. The target corrects the W4 level, so the output stays the target's;
     both of W4's own checks in test_a_native_w4_level_is_lossless_with_respect_to_itself fail: a block it hands up is
     not its greedy continuation, and W4 <- drafter parts from W4 alone. (A single wrong row, the second-to-last, was
@@ -402,7 +404,7 @@ def test_a_wrong_row_in_the_native_w4_verify_is_caught(w4, tiny_source, draft, m
         return hidden
 
     monkeypatch.setattr(NativeLlamaRunner, "forward", planted)
-    assert w4_invariants(w4, tiny_source, W4_DRAFTS[draft]) == (True, False, False)
+    assert w4_invariants(w4, tiny_source, W4_DRAFTS[draft])[:3] == (True, False, False)  # it may accept nothing
 
 
 def test_decode_native_is_checked_before_anything_loads():
