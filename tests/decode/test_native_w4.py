@@ -389,12 +389,12 @@ def test_a_native_w4_level_is_lossless_with_respect_to_itself(w4, tiny_source, d
 def test_a_wrong_row_in_the_native_w4_verify_is_caught(w4, tiny_source, draft, monkeypatch, one_thread):  # noqa: F811
     """Planted: the native runner's forward of several tokens on a W4 model returns its rows one position early (row
     t holds position t + 1's states, the last row twice): in a verification every row but the last checks its
-    drafted token against the next position's logits, mostly a wrong argmax (on Zen 3 always: W4 accepts
-    nothing). A prefill reads only its last row, so
-    W4's own one-token AR reference is untouched. The target corrects the W4 level, so the output stays the target's;
-    both of W4's own checks in test_a_native_w4_level_is_lossless_with_respect_to_itself fail: a block it hands up is
-    not its greedy continuation, and W4 <- drafter parts from W4 alone. (A single wrong row, the second-to-last, was
-    caught on too few prompts under a tree draft: on an Intel AVX2 path W4 <- drafter matched W4 alone on both.)"""
+    drafted token against the next position's logits, mostly a wrong argmax (on Zen 3 always: W4 accepts nothing). A
+    prefill reads only its last row, so W4's own one-token AR reference is untouched. The target corrects the W4
+    level, so the output stays the target's; both of W4's own checks in
+    test_a_native_w4_level_is_lossless_with_respect_to_itself fail: a block it hands up is not its greedy
+    continuation, and W4 <- drafter parts from W4 alone. (A single wrong row, the second-to-last, was caught on too few
+    prompts under a tree draft: on an Intel AVX2 path W4 <- drafter matched W4 alone on both.)"""
     forward = NativeLlamaRunner.forward
 
     def planted(self, ids, mask=None, positions=None):
