@@ -15,6 +15,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 
 class Runner(Protocol):
@@ -67,18 +68,35 @@ def crop_cache(cache: DynamicCache, length: int) -> None:
         cache.crop(-extra)
 
 
+def attention_windows(config: Any) -> dict[str, int | None] | None:
+    """{layer type: its sliding window, None for full attention} of a model some of whose layers attend through a
+    sliding window (Mistral, Qwen2's use_sliding_window, Gemma 2 and 3), by transformers' own reading of the config;
+    None for a model without one (or with layer types other than full and sliding attention, left to transformers)."""
+    types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    if "sliding_attention" not in types or not set(types) <= {"full_attention", "sliding_attention"}:
+        return None
+    return {kind: args.get("sliding_window") for kind, args in zip(types, kwargs)}
+
+
 class HFRunner:
-    """A transformers causal LM's decoder on a DynamicCache: crop = rollback, keep = index-select (a tree's path)."""
+    """A transformers causal LM's decoder on a DynamicCache: crop = rollback, keep = index-select (a tree's path).
+
+    A model with sliding-window layers runs on a cache whose every layer keeps every key and value (transformers'
+    sliding layers evict what the window passed, so they can neither roll back nor keep a tree's path), and the
+    window is applied in the attention mask, by position: a query at position p sees keys at p - window < q <= p."""
 
     def __init__(self, model: PreTrainedModel):
         self.model, self.config, self.decoder = model, model.config, model.get_decoder()
         self.device, self.dtype = model.device, model.dtype
         self.layers: tuple[int, ...] = ()
         self.captured: torch.Tensor | None = None
+        self.windows = attention_windows(self.config)
+        self.typed = bool(getattr(self.config.get_text_config(decoder=True), "layer_types", None))
         self.reset()
 
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.config)
+        self.cache = DynamicCache(config=self.config) if self.windows is None else DynamicCache()
+        self.positions = torch.zeros(0, dtype=torch.long, device=self.device)  # of the cached keys, with windows
 
     def cached(self) -> int:
         return self.cache.get_seq_length()
@@ -88,17 +106,39 @@ class HFRunner:
 
     def crop(self, length: int) -> None:
         crop_cache(self.cache, length)
+        self.positions = self.positions[:length]
 
     def keep(self, index: torch.Tensor) -> None:
         for layer in self.cache.layers:
             layer.keys, layer.values = layer.keys.index_select(-2, index), layer.values.index_select(-2, index)
+        if self.windows is not None:
+            self.positions = self.positions[index]
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None) -> torch.Tensor:
+        if self.windows is not None:
+            mask = self._window_masks(ids.shape[1], mask, positions)
         out = self.decoder(input_ids=ids, past_key_values=self.cache, use_cache=True, attention_mask=mask,
                            position_ids=positions, output_hidden_states=bool(self.layers))
         if self.layers:
             self.captured = torch.cat([out.hidden_states[i] for i in self.layers], dim=-1)
         return out.last_hidden_state
+
+    def _window_masks(self, length: int, mask: torch.Tensor | None,
+                      positions: torch.Tensor | None) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The additive masks [1, 1, T, cached + T] of each layer type for feeding `length` tokens: `mask` (None:
+        causal) with the window applied on sliding layers; one mask where the config names no layer types (every
+        layer slides, as Mistral's), else {layer type: mask}, which transformers' decoders take as given."""
+        past = self.cached()
+        queries = positions[0] if positions is not None else torch.arange(past, past + length, device=self.device)
+        self.positions = torch.cat([self.positions, queries])
+        if mask is None:
+            causal = torch.ones(length, past + length, dtype=torch.bool, device=self.device).tril(past)
+            mask = torch.zeros(causal.shape, dtype=self.dtype, device=self.device)
+            mask = mask.masked_fill(~causal, torch.finfo(self.dtype).min)[None, None]
+        distance = queries[:, None] - self.positions[None, :]
+        masks = {kind: mask if window is None else mask.masked_fill(distance >= window, torch.finfo(mask.dtype).min)
+                 for kind, window in self.windows.items()}
+        return masks if self.typed else masks["sliding_attention"]
 
 
 class HeadRunner(Protocol):
