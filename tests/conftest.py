@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 os.environ.setdefault("WANDB_MODE", "disabled")
@@ -11,6 +12,16 @@ os.environ.setdefault("WANDB_SILENT", "true")
 
 import pytest
 import torch
+from clock_fixtures import VirtualClock
+
+
+@pytest.fixture
+def virtual_clock(monkeypatch) -> VirtualClock:
+    """The test's own clock in place of the machine's (clock_fixtures.VirtualClock)."""
+    clock = VirtualClock()
+    monkeypatch.setattr(time, "perf_counter", clock.perf_counter)
+    monkeypatch.setattr(time, "sleep", clock.sleep)
+    return clock
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """The house's shape rules, checked on the source: no function in the packages over 60 lines or 6 parameters (no
-exemptions), and ruff's check clean under pyproject.toml's rules (lines <= 120 characters among them)."""
+exemptions), ruff's check clean under pyproject.toml's rules (lines <= 120 characters among them), and no test that
+times the machine."""
 from __future__ import annotations
 
 import ast
@@ -35,3 +36,139 @@ def test_ruff_is_clean():
     done = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", str(ROOT)], capture_output=True,
                           text=True, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-1000:]
+
+
+# Speed lives in benchmarks (decode.bench, decode.costs, BENCHMARKS.md), never in a test: a test that reads a clock
+# or asserts a measured rate against a bound fails on a busy machine with no bug in the code. Under the
+# `virtual_clock` fixture (tests/clock_fixtures.py) the durations are the test's own, and asserting on them is fine.
+CLOCKS = {"perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns", "time", "time_ns", "process_time",
+          "process_time_ns", "thread_time", "thread_time_ns", "synchronized_clock", "default_timer"}
+MEASURED = {"tokens_per_s", "median_tokens_per_s", "bytes_per_s", "speedup", "speedup_over_ar", "time_speedup", "x_ar",
+            "wall_time_s", "time_to_first_token_s", "decode_time_s", "verify_time_s", "draft_time_s", "seconds",
+            "elapsed", "ms", "round_ms", "overhead_ms", "forward_ms", "T_new", "T_old", "bandwidth"}
+ORDERINGS = (ast.Lt, ast.LtE, ast.Gt, ast.GtE)
+
+
+def _reads_clock(node: ast.AST) -> bool:
+    func = node.func if isinstance(node, ast.Call) else None
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+    return name in CLOCKS and not (isinstance(func, ast.Name) and name == "time")  # time(): only `from time import`
+
+
+def _measured(node: ast.AST, tainted: set[str]) -> bool:
+    """Whether `node` holds a measured time or rate: a clock read, a measurement's name, or a variable made of one
+    (not a function named after one: `time_speedup(...)` of timings the test wrote is no measurement)."""
+    called = {id(n.func) for n in ast.walk(node) if isinstance(n, ast.Call)}
+    for sub in ast.walk(node):
+        if (_reads_clock(sub) or (isinstance(sub, ast.Name) and sub.id in tainted | MEASURED and id(sub) not in called)
+                or (isinstance(sub, ast.Attribute) and sub.attr in MEASURED)
+                or (isinstance(sub, ast.Constant) and sub.value in MEASURED)):
+            return True
+    return False
+
+
+def _tainted(func: ast.AST) -> set[str]:
+    """Names a test assigns (or appends) a measurement to, to a fixpoint."""
+    tainted: set[str] = set()
+    while True:
+        before = set(tainted)
+        for node in ast.walk(func):
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and node.value is not None:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if _measured(node.value, tainted):
+                    tainted |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr in ("append", "extend") and isinstance(node.func.value, ast.Name)
+                  and any(_measured(a, tainted) for a in node.args)):
+                tainted.add(node.func.value.id)
+        if tainted == before:
+            return tainted
+
+
+def _bound(node: ast.AST, tainted: set[str]) -> bool:
+    """A side a measurement is held against: anything not itself measured but zero (a rate above 0 is a sanity
+    check, and two readings of one clock keep their order however busy the machine)."""
+    return not _measured(node, tainted) and not (isinstance(node, ast.Constant) and node.value == 0)
+
+
+def _is_set(node: ast.AST) -> bool:
+    """A set literal or set(...): `<=` is inclusion there (the names of timed rows), not an ordering of numbers."""
+    return isinstance(node, ast.Set) or (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                                         and node.func.id in ("set", "frozenset"))
+
+
+def _holds_against_a_bound(node: ast.AST, tainted: set[str]) -> bool:
+    if not isinstance(node, ast.Compare):
+        return False
+    sides = [node.left, *node.comparators]
+    return any(isinstance(op, ORDERINGS) and not _is_set(a) and not _is_set(b)
+               and (_measured(a, tainted) and _bound(b, tainted) or _measured(b, tainted) and _bound(a, tainted))
+               for op, a, b in zip(node.ops, sides, sides[1:]))
+
+
+def timed_assertions(source: str, where: str = "") -> list[str]:
+    """Each test (or helper) in `source` that reads a clock, or asserts a measurement against a bound, outside the
+    `virtual_clock` fixture."""
+    tree = ast.parse(source)
+    module_clock = 'usefixtures("virtual_clock")' in source
+    found = []
+    for func in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+        if module_clock or "virtual_clock" in [a.arg for a in func.args.args]:
+            continue
+        tainted = _tainted(func)
+        for node in ast.walk(func):
+            if _reads_clock(node):
+                found.append(f"{where}:{node.lineno} {func.name}: reads the clock")
+            elif isinstance(node, ast.Assert) and any(_holds_against_a_bound(c, tainted) for c in ast.walk(node.test)):
+                found.append(f"{where}:{node.lineno} {func.name}: asserts a measurement against a bound")
+    return found
+
+
+def test_no_test_times_the_machine():
+    found = [hit for path in sorted((ROOT / "tests").rglob("*.py"))
+             for hit in timed_assertions(path.read_text(encoding="utf-8"), str(path.relative_to(ROOT)))]
+    assert found == []
+
+
+PLANTED_TIMED = '''
+def test_stream(kernel):
+    ratios = []
+    for _ in range(2):
+        stream = read_bandwidth(gib=0.25, repeats=3, stream=stream_kernel())
+        ratios.append(stream.bytes_per_s / read_bandwidth(gib=0.25).bytes_per_s)
+    assert 0.8 < max(ratios) and min(ratios) < 3, ratios
+
+def test_forward_is_quick(model):
+    start = time.perf_counter()
+    model(x)
+    assert time.perf_counter() - start < 0.5
+
+def test_decodes_fast(chain):
+    stats = chain.generate([1, 2], 8).stats
+    assert stats.tokens_per_s > 50
+
+def test_chain_beats_ar(report):
+    assert report["chains"]["dualistic"]["time_speedup"] > 1.0
+'''
+PLANTED_FINE = '''
+pytestmark = pytest.mark.usefixtures("other")
+
+def test_timings_the_test_wrote(virtual_clock):
+    start = time.perf_counter()
+    assert report["chains"]["dualistic"]["time_speedup"] > 1.0 and time.perf_counter() - start > 0
+
+def test_sanity(stats):
+    assert 0 < stats.time_to_first_token_s <= stats.wall_time_s and stats.tokens_per_s > 0
+
+def test_theory():
+    assert predicted_speedup([10, 1], [1], 3, target_time=10) < 1 and {"target"} <= set(costs["ms"])
+'''
+
+
+def test_the_timing_rule_catches_a_planted_timed_assertion_and_passes_what_load_cannot_change():
+    assert sorted(hit.split(" ", 1)[1] for hit in timed_assertions(PLANTED_TIMED)) == [
+        "test_chain_beats_ar: asserts a measurement against a bound",
+        "test_decodes_fast: asserts a measurement against a bound",
+        "test_forward_is_quick: asserts a measurement against a bound", "test_forward_is_quick: reads the clock",
+        "test_forward_is_quick: reads the clock", "test_stream: asserts a measurement against a bound"]
+    assert timed_assertions(PLANTED_FINE) == []

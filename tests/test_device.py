@@ -71,9 +71,10 @@ def test_torchrun_rank_must_train_on_its_own_gpu(two_gpus, monkeypatch):
     assert backend_for(torch.device("cuda", 1)) == "nccl" and backend_for(torch.device("cpu")) == "gloo"
 
 
-def test_synchronized_clock_on_the_cpu_is_perf_counter():
-    before = synchronized_clock("cpu")
-    assert before <= synchronized_clock() <= synchronized_clock(torch.device("cpu"))
+def test_synchronized_clock_on_the_cpu_is_perf_counter(virtual_clock):
+    """On a CPU nothing is queued: the clock is time.perf_counter read at once, whichever way the device is named."""
+    assert [synchronized_clock("cpu"), synchronized_clock(), synchronized_clock(torch.device("cpu"))] == pytest.approx(
+        [virtual_clock.TICK_S, 2 * virtual_clock.TICK_S, 3 * virtual_clock.TICK_S])
 
 
 def test_cpu_device_keeps_the_packed_cpu_path():

@@ -1,6 +1,6 @@
 """Stand-ins for the eval tests (not a test module): a byte tokenizer with a chat template for tiny
-random models, a level that sleeps (an inserted model too slow to pay for itself), a lossy level, and
-a small Spec-Bench question set."""
+random models, a level that sleeps (an inserted model too slow to pay for itself; on the test's clock under the
+`virtual_clock` fixture), a lossy level, and a small Spec-Bench question set."""
 from __future__ import annotations
 
 import time

@@ -1,6 +1,8 @@
 """decode.eval end to end on tiny random models: plan, decode, check, report, and publish the best chain
-that pays, never one slower than AR. The target sleeps TARGET_SLEEP_S a forward, so that drafting pays, as it does
-for a real target, by a margin that holds while the other test worker slows the tiny models' real forwards."""
+that pays, never one slower than AR. Time is the test's own (the `virtual_clock` fixture): the target sleeps
+TARGET_SLEEP_S a forward on it and the tiny models' real work costs next to nothing, so drafting pays as it does for a
+real target, and every timing, interval and verdict below follows from the sleeps written here, whatever else the
+machine is doing."""
 from __future__ import annotations
 
 import json
@@ -20,6 +22,7 @@ from decode.evaluation.decoding import Decoded, chain_decoder, decode_questions,
 from infra.cli import EXIT_NOT_PUBLISHED
 from infra.tracking import Tracker
 
+pytestmark = pytest.mark.usefixtures("virtual_clock")
 TARGET_SLEEP_S = 0.03
 DRAFT = {"mode": "chain", "length": 4}
 LEVELS = {  # what the config says about each level (only names and sources matter to the gate)

@@ -64,7 +64,7 @@ def test_w4_layouts_vllm_refuses_are_refused_up_front(tmp_path):
         check_w4_layout(w4_config(tmp_path / "asym", sym=False))
 
 
-def interop(*overrides: str, timeout: int = 120) -> subprocess.CompletedProcess:
+def interop(*overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "decode.interop", *overrides], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)

@@ -180,7 +180,7 @@ def test_the_gpu_check_script_runs_on_the_cpu(tmp_path):
     tiny_model(seed=0, vocab=VOCAB, layers=2).save_pretrained(folder)
     done = subprocess.run([sys.executable, "scripts/gpu_runner_check.py", "--model", str(folder), "--out",
                            str(tmp_path / "out"), "--device", "cpu", "--max-new", "16", "--repeats", "3"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "gpu_runner_check.json").read_text())
