@@ -29,7 +29,8 @@ from infra.schema import NonNegative, Positive
 from infra.settings import Tracking, checked, device_of, layout_of, parse, plain, tracking_of
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
-BACKEND_KEYS = {"native_fp32": "native_fp32", "native_w4": "native", "activations": "w4_activations"}
+BACKEND_KEYS = {"native_fp32": "native_fp32", "native_w4": "native", "activations": "w4_activations",
+                "w4_kernel": "w4_kernel"}
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class DecodeSection:
     native: str = "auto"
     native_fp32: str = "auto"
     w4_activations: str = "int8"
+    w4_kernel: str = "auto"
     threads: Any = None
     compare_ar: bool = False
     draft_defaults: dict[str, Any] = field(default_factory=dict)
@@ -90,13 +92,13 @@ def gemm_choice(gemm: Any, device: torch.device) -> str | None:
 
 
 def backend_of(d: DecodeSection, device: torch.device) -> Backend:
-    """How the run's models run: nothing packed and nothing native without decode.fast, nothing packed off the CPU.
-    Backend checks its own values; a wrong one is named by its config key."""
+    """How the run's models run: nothing packed and nothing native without decode.fast, nothing packed off the CPU;
+    decode.w4_kernel either way. Backend checks its own values; a wrong one is named by its config key."""
     gemm = gemm_choice(d.gemm, device)
-    if not d.fast:
-        return Backend()
     try:
-        return Backend(gemm, d.native_fp32, d.native, d.w4_activations)
+        if not d.fast:
+            return Backend(w4_kernel=d.w4_kernel)
+        return Backend(gemm, d.native_fp32, d.native, d.w4_activations, d.w4_kernel)
     except BackendFieldError as err:
         raise DecodeError(f"decode.{BACKEND_KEYS[err.field]} {err.problem}") from None
 

@@ -51,3 +51,15 @@ def stage_config(source: Path, data: Path, run_dir: Path, **quantize):
     for key, value in {**small, **quantize}.items():
         OmegaConf.update(cfg, f"quantize.{key}", value)
     return cfg
+
+
+def held_out_text(tokenizer, conversations: int = 4, tokens: int = 300) -> list:
+    """The first held-out ShareGPT conversations of the bundled data, chat-templated as the chains see them, `tokens`
+    each, as [1, T] id tensors."""
+    import torch
+
+    from data.settings import DataSettings
+    from data.sharegpt import load_split, tokenize_conversation
+
+    held_out = load_split(DataSettings(**BUNDLED_DATA))[1][:conversations]
+    return [torch.tensor([tokenize_conversation(tokenizer, c, tokens).input_ids]) for c in held_out]

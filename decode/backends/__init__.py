@@ -1,21 +1,25 @@
 """Backends: how a level's model runs on its device, as a value. `Backend.prepare` returns a `Prepared` (the runner
 factory and LM head a model level uses) and writes nothing onto the model: on the CPU its linears are swapped for
 packed ones (the parameters stay; decode.backends.cpu), and a Llama-family model may run the native runner; on CUDA
-every model runs a static KV cache with CUDA graphs (decode.backends.cuda); other devices run transformers' forward."""
+every model runs a static KV cache with CUDA graphs (decode.backends.cuda); other devices run transformers' forward.
+A GPTQ W4 level may run torch's own int4 kernels (decode.backends.int4pack): on CUDA by default, on a CPU when asked."""
 from __future__ import annotations
 
 import dataclasses
 import functools
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
+import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from decode.engine.runner import HeadRunner, HFHeadRunner, HFRunner, Prepared, PreparedHead, Runner
 
 NATIVE = ("auto", "on", "off")
+W4_KERNELS = ("auto", "gptqmodel", "int4pack")
 
 
 def on_cpu(module: nn.Module) -> bool:
@@ -34,17 +38,19 @@ class BackendFieldError(ValueError):
 class Backend:
     """How models run, resolved once from a run's settings. `gemm`: the packed product of CPU dense linears (None:
     unpacked). `native_fp32`: whether an fp32 Llama-family model runs the native CPU runner (auto, on, off);
-    `native_w4` the same for a GPTQ W4 model, on `activations` (int8, fp32). Off the CPU all three are moot."""
+    `native_w4` the same for a GPTQ W4 model, on `activations` (int8, fp32). Off the CPU all three are moot.
+    `w4_kernel`: what runs a GPTQ W4 model's linears (see `int4pack`)."""
 
     gemm: str | None = None
     native_fp32: str = "off"
     native_w4: str = "off"
     activations: str = "int8"
+    w4_kernel: str = "auto"
 
     def __post_init__(self) -> None:
-        for key in ("native_fp32", "native_w4"):
-            if getattr(self, key) not in NATIVE:
-                raise BackendFieldError(key, f"must be one of {', '.join(NATIVE)}, got {getattr(self, key)!r}")
+        for key, choices in (("native_fp32", NATIVE), ("native_w4", NATIVE), ("w4_kernel", W4_KERNELS)):
+            if getattr(self, key) not in choices:
+                raise BackendFieldError(key, f"must be one of {', '.join(choices)}, got {getattr(self, key)!r}")
         from decode.backends.cpu.llama import ACTIVATIONS
 
         if self.activations not in ACTIVATIONS:
@@ -53,8 +59,25 @@ class Backend:
 
     def drafting(self, target: Prepared) -> "Backend":
         """The backend of a chain's other levels: fp32 ones run natively where they can when the target does."""
-        native = "auto" if runs_natively(target) else "off"
-        return Backend(self.gemm, native, self.native_w4, self.activations)
+        return dataclasses.replace(self, native_fp32="auto" if runs_natively(target) else "off")
+
+    def int4pack(self, device: torch.device | str) -> bool:
+        """Whether a GPTQ W4 model on `device` runs torch's own int4 kernels (decode.backends.int4pack): where asked
+        (`w4_kernel: int4pack`), and by default on CUDA, where GPTQModel's kernels need a build (nvcc); `auto` keeps
+        GPTQModel's CPU kernel and the native runner on a CPU."""
+        return self.w4_kernel == "int4pack" or (self.w4_kernel == "auto" and torch.device(device).type == "cuda")
+
+    def load(self, spec: str, dtype: str,
+             device: torch.device | str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+        """A level's model and tokenizer from a model spec (data.models.load_model); a GPTQ folder on torch's int4
+        kernels where `int4pack` says. ValueError (one line) for a checkpoint those kernels cannot take."""
+        from data.models import load_model, load_tokenizer, resolve_model_path
+        from decode.backends.int4pack import is_gptq_folder, load_int4pack
+
+        path = resolve_model_path(spec)
+        if self.int4pack(device) and is_gptq_folder(Path(path)):
+            return load_int4pack(path, dtype, device), load_tokenizer(spec)
+        return load_model(spec, dtype, device)
 
     def prepare(self, model: PreTrainedModel) -> Prepared:
         """`model` made fast on its device (CPU: linears packed in place; the packed copies are an inference-time
@@ -85,7 +108,9 @@ class Backend:
 
             rows = int8_linear(head.draft_rows() if vocab is not None else head.lm_head)
         elif weights == "int8":
-            print("decode: weights: int8 runs on the native head runner only (inputs in blocks of 16); the draft head "
+            param = next(head.parameters())
+            print(int8_fallback("weights: int8", "the draft head", param.device, param.dtype) or
+                  "decode: weights: int8 runs on the native head runner only (inputs in blocks of 16); the draft head "
                   "keeps its own weights", file=sys.stderr)
         return PreparedHead(head, new_runner, rows)
 
@@ -104,6 +129,10 @@ class Backend:
 
             return cuda_runners(model)
         if not on_cpu(model):
+            return hf
+        from decode.backends.int4pack import is_int4pack
+
+        if is_int4pack(model):  # torch's int4 kernel under transformers' forward (the native runner reads GPTQModel's)
             return hf
         from decode.backends.cpu.llama import NativeLlamaRunner, is_quantized, native_fp32_runner, unsupported
 
@@ -129,6 +158,18 @@ class Backend:
             return native_head_runners(head, int8)
         print(f"decode: the draft head runs its own forward (native runner: {why})", file=sys.stderr)
         return functools.partial(HFHeadRunner, head)
+
+
+def int8_fallback(setting: str, what: str, device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """The line said where `what`'s int8 weights (`setting`: a drafting level's `lm_head: int8`, an EAGLE level's
+    `weights: int8`) cannot run, None where they can: their products are CPU kernels, so on another device (CUDA) the
+    level keeps its weights in its own dtype (bf16 on a GPU chain). Proposals only either way: the output is the
+    target's."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return None
+    return (f"decode: {what}: {setting} is a CPU kernel; on {device.type} it keeps its "
+            f"{str(dtype).removeprefix('torch.')} weights")
 
 
 def with_lm_head(prepared: Prepared, head: nn.Module) -> Prepared:

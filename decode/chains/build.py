@@ -16,7 +16,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from data.models import ModelSourceError, load_model, same_vocabulary
-from decode.backends import Backend
+from decode.backends import Backend, int8_fallback
 from decode.backends.cpu import pack
 from decode.backends.cpu.dense import gemm_for, packed_with
 from decode.backends.cpu.int8 import quantize_lm_head
@@ -126,7 +126,7 @@ class ChainBuilder:
 
     def _load(self, level: LevelSpec) -> Any:
         if level.kind == "model":
-            model = level_model(level, self.target, self.tokenizer, self.artifacts, self.dtype)
+            model = level_model(level, self.target, self.tokenizer, self.artifacts, self.dtype, self.backend.load)
             if level.lm_head is not None:
                 _int8_lm_head(level, model, self.target)
             if model is self.target:
@@ -184,14 +184,15 @@ def _level_shapes(spec: ChainSpec, loaded: list[Any]) -> list[LevelShape]:
 
 def _int8_lm_head(level: LevelSpec, model: PreTrainedModel, target: PreTrainedModel) -> None:
     """`lm_head: int8`: a drafting level's LM head on int8 weights (decode.backends.cpu.int8.quantize_lm_head), a CPU
-    kernel; off the CPU the level keeps its own LM head, said once (a drafter's head never changes the output)."""
+    kernel; off the CPU the level keeps its own LM head (decode.backends.int8_fallback), said once (a drafter's head
+    never changes the output)."""
     name = level.name
     if model is target:
         raise DecodeError(f"level {name!r}: lm_head: int8 would change the target's own logits (and the output); "
                           "only a drafting level may have it")
-    if model.device.type != "cpu":
-        print(f"decode: level {name!r}: lm_head: int8 is a CPU kernel; on {model.device.type} the level keeps its "
-              f"{model.dtype} LM head", file=sys.stderr)
+    fallback = int8_fallback("lm_head: int8", f"level {name!r}", model.device, model.dtype)
+    if fallback is not None:
+        print(fallback, file=sys.stderr)
         return
     if not quantize_lm_head(model):
         raise DecodeError(
@@ -229,18 +230,20 @@ def _level_vocab(level: LevelSpec, heads: list[DraftHead], is_target: bool) -> t
 
 
 def level_model(
-    level: LevelSpec, target: PreTrainedModel, tokenizer, artifacts: RunLayout, dtype: str
+    level: LevelSpec, target: PreTrainedModel, tokenizer, artifacts: RunLayout, dtype: str,
+    load: Callable[..., tuple[PreTrainedModel, PreTrainedTokenizerBase]] = load_model,
 ) -> PreTrainedModel:
-    """A model level's model: the target itself, or the model its `model:` names (checked against the
-    target's vocabulary) on the target's device, cut to its first `layers` layers if set."""
+    """A model level's model: the target itself, or the model its `model:` names, loaded by `load` (a backend's: a
+    GPTQ folder may run torch's int4 kernels) and checked against the target's vocabulary, on the target's device,
+    cut to its first `layers` layers if set."""
     spec, name = level.model, level.name
     if spec == "target":
         model = target
     else:
         spec = artifacts.model_spec(spec)  # a missing run artifact such as `w4` says "no such model folder"
         try:
-            model, level_tokenizer = load_model(spec, dtype=level.dtype or dtype, device=target.device)
-        except ModelSourceError as err:
+            model, level_tokenizer = load(spec, level.dtype or dtype, target.device)
+        except (ModelSourceError, ValueError) as err:  # ValueError: a checkpoint torch's int4 kernels cannot take
             raise DecodeError(f"level {name!r}: {err}") from None
         if not same_vocabulary(tokenizer, level_tokenizer):
             raise DecodeError(f"level {name!r}: {spec} has a different vocabulary than the target")

@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from w4_fixtures import BUNDLED_DATA, stage_config
+from w4_fixtures import held_out_text, stage_config
 from omegaconf import OmegaConf
 from transformers import LlamaForCausalLM
 
@@ -288,15 +288,6 @@ def test_the_native_int8_head_is_the_product_of_its_int8_rows_and_quantized_inpu
     exact = fake_quantized(x) @ (int8.qweight.double() * int8.scales.double()[:, None]).T
     assert ((head(x) - exact).abs().max() / exact.abs().max()) < 1e-5
     assert torch.allclose(head(x), int8(x), atol=0.05, rtol=0.02)  # aten's kernel rounds activations to bf16
-
-
-def held_out_text(tokenizer, conversations: int = 4, tokens: int = 300) -> list[torch.Tensor]:
-    """The first held-out ShareGPT conversations, chat-templated as the chains see them, `tokens` each."""
-    from data.sharegpt import load_split, tokenize_conversation
-    from data.settings import DataSettings
-
-    held_out = load_split(DataSettings(**BUNDLED_DATA))[1][:conversations]
-    return [torch.tensor([tokenize_conversation(tokenizer, c, tokens).input_ids]) for c in held_out]
 
 
 def real_text_agreement(model, tokenizer, activations: str) -> tuple[float, float]:

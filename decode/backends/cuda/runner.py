@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from decode.backends.int4pack import is_int4pack
 from decode.engine.errors import DecodeError
 
 WIDTHS = (1, 2, 4, 8, 16)  # token widths captured as graphs: a token, chain drafts and verifications, small trees
@@ -25,7 +26,8 @@ WARMUP = 2  # eager forwards on a side stream before a capture
 
 def unsupported(model: PreTrainedModel) -> str | None:
     """Why the static runner cannot run `model`, or None: it masks every layer alike (full attention only), its graphs
-    need forwards without host syncs (no dynamic rotary scaling) and it leaves quantized kernels to HF's forward."""
+    need forwards without host syncs (no dynamic rotary scaling) and it leaves quantized kernels to HF's forward, but
+    for torch's own int4 kernel (decode.backends.int4pack: one aten call a linear, no host sync)."""
     config = model.config
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
     if kinds != {"full_attention"}:
@@ -35,7 +37,7 @@ def unsupported(model: PreTrainedModel) -> str | None:
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if isinstance(rope, dict) and ("dynamic" in str(rope.get("rope_type")) or rope.get("rope_type") == "longrope"):
         return f"{rope['rope_type']} rotary scaling (computed from the sequence)"
-    if getattr(config, "quantization_config", None) is not None:
+    if getattr(config, "quantization_config", None) is not None and not is_int4pack(model):
         return "quantized weights (their kernels' graph capture is unchecked)"
     return None
 
