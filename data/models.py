@@ -174,6 +174,31 @@ def _gptq_loading_kwargs(path: str, device: str) -> dict[str, Any]:
     return {"quantization_config": GPTQConfig(bits=quant["bits"], backend=GPTQ_CPU_BACKEND)}
 
 
+class IncompleteCheckpointError(ModelSourceError):
+    """A quantized checkpoint whose tensors do not fill the model its config names; `detail` names the first bad
+    module, without the folder."""
+
+    def __init__(self, path: str, detail: str):
+        super().__init__(f"{path}: {detail}; quantize the model again (python -m quantize.w4 quantize.overwrite=true)")
+        self.detail = detail
+
+
+def check_loaded_whole(path: str, model: PreTrainedModel, info: dict[str, Any]) -> None:
+    """Refuse a quantized model that did not load whole: transformers leaves a module the checkpoint does not fill
+    (stored under another name, or not at all) at its random init and only logs it, and such a W4 level decodes
+    garbage or crashes far from the cause. One line naming the first bad module."""
+    problems = (("missing_keys", "has no tensors for"), ("unexpected_keys", "stores tensors {cls} has no place for in"),
+                ("mismatched_keys", "stores tensors of a shape {cls} does not take in"))
+    counts = ", ".join(f"{len(info.get(kind) or ())} {kind.removesuffix('_keys')}" for kind, _ in problems)
+    for kind, what in problems:
+        keys = sorted(k[0] if isinstance(k, tuple) else k for k in info.get(kind) or ())
+        if keys:
+            module = keys[0].rsplit(".", 1)[0]
+            raise IncompleteCheckpointError(path, (
+                f"the quantized checkpoint does not load whole into {type(model).__name__}: it "
+                f"{what.format(cls=type(model).__name__)} module {module} ({counts} tensors)"))
+
+
 def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
     return _from_pretrained(spec, resolve_model_path(spec), AutoTokenizer.from_pretrained)
 
@@ -183,16 +208,19 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer from a spec, in eval mode, on `device` (resolved: infra.device).
 
-    `dtype` applies to full-precision models; a quantized checkpoint keeps its own format. The whole model goes on
-    the one device (no device map across GPUs: a model that does not fit one GPU is not supported yet).
+    `dtype` applies to full-precision models; a quantized checkpoint keeps its own format and must load whole
+    (check_loaded_whole). The whole model goes on the one device (no device map across GPUs: a model that does not
+    fit one GPU is not supported yet).
     """
     device = str(device)
     path = resolve_model_path(spec)
     tokenizer = _from_pretrained(spec, path, AutoTokenizer.from_pretrained)
-    model = _from_pretrained(
+    model, info = _from_pretrained(
         spec, path, AutoModelForCausalLM.from_pretrained, dtype=getattr(torch, dtype), device_map=device,
-        **_gptq_loading_kwargs(path, device),
+        output_loading_info=True, **_gptq_loading_kwargs(path, device),
     )
+    if getattr(model.config, "quantization_config", None):
+        check_loaded_whole(path, model, info)
     model.eval()
     return model, tokenizer
 

@@ -95,11 +95,72 @@ def regroup_checkpoint(folder: Path, group_size: int, bits: int) -> dict[str, An
         after = dequantize(ts[f"{p}.qweight"], ts[f"{p}.qzeros"], ts[f"{p}.scales"], ts[f"{p}.g_idx"], bits)
         if not torch.equal(before, after):
             raise QuantizeError(f"{p}: re-encoding {group_size}-wide groups as {storage}-wide changed the weights")
+    save_tensors(folder, tensors)
+    return info
+
+
+# transformers' fused linears and the parts GPTQModel may quantize them as (its defuser splits Phi-3's gate_up_proj),
+# in the fused output's order
+FUSED = {"gate_up_proj": ("gate_proj", "up_proj"), "qkv_proj": ("q_proj", "k_proj", "v_proj")}
+
+
+def class_linears(src: str) -> set[str]:
+    """The names of the linear modules of the transformers class `src`'s config names (built on the meta device)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src))
+    return {name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+
+
+def fuse_split_projections(folder: Path, linears: set[str]) -> list[str]:
+    """Store each fused linear of the model class (`linears`: class_linears) that the checkpoint holds in parts as
+    one quantized linear, under the name the class loads: GPTQModel saves Phi-3's gate_up_proj as gate_proj and
+    up_proj, which transformers' Phi3 cannot load back. Exact: the parts' output columns are concatenated, each with
+    its codes, scale and zero, over the same input groups. Returns the fused modules' names."""
+    files = sorted(folder.glob("*.safetensors"))
+    tensors = {f: load_file(f) for f in files}
+    where = {key: f for f, ts in tensors.items() for key in ts}
+    fused = []
+    for name in sorted(linears):
+        parent, _, leaf = name.rpartition(".")
+        parts = [f"{parent}.{part}" for part in FUSED.get(leaf, ())]
+        if not parts or f"{name}.qweight" in where or not all(f"{p}.qweight" in where for p in parts):
+            continue
+        pieces = [{k.removeprefix(f"{p}."): tensors[where[k]].pop(k) for k in list(where) if k.startswith(f"{p}.")}
+                  for p in parts]
+        if any(not torch.equal(piece["g_idx"], pieces[0]["g_idx"]) for piece in pieces):
+            raise QuantizeError(f"{name}: its parts {', '.join(parts)} were quantized over different input groups "
+                                "(g_idx), so they cannot be stored as one linear")
+        if any(piece["qweight"].shape[1] % (32 // 4) for piece in pieces):  # qzeros pack 8 outputs a word
+            raise QuantizeError(f"{name}: a part's output width is not a multiple of 8, so its packed zeros cannot be "
+                                "concatenated")
+        out = tensors[where[f"{parts[0]}.qweight"]]
+        for key in ("qweight", "qzeros", "scales"):
+            out[f"{name}.{key}"] = torch.cat([piece[key] for piece in pieces], dim=1).contiguous()
+        out[f"{name}.g_idx"] = pieces[0]["g_idx"]
+        biases = [piece.get("bias") for piece in pieces]
+        if any(b is not None for b in biases):
+            like = next(b for b in biases if b is not None)
+            out[f"{name}.bias"] = torch.cat([like.new_zeros(piece["scales"].shape[1]) if b is None else b
+                                             for b, piece in zip(biases, pieces)])
+        fused.append(name)
+    if fused:
+        save_tensors(folder, tensors)
+    return fused
+
+
+def save_tensors(folder: Path, tensors: dict[Path, dict[str, torch.Tensor]]) -> None:
+    """Rewrite the checkpoint's safetensors files (headers kept) and, when sharded, its index's weight map."""
     for f, ts in tensors.items():
         with safe_open(f, "pt") as handle:
             header = handle.metadata() or {"format": "pt"}
         save_file(ts, f, metadata=header)
-    return info
+    index_file = folder / "model.safetensors.index.json"
+    if index_file.exists():
+        index = json.loads(index_file.read_text())
+        index["weight_map"] = {key: f.name for f, ts in sorted(tensors.items()) for key in sorted(ts)}
+        index_file.write_text(json.dumps(index, indent=2) + "\n")
 
 
 def static_groups(folder: Path, stored_group_size: int) -> bool:

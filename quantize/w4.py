@@ -20,12 +20,13 @@ import torch
 from omegaconf import DictConfig
 from transformers import PreTrainedModel
 
-from data.models import load_model, load_tokenizer, resolve_model_path, weights_hash
+from data.models import IncompleteCheckpointError, load_model, load_tokenizer, resolve_model_path, weights_hash
 from data.sharegpt import load_split
 from infra.cli import check_writable, run_main
 from infra.layout import RunLayout
 from infra.tracking import replace_dir
-from quantize.checkpoint import existing_is_valid, regroup_checkpoint, static_groups, write_metadata
+from quantize.checkpoint import (class_linears, existing_is_valid, fuse_split_projections, regroup_checkpoint,
+                                 static_groups, write_metadata)
 from quantize.errors import QuantizeError
 from quantize.evaluation import evaluate_w4, folder_mb, report
 from quantize.gptq import calibration_samples, cpu_recipe, gptq_quantize
@@ -80,6 +81,9 @@ def quantize_into(tmp: Path, src: str, calibration: list[list[int]], meta: dict[
     start = time.perf_counter()
     gptq_quantize(src, tmp, q, calibration, str(device))
     quantize_s = time.perf_counter() - start
+    fused = fuse_split_projections(tmp, class_linears(src))
+    if fused:
+        print(f"w4: {len(fused)} fused linears stored whole, as the model class loads them (e.g. {fused[0]})")
     groups = regroup_checkpoint(tmp, q.group_size, q.bits)
     groups["static_g_idx"] = static_groups(tmp, groups["stored_group_size"])
     if not q.desc_act and not groups["static_g_idx"]:
@@ -94,7 +98,11 @@ def quantize_into(tmp: Path, src: str, calibration: list[list[int]], meta: dict[
 def measured(tmp: Path, src: str, target: PreTrainedModel, held_out: list, settings: W4Settings) -> dict[str, Any]:
     """The W4 model in `tmp` evaluated against the target, with the numbers of how it was made."""
     q, device = settings.quantize, settings.run.device
-    w4, _ = load_model(str(tmp), dtype=settings.model.dtype, device=device)
+    try:
+        w4, _ = load_model(str(tmp), dtype=settings.model.dtype, device=device)
+    except IncompleteCheckpointError as err:  # nothing measured or written from a model missing weights
+        raise QuantizeError(f"the W4 model GPTQModel saved does not load back whole, so nothing is written: "
+                            f"{err.detail}") from None
     metrics = evaluate_w4(target, w4, load_tokenizer(src), held_out, q.eval)
     groups = json.loads((tmp / "config.json").read_text())["quantization_config"]["meta"]["polyspec"]["groups"]
     return metrics | {"device": str(device), "size_mb_target": folder_mb(src),
