@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import sys
+from typing import Callable
 
 import hydra
 from omegaconf import DictConfig
@@ -30,6 +31,25 @@ def check_context(prompt: list[int], new_tokens: int, model) -> None:
             f"it needs {len(prompt) + new_tokens:,} positions, "
             f"more than the model's context of {context:,} (max_position_embeddings): shorten the prompt"
             + (" or lower decode.max_new_tokens" if len(prompt) < context else ""))
+
+
+def clipped(show: Callable[[list[int]], None], max_new_tokens: int,
+            eos: int | list[int] | None) -> Callable[[list[int]], None]:
+    """The chain's committed blocks, passed to `show` cut where its returned tokens end: at max_new_tokens and just
+    after the first end-of-sequence token. A block may run past either, and what is printed must be what is checked."""
+    stops = set([eos] if isinstance(eos, int) else eos or [])
+    left = max_new_tokens
+
+    def stream(tokens: list[int]) -> None:
+        nonlocal left
+        block = tokens[:left]
+        ends = next((i + 1 for i, t in enumerate(block) if t in stops), None)
+        block = block[:ends]
+        left = 0 if ends else left - len(block)
+        if block:
+            show(block)
+
+    return stream
 
 
 def level_table(generation: Generation) -> str:
@@ -74,7 +94,7 @@ def run(settings: GenerateSettings) -> None:
         sys.stdout.flush()
         printed = text
 
-    result = chain.generate(prompt, new_tokens, sampling, eos_token_id=eos, on_tokens=stream)
+    result = chain.generate(prompt, new_tokens, sampling, eos_token_id=eos, on_tokens=clipped(stream, new_tokens, eos))
     print(f"\n\nchain {decoding.section.chain}: " + " <- ".join(level.name for level in chain.levels))
     print(level_table(result))
     if settings.compare_ar:
