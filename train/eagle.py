@@ -34,7 +34,7 @@ import math
 import os
 import socket
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import hydra
@@ -59,6 +59,7 @@ from train.distributed import Share, backend_for, collective_device, training_de
 from train.errors import TrainError, TrainingInterrupted
 from train.evaluation import EvalSequence, evaluate_head, evaluate_on_rank0, prepare_eval, unroll
 from train.examples import draft_vocabulary, load_examples, pad, step_micro_batches
+from train.fit import fit_to_memory
 from train.plot import learning_curve_png
 from train.settings import RUN_CONTROL_KEYS, EagleTraining, TrainSettings, of
 from train.store import FeatureSource
@@ -249,6 +250,8 @@ class EagleRecipe:
         """Everything the steps need; False (and nothing loaded beyond the target) when train.output is current."""
         device = training_device(self.settings.run.device)
         self.rank, self.world = init_distributed(device)
+        self.settings = replace(self.settings, train=fit_to_memory(self.t, device, self.settings.token_cap, self.rank))
+        self.t = self.settings.train
         import deepspeed
 
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
@@ -342,6 +345,10 @@ class EagleRecipe:
             stop.restore()
             if self.tracker is not None and self.progress.step < self.total_steps:
                 self.tracker.finish()
+        p = self.progress
+        if self.rank == 0:
+            print(f"head: {p.step} steps, {p.tokens_seen:,} tokens in {p.train_seconds:.1f} s of training "
+                  f"({p.tokens_seen / max(p.train_seconds, 1e-9):,.0f} tokens/s, {self.world} ranks)")
 
     def _step(self) -> None:
         """One optimizer step, and its metrics on `progress`."""

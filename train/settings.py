@@ -10,6 +10,7 @@ from typing import Any, Literal, get_args
 from omegaconf import OmegaConf
 
 from data.settings import DataSettings, ModelSettings, data_of, model_of
+from infra.schema import Positive
 from infra.settings import RunSettings, parse, run_of
 from train.errors import TrainError
 
@@ -41,6 +42,18 @@ class HeldOutEval:
     gen_tokens: int
     batch: int
     depth: int
+
+
+@dataclass(frozen=True)
+class MemoryFit:
+    """train.fit_memory: on CUDA, the batches sized to the GPU's total memory at run time (train/fit.py): each batch
+    holds as many sequences of the run's token cap as `fraction` of the memory allows at the estimated device bytes
+    per token of its kind, at most `max_batch`."""
+
+    fraction: float
+    train_token_bytes: Positive
+    store_token_bytes: Positive
+    max_batch: Positive
 
 
 @dataclass(frozen=True)
@@ -82,6 +95,7 @@ class EagleTraining:
     output: Path
     eval_every: int
     eval: HeldOutEval
+    fit_memory: MemoryFit | None = None  # null: micro_batch, store_batch and regenerate.batch as written
 
 
 @dataclass(frozen=True)
@@ -136,6 +150,10 @@ def validate(t: Any) -> None:
     for key in ("micro_batch", "grad_accum", "epochs", "max_len", "checkpoint_every", "store_batch", "unroll"):
         if not isinstance(t[key], int) or t[key] < 1:
             raise TrainError(f"train.{key}={t[key]!r}: must be a positive integer")
+    fit = t.get("fit_memory")
+    if fit is not None and not (isinstance(fit.get("fraction"), float) and 0 < fit.fraction <= 1):
+        raise TrainError(f"train.fit_memory.fraction={fit.get('fraction')!r}: must be a fraction of the GPU's memory "
+                         "in (0, 1]")
     for group, key in (("eval", "depth"), ("eval", "batch"), ("regenerate", "max_new_tokens"), ("regenerate", "batch")):
         if not isinstance(t[group][key], int) or t[group][key] < 1:
             raise TrainError(f"train.{group}.{key}={t[group][key]!r}: must be a positive integer")

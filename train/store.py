@@ -106,7 +106,9 @@ def build_or_load(source: FeatureSource, sequences: list[torch.Tensor], settings
     if not (folder / "meta.json").is_file():
         _build(source.model, sequences, key, replace(settings, aux_layers=aux_layers), share)
     elif share.rank == 0:
-        print(f"feature store: reusing {folder}")
+        meta = json.loads((folder / "meta.json").read_text())
+        print(f"feature store: reusing {folder} (built at {meta.get('tokens_per_s', 0):,.0f} tokens/s on "
+              f"{meta.get('device', '?')})")
     return _load(folder, len(sequences))
 
 

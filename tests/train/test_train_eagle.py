@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -490,3 +491,44 @@ def test_eagle3_config_errors_are_one_line(tiny_setup, tmp_path):
         settings(tiny_setup, tmp_path, "train=eagle3", "train.init=target_last_layer")
     with pytest.raises(HeadError, match=r"aux layers must be layer ids in \[0, 2\)"):
         eagle.train(settings(tiny_setup, tmp_path, "train=eagle3", "train.aux_layers=[0,1,5]"))
+
+
+def test_gpu_recipe_starts_and_checkpoints_on_a_cpu(tiny_setup, tmp_path, capsys):
+    """train=gpu (bf16, all of ShareGPT, batches fitted to a GPU's memory) on the CPU with tiny overrides: it says the
+    batches stay as written, builds the store, trains, checkpoints, and prints the store's and the head's tokens/s."""
+    run = settings(tiny_setup, tmp_path, "train=gpu", "device=cpu", "train.epochs=1", "train.max_len=128",
+                   "train.eval.conversations=2", "train.eval.batch=2", "train.warmup_steps=1")
+    assert run.train.precision == "bf16" and run.train.fit_memory is not None
+    metrics = eagle.train(run)
+    out = capsys.readouterr().out
+    assert "train.fit_memory: not on CUDA (cpu); micro_batch 2, store_batch 8" in out
+    assert re.search(r"feature store: built in .* \(\S+ tokens/s\)", out), out
+    assert re.search(r"head: 4 steps, \S+ tokens in .* \(\S+ tokens/s, 1 ranks\)", out), out
+    assert (tmp_path / "eagle_checkpoints" / "latest").read_text() == "step0000004"
+    assert metrics["train/steps"] == 4 and {t.dtype for t in head_weights(tmp_path).values()} == {torch.bfloat16}
+
+
+def test_batches_fill_the_gpus_memory_the_same_on_every_rank(monkeypatch, capsys):
+    """fit_memory on a CUDA device (its properties faked): each batch holds what its fraction of the memory allows
+    at the bytes per token given, capped; a larger card gets larger batches up to the cap."""
+    from types import SimpleNamespace
+
+    import train.fit as fit
+
+    t = settings_of_gpu_recipe()
+    assert t.max_conversations is None and t.precision == "bf16"  # all of ShareGPT
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(name="Fake H100", total_memory=80 * 2**30))
+    fitted = fit.fit_to_memory(t, torch.device("cuda", 0), 1024, rank=0)
+    assert (fitted.micro_batch, fitted.store_batch, fitted.regenerate.batch) == (64, 64, 64)
+    assert "Fake H100, 80 GiB x 0.5: micro_batch 64, store_batch 64" in capsys.readouterr().out
+    small = fit.MemoryFit(fraction=0.5, train_token_bytes=2**20, store_token_bytes=2**18, max_batch=64)
+    assert [fit.batch_for(total * 2**30, small, small.train_token_bytes, 1024) for total in (8, 80, 141)] == [4, 40, 64]
+    assert fit.batch_for(2**30, small, small.store_token_bytes, 4096) == 1 and fit.batch_for(0, small, 1, 1) == 1
+
+
+def settings_of_gpu_recipe() -> train_settings.EagleTraining:
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return train_settings.of(hydra_compose("config", overrides=["train=gpu", *UNUSED_GROUPS])).train
