@@ -22,7 +22,8 @@ from typing import Any, Callable
 from urllib.parse import urlparse
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel,
+                          PreTrainedTokenizerBase)
 
 from infra.cli import PolyspecError
 
@@ -174,6 +175,26 @@ def _gptq_loading_kwargs(path: str, device: str) -> dict[str, Any]:
     return {"quantization_config": GPTQConfig(bits=quant["bits"], backend=GPTQ_CPU_BACKEND)}
 
 
+ATTENTION_LAYERS = ("full_attention", "sliding_attention")  # the layer kinds whose KV cache a level crops and keeps
+
+
+def architecture_problem(config: PretrainedConfig) -> str | None:
+    """Why polyspec cannot run the model `config` describes, or None. Every level rolls its KV cache back by cropping
+    it to what it still shares with the committed tokens: a recurrent state (Mamba, linear attention) cannot be
+    cropped, and an encoder-decoder is no causal LM."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if cls is None or getattr(config, "is_encoder_decoder", False):
+        return f"architecture {config.model_type!r} is not a decoder-only causal LM of transformers"
+    others = sorted(set(getattr(config, "layer_types", None) or ()) - set(ATTENTION_LAYERS))
+    if others:
+        return f"{cls.__name__} has {', '.join(others)} layers, whose state is no KV cache a level can roll back"
+    if cls._is_stateful or not cls._supports_default_dynamic_cache():
+        return f"{cls.__name__} keeps a recurrent state, no KV cache a level can roll back"
+    return None
+
+
 class IncompleteCheckpointError(ModelSourceError):
     """A quantized checkpoint whose tensors do not fill the model its config names; `detail` names the first bad
     module, without the folder."""
@@ -214,6 +235,11 @@ def load_model(
     """
     device = str(device)
     path = resolve_model_path(spec)
+    if (Path(path) / "config.json").is_file():  # refused before any weights load
+        problem = architecture_problem(_from_pretrained(spec, path, AutoConfig.from_pretrained))
+        if problem:
+            raise ModelSourceError(f"{path}: {problem}: not supported; set model.name (or a chain level's model:) to "
+                                   "a decoder-only model with attention layers")
     tokenizer = _from_pretrained(spec, path, AutoTokenizer.from_pretrained)
     model, info = _from_pretrained(
         spec, path, AutoModelForCausalLM.from_pretrained, dtype=getattr(torch, dtype), device_map=device,

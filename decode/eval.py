@@ -43,7 +43,7 @@ def run(settings: EvalSettings) -> int:
     from data.models import weights_hash
     from data.prompts import load_questions
     from decode.chains.baselines import greedy_margins
-    from decode.chains.build import builder_for, eos_of, load_target
+    from decode.chains.build import builder_for, eos_of, load_target, refuse_unfit_layers
     from infra.cli import check_writable
     from infra.tracking import Tracker
 
@@ -51,6 +51,10 @@ def run(settings: EvalSettings) -> int:
     check_writable(section.out_dir, "eval.out_dir", error=EvalError)  # fail now, not after the decoding
     check_writable(section.publish.dir, "eval.publish.dir", error=EvalError)
     questions = load_questions(section.prompts, section.per_category)
+    for name, spec in settings.specs.items():  # named where it is set: eval.chains takes decode.chains' chains
+        source = next((known for known, other in decoding.chains.items() if other == spec), None)
+        where = f"decode.chains.{source}" if source else f"eval.chains.{name}"
+        refuse_unfit_layers(spec, where, decoding.model.name, decoding.layout)
     use_threads(decoding.section.threads, "decode.threads")
     prepared, tokenizer = load_target(decoding)
     target = prepared.model

@@ -72,16 +72,18 @@ def level_table(generation: Generation) -> str:
 def run(settings: GenerateSettings) -> None:
     from data.sharegpt import chat_prompt_ids
     from decode.chains.baselines import autoregressive
-    from decode.chains.build import load_target
+    from decode.chains.build import load_target, refuse_unfit_layers
 
     decoding, new_tokens = settings.decoding, settings.max_new_tokens
-    sampling = decoding.sampling
+    sampling, name = decoding.sampling, decoding.section.chain
+    spec = decoding.spec(name)
+    refuse_unfit_layers(spec, f"decode.chains.{name}", decoding.model.name, decoding.layout)  # before any model loads
     use_threads(decoding.section.threads, "decode.threads")
     prepared, tokenizer = load_target(decoding)
     target = prepared.model
     prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": settings.prompt}])
     check_context(prompt, new_tokens, target)
-    chain = builder_for(decoding, prepared, tokenizer).build(decoding.spec(decoding.section.chain))
+    chain = builder_for(decoding, prepared, tokenizer).build(spec)
     eos = eos_of(target, tokenizer)
     shown: list[int] = []
     printed = ""
@@ -95,7 +97,7 @@ def run(settings: GenerateSettings) -> None:
         printed = text
 
     result = chain.generate(prompt, new_tokens, sampling, eos_token_id=eos, on_tokens=clipped(stream, new_tokens, eos))
-    print(f"\n\nchain {decoding.section.chain}: " + " <- ".join(level.name for level in chain.levels))
+    print(f"\n\nchain {name}: " + " <- ".join(level.name for level in chain.levels))
     print(level_table(result))
     if settings.compare_ar:
         reference = autoregressive(prepared, prompt, new_tokens, sampling, eos_token_id=eos)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from data.models import ModelSourceError, load_model, same_vocabulary
+from data.models import ModelSourceError, load_model, resolve_model_path, same_vocabulary
 from decode.backends import Backend, int8_fallback
 from decode.backends.cpu import pack
 from decode.backends.cpu.dense import gemm_for, packed_with
@@ -252,8 +252,39 @@ def level_model(
             f"level {name!r}: vocab size {model.config.vocab_size} != target's {target.config.vocab_size}"
         )
     if level.layers:
-        model = truncated_copy(model, level.layers)
+        try:
+            model = truncated_copy(model, level.layers)
+        except DecodeError as err:
+            raise DecodeError(f"level {name!r}: {err} (the level's `layers`)") from None
     return model
+
+
+def layer_count(spec: str) -> int | None:
+    """The decoder layers of the model `spec` names, read from its config.json; None where it is no local folder yet
+    (a hub id, a W4 model not made yet: its loader says so)."""
+    from transformers import AutoConfig
+
+    try:
+        path = Path(resolve_model_path(spec))
+    except ModelSourceError:
+        return None
+    if not (path / "config.json").is_file():
+        return None
+    return AutoConfig.from_pretrained(path).get_text_config().num_hidden_layers
+
+
+def refuse_unfit_layers(spec: ChainSpec, where: str, target: str, artifacts: RunLayout) -> None:
+    """Early-exit levels (`layers: n`) checked against the config.json of the model they cut before any model loads,
+    refused in one line naming the setting to change (`decode.chains.standin3.1.layers`): a shallow model has fewer
+    layers than the shipped stand-ins cut to."""
+    for i, level in enumerate(spec.levels):
+        if level.kind != "model" or not level.layers:
+            continue
+        total = layer_count(target if level.model == "target" else artifacts.model_spec(level.model))
+        if total is not None and not 0 < level.layers < total:
+            fix = f"set it between 1 and {total - 1}" if total > 1 else "a 1-layer model has none to leave out"
+            raise DecodeError(f"{where}.{i}.layers={level.layers}: level {level.name!r} is an early-exit copy of a "
+                              f"model of {total} layers; {fix}")
 
 
 def truncated_copy(model: PreTrainedModel, layers: int) -> PreTrainedModel:
