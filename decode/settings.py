@@ -30,7 +30,7 @@ from infra.settings import Tracking, checked, device_of, layout_of, parse, plain
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 BACKEND_KEYS = {"native_fp32": "native_fp32", "native_w4": "native", "activations": "w4_activations",
-                "w4_kernel": "w4_kernel"}
+                "w4_kernel": "w4_kernel", "runner": "backend"}
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,7 @@ class DecodeSection:
     native_fp32: str = "auto"
     w4_activations: str = "int8"
     w4_kernel: str = "auto"
+    backend: str = "auto"
     threads: Any = None
     compare_ar: bool = False
     draft_defaults: dict[str, Any] = field(default_factory=dict)
@@ -93,9 +94,13 @@ def gemm_choice(gemm: Any, device: torch.device) -> str | None:
 
 def backend_of(d: DecodeSection, device: torch.device) -> Backend:
     """How the run's models run: nothing packed and nothing native without decode.fast, nothing packed off the CPU;
-    decode.w4_kernel either way. Backend checks its own values; a wrong one is named by its config key."""
+    decode.w4_kernel either way; decode.backend=static: every model level on the compiled static runner, nothing packed
+    or native (the GPU's code path on any device). Backend checks its own values; a wrong one is named by its config
+    key."""
     gemm = gemm_choice(d.gemm, device)
     try:
+        if d.backend != "auto":
+            return Backend(w4_kernel=d.w4_kernel, runner=d.backend)
         if not d.fast:
             return Backend(w4_kernel=d.w4_kernel)
         return Backend(gemm, d.native_fp32, d.native, d.w4_activations, d.w4_kernel)

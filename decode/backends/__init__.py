@@ -19,6 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from decode.engine.runner import HeadRunner, HFHeadRunner, HFRunner, Prepared, PreparedHead, Runner
 
 NATIVE = ("auto", "on", "off")
+RUNNERS = ("auto", "static")
 W4_KERNELS = ("auto", "gptqmodel", "int4pack")
 
 
@@ -39,16 +40,20 @@ class Backend:
     """How models run, resolved once from a run's settings. `gemm`: the packed product of CPU dense linears (None:
     unpacked). `native_fp32`: whether an fp32 Llama-family model runs the native CPU runner (auto, on, off);
     `native_w4` the same for a GPTQ W4 model, on `activations` (int8, fp32). Off the CPU all three are moot.
-    `w4_kernel`: what runs a GPTQ W4 model's linears (see `int4pack`)."""
+    `w4_kernel`: what runs a GPTQ W4 model's linears (see `int4pack`). `runner`: auto (CUDA: the compiled static
+    runner, decode.backends.static; a CPU: as above) or static (the compiled static runner on every device, as on
+    CUDA: nothing packed, nothing native, so that a CPU runs the GPU's code path)."""
 
     gemm: str | None = None
     native_fp32: str = "off"
     native_w4: str = "off"
     activations: str = "int8"
     w4_kernel: str = "auto"
+    runner: str = "auto"
 
     def __post_init__(self) -> None:
-        for key, choices in (("native_fp32", NATIVE), ("native_w4", NATIVE), ("w4_kernel", W4_KERNELS)):
+        for key, choices in (("native_fp32", NATIVE), ("native_w4", NATIVE), ("w4_kernel", W4_KERNELS),
+                             ("runner", RUNNERS)):
             if getattr(self, key) not in choices:
                 raise BackendFieldError(key, f"must be one of {', '.join(choices)}, got {getattr(self, key)!r}")
         from decode.backends.cpu.llama import ACTIVATIONS
@@ -124,10 +129,10 @@ class Backend:
 
     def _runner_factory(self, model: PreTrainedModel) -> Callable[[], Runner]:
         hf = functools.partial(HFRunner, model)
-        if next(model.parameters()).device.type == "cuda":  # a static KV cache and CUDA graphs
-            from decode.backends.cuda import cuda_runners
+        if self.runner == "static" or next(model.parameters()).device.type == "cuda":  # compiled, graphs on CUDA
+            from decode.backends.static import static_runners
 
-            return cuda_runners(model)
+            return static_runners(model)
         if not on_cpu(model):
             return hf
         from decode.backends.int4pack import is_int4pack

@@ -82,9 +82,9 @@ def test_the_eager_forward_is_hf_runners_through_rollbacks_trees_and_captures(mo
     assert max_difference(sequence(StaticRunner(model, widths)), sequence(HFRunner(model))) < 1e-5
 
 
-def test_rolled_back_keys_left_visible_are_caught(model, monkeypatch):
-    """The planted bug: a mask that leaves the keys past a crop (or a keep) visible."""
-    written, right = [0], static.static_mask
+def leaky_mask(right):
+    """The planted bug: `right` (static_mask) leaving the keys past a crop (or a keep) visible."""
+    written = [0]
 
     def leaky(mask, cached, width, span, dtype, rows=None):
         full = right(mask, cached, width, span, dtype, rows)
@@ -92,7 +92,12 @@ def test_rolled_back_keys_left_visible_are_caught(model, monkeypatch):
         written[0] = max(written[0], cached + width)
         return full
 
-    monkeypatch.setattr(static, "static_mask", leaky)
+    return leaky
+
+
+def test_rolled_back_keys_left_visible_are_caught(model, monkeypatch):
+    """The planted bug: a mask that leaves the keys past a crop (or a keep) visible."""
+    monkeypatch.setattr(static, "static_mask", leaky_mask(static.static_mask))
     assert max_difference(sequence(StaticRunner(model)), sequence(HFRunner(model))) > 1e-3
 
 

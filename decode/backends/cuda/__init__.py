@@ -15,13 +15,13 @@ from decode.engine.runner import HFRunner, Runner
 __all__ = ["MAX_LENGTH", "WIDTHS", "StaticRunner", "cuda_runners", "unsupported"]
 
 
-def cuda_runners(model: PreTrainedModel, widths: tuple[int, ...] | None = None,
-                 max_length: int | None = None) -> Callable[[], Runner]:
-    """New static graph runners of `model` (StaticRunner: graphs for `widths`, a cache of `max_length` positions), or
-    HFRunners where it cannot run them (said once, with why)."""
+def cuda_runners(model: PreTrainedModel, widths: tuple[int, ...] | None = None, max_length: int | None = None,
+                 runner: type[StaticRunner] = StaticRunner) -> Callable[[], Runner]:
+    """New static graph runners of `model` (`runner`, StaticRunner or a subclass: graphs for `widths`, a cache of
+    `max_length` positions), or HFRunners where it cannot run them (said once, with why)."""
     why = unsupported(model)
     if why is None:
-        return functools.partial(StaticRunner, model, widths, max_length)
+        return functools.partial(runner, model, widths, max_length)
     name = model.name_or_path or type(model).__name__
     print(f"decode: {name} runs the eager HF forward (static runner: {why})", file=sys.stderr)
     return functools.partial(HFRunner, model)

@@ -96,6 +96,16 @@ class StaticKV(DynamicCache):
         return self.length
 
 
+def decoder_forward(decoder: torch.nn.Module, cache: StaticKV, ids: torch.Tensor, positions: torch.Tensor,
+                    mask: torch.Tensor, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A decoder's forward on a StaticKV (its slots and span set): the last hidden states, and those entering
+    `layers` side by side (None for no layers). One function: the compiled runner compiles what this one runs."""
+    out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+                  output_hidden_states=bool(layers))
+    aux = torch.cat([out.hidden_states[i] for i in layers], dim=-1) if layers else None
+    return out.last_hidden_state, aux
+
+
 @dataclass
 class Graph:
     """A captured forward: its static inputs (ids, positions, mask, slots) and outputs (hidden, captured or None)."""
@@ -176,10 +186,7 @@ class StaticRunner:
     def _run(self, ids, positions, mask, slots) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder's forward (eagerly, or recorded into a graph): last hidden states and the captured ones."""
         self.cache.slots, self.cache.span = slots, mask.shape[-1]
-        out = self.decoder(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
-                           use_cache=True, output_hidden_states=bool(self.layers))
-        aux = torch.cat([out.hidden_states[i] for i in self.layers], dim=-1) if self.layers else None
-        return out.last_hidden_state, aux
+        return decoder_forward(self.decoder, self.cache, ids, positions, mask, self.layers)
 
     def _replay(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         key = (inputs[0].shape[1], inputs[2].shape[-1])

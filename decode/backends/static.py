@@ -1,0 +1,104 @@
+"""The compiled static runner: the static-cache runner (decode.backends.cuda.runner) with its fixed-width forward under
+`torch.compile(fullgraph=True, dynamic=False)`, on any device, so that a CPU test runs the code a GPU runs.
+
+Every forward has one of a few shapes: it is cut into pieces of at most max(widths) tokens, each padded to the next
+width, and attends over the whole buffer (the span of keys is fixed: the buffer holds max_length positions plus one
+widest piece, so a padded piece always has slots to write). One compiled graph per width, then, and nothing that
+changes from step to step reaches a guard: the cache's length, the slots and the mask are tensors. Rollback moves the
+length pointer; stale keys past it are masked off like the padding's.
+
+After a width's first forward (its warm-up, where it compiles) every later forward of that width runs under
+`torch.compiler.set_stance("fail_on_recompile")`: a guard that fails raises instead of silently recompiling in a
+timed loop. On CUDA the compiled forward is captured by hand as a CUDA graph per width (StaticRunner's capture),
+not by `mode="reduce-overhead"`: its cudagraph trees would see the KV buffer as a mutated input that is not a
+parameter and skip (or copy) it, and their outputs are overwritten by the next replay while a chain still reads them."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from transformers import PreTrainedModel
+from transformers.utils.output_capturing import maybe_install_capturing_hooks
+
+from decode.backends.cuda import cuda_runners
+from decode.backends.cuda.runner import StaticKV, StaticRunner, decoder_forward, extend, static_mask
+from decode.engine.errors import DecodeError
+from decode.engine.runner import Runner
+
+torch._dynamo.config.fail_on_recompile_limit_hit = True  # never fall back to eager in silence
+torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # widths x levels x captures
+torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 512)
+
+
+class CompiledRunner(StaticRunner):
+    """The Runner protocol on a StaticKV whose every forward is a compiled graph of one of `widths` (CUDA: replayed
+    from a captured CUDA graph). `backend`: torch.compile's (inductor; tests may pass a lighter one)."""
+
+    def __init__(self, model: PreTrainedModel, widths: tuple[int, ...] | None = None, max_length: int | None = None,
+                 graphs: bool = True, backend: str = "inductor"):
+        super().__init__(model, widths, max_length, graphs)
+        if not self.widths:
+            raise ValueError("the compiled runner needs at least one width")
+        self.cache = StaticKV(self.config, self.max_length + self.widths[-1])
+        self.cache.kv = kv_buffer(self.config, self.cache.max_length, self.dtype, self.device)
+        self.warm: set[int] = set()
+        maybe_install_capturing_hooks(self.decoder)  # transformers installs them at a first capture, under a lock
+        self.compiled = torch.compile(decoder_forward, fullgraph=True, dynamic=False, backend=backend)
+
+    def capture(self, layers: tuple[int, ...]) -> None:
+        super().capture(layers)
+        self.warm.clear()  # a forward that also returns features is another graph
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None) -> torch.Tensor:
+        width, cached, widest = ids.shape[1], self.cache.length, self.widths[-1]
+        if cached + width > self.max_length:
+            raise DecodeError(f"the static runner holds {self.max_length} positions: {cached} cached + {width} new do "
+                              "not fit (a larger max_length, or a shorter prompt or max_new_tokens)")
+        if positions is None:
+            positions = torch.arange(cached, cached + width, device=self.device)[None]
+        if mask is None:
+            mask = static_mask(None, cached, width, cached + width, self.dtype).to(self.device)
+        starts = range(0, width, widest)
+        pieces = [self._piece(ids[:, i: i + widest], mask[..., i: i + widest, : cached + i + widest],
+                              positions[:, i: i + widest]) for i in starts]
+        if self.layers:
+            self.captured = torch.cat([aux for _, aux in pieces], dim=1)
+        return torch.cat([hidden for hidden, _ in pieces], dim=1)
+
+    def _piece(self, ids: torch.Tensor, mask: torch.Tensor,
+               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward of at most max(widths) tokens after the cached ones, padded to the next width."""
+        width, cached = ids.shape[1], self.cache.length
+        rows = next(w for w in self.widths if w >= width)
+        slots = torch.arange(cached, cached + rows, device=self.device)
+        # fresh inference tensors of plain strides at every call (guards check dispatch keys and strides)
+        ids, positions = (x.clone(memory_format=torch.contiguous_format) for x in (ids, positions))
+        inputs = (extend(ids, rows, 0), extend(positions, rows, 1),
+                  static_mask(mask, cached, width, self.cache.max_length, self.dtype, rows).to(self.device), slots)
+        hidden, aux = self._replay(inputs) if rows in self.graph_widths else self._run(*inputs)
+        self.cache.length = cached + width
+        return hidden[:, :width], None if aux is None else aux[:, :width]
+
+    def _run(self, ids, positions, mask, slots) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The compiled forward: at a width's first call it compiles (the warm-up), at every later one a recompile is
+        an error."""
+        self.cache.slots, width = slots, ids.shape[1]
+        with torch.compiler.set_stance("fail_on_recompile" if width in self.warm else "default"):
+            out = self.compiled(self.decoder, self.cache, ids, positions, mask, self.layers)
+        self.warm.add(width)
+        return out
+
+
+def kv_buffer(config, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A StaticKV's buffer [layers, 2, 1, kv_heads, length, head_dim], made before the first forward (a buffer made
+    inside the compiled one would change what its guards see)."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return torch.zeros(config.num_hidden_layers, 2, 1, heads, length, dim, dtype=dtype, device=device)
+
+
+def static_runners(model: PreTrainedModel, widths: tuple[int, ...] | None = None,
+                   max_length: int | None = None) -> Callable[[], Runner]:
+    """New compiled static runners of `model`, or HFRunners where the static runner cannot run it (said once, why)."""
+    return cuda_runners(model, widths, max_length, CompiledRunner)

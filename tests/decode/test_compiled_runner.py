@@ -1,0 +1,159 @@
+"""The compiled static runner (decode.backends.static) on a CPU, the code a GPU runs but for the CUDA graph capture:
+its inductor-compiled forward is the eager static runner's through rollbacks, a tree's keep and captured features, and
+a mask that leaves a stale key visible fails that comparison; the target's and an int4pack W4 model's forwards trace
+as one graph (no graph breaks); a chain decodes under the no-recompile rule with one compiled graph per width, and a
+planted guard failure raises instead of recompiling; greedy chains on it are AR on it, a sampled chain samples like
+the target; `decode.backend=static` puts every model level on it. The heavy inductor compiles are marked slow; the
+rest compile through dynamo with AOTAutograd's eager backend (the same tracing, guards and functionalization)."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from decode_fixtures import noisy_copy, prompts, tiny_model
+from omegaconf import OmegaConf
+from test_static_runner import TREE, VOCAB, leaky_mask, max_difference, sequence
+from torch._dynamo.testing import CompileCounter
+
+import decode.backends.static as static
+from decode.backends import Backend
+from decode.backends.cuda import StaticRunner
+from decode.backends.cuda.runner import decoder_forward
+from decode.backends.int4pack import Int4Linear, pack
+from decode.backends.static import CompiledRunner
+from decode.chains.baselines import autoregressive
+from decode.engine.chain import Chain
+from decode.engine.errors import DecodeError
+from decode.engine.levels import LevelCompute, ModelLevel, NgramLevel
+from decode.engine.runner import Prepared
+from decode.settings import backend_of, decode_section
+
+pytestmark = pytest.mark.usefixtures("one_thread", "fresh_dynamo")
+LIGHT = "aot_eager"  # dynamo + AOTAutograd without inductor's code generation: the fast tests' backend
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Every test starts with no compiled code (another test's entries count toward the recompile limit)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=0, vocab=VOCAB, layers=2)
+
+
+def compiled(model, backend=LIGHT, widths=(1, 2, 4, 8)) -> Prepared:
+    """`model` prepared so that every runner of it (a chain's and the AR reference's) is a CompiledRunner."""
+    return Prepared(model, functools.partial(CompiledRunner, model, widths, 256, True, backend),
+                    model.get_output_embeddings())
+
+
+@pytest.mark.slow
+def test_the_inductor_compiled_forward_is_the_eager_one_through_rollbacks_trees_and_captures(model):
+    difference = max_difference(sequence(CompiledRunner(model, (1, 4), 256)), sequence(StaticRunner(model, ())))
+    assert difference < 1e-4, f"the compiled forward differs from the eager one by {difference:.3g}"
+
+
+def test_a_mask_that_leaves_a_stale_key_visible_is_caught(model, monkeypatch):
+    """The planted bug: the mask lets the keys past a crop (or a keep) through; the comparison must fail."""
+    clean = max_difference(sequence(CompiledRunner(model, (1, 4), 256, backend=LIGHT)), sequence(StaticRunner(model)))
+    monkeypatch.setattr(static, "static_mask", leaky_mask(static.static_mask))
+    leaked = max_difference(sequence(CompiledRunner(model, (1, 4), 256, backend=LIGHT)), sequence(StaticRunner(model)))
+    assert clean < 1e-4 < 1e-3 < leaked, (clean, leaked)
+
+
+def int4_model(seed: int = 0) -> torch.nn.Module:
+    """A tiny Llama whose decoder linears are Int4Linears (torch's CPU int4 kernel) of random codes, groups of 32."""
+    model, gen = tiny_model(seed=seed, vocab=VOCAB, layers=2), torch.Generator().manual_seed(seed)
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, linear in [(name, m) for name, m in parent.named_children() if isinstance(m, torch.nn.Linear)]:
+                n, k = linear.weight.shape
+                codes = torch.randint(0, 16, (n, k), generator=gen)
+                scales = torch.rand(n, k // 32, generator=gen) * 0.02
+                setattr(parent, name, Int4Linear(pack(codes, scales, torch.randint(0, 16, scales.shape), 32)))
+    return model
+
+
+@pytest.mark.parametrize("kind", ["target", "int4pack W4"])
+def test_the_forward_traces_as_one_graph(model, kind):
+    net = model if kind == "target" else int4_model()
+    runner = CompiledRunner(net, (4,), 64, backend=LIGHT)
+    runner.cache.slots = torch.arange(4)
+    mask = static.static_mask(None, 0, 4, runner.cache.max_length, runner.dtype)
+    with torch.inference_mode():
+        explained = torch._dynamo.explain(decoder_forward)(runner.decoder, runner.cache, torch.tensor([[1, 2, 3, 4]]),
+                                                           torch.arange(4)[None], mask, (0, 1))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+def test_a_chain_decodes_with_one_graph_per_width_and_a_recompile_raises(model):
+    counter = CompileCounter()
+    target = compiled(model, counter)
+    chain = Chain([ModelLevel("t", target), NgramLevel("n", draft={"length": 5})])
+    for prompt in prompts(VOCAB):
+        assert chain.generate(prompt, 30).tokens == autoregressive(model, prompt, 30).tokens
+    runner = chain.target.runner
+    assert counter.frame_count == len(runner.warm) == len(runner.widths), (counter.frame_count, runner.warm)
+    runner.layers = (0,)  # planted: a forward that is another graph, on a width already warm
+    with pytest.raises(RuntimeError, match="Detected recompile"):
+        runner.forward(torch.tensor([[1]]), None, None)
+
+
+@pytest.mark.slow
+def test_a_greedy_lookup_chain_on_the_inductor_runner_is_ar_on_it(model):
+    target = compiled(model, "inductor", widths=(1, 8))
+    chain = Chain([ModelLevel("t", target), NgramLevel("n", draft={"length": 5})])
+    for prompt in prompts(VOCAB):
+        assert chain.generate(prompt, 30).tokens == autoregressive(target, prompt, 30).tokens
+
+
+@pytest.mark.parametrize("drafter", ["model, chain", "model, tree", "eagle, tree"])
+def test_greedy_chains_on_it_are_ar_on_it(model, drafter):
+    """Every model level on the compiled runner (a drafting model too); an EAGLE head drafts from the target's
+    features as today (its own forward)."""
+    from decode_fixtures import build_chain
+
+    target = compiled(model, widths=(1, 16))
+    levels = {"model, chain": [{"kind": "model"}, {"kind": "model", "model": "target", "layers": 1,
+                                                   "draft": {"length": 4}}],
+              "model, tree": [{"kind": "model"}, {"kind": "model", "model": "target", "layers": 1, "draft": TREE}],
+              "eagle, tree": [{"kind": "model"}, {"kind": "eagle", "path": "untrained", "draft": TREE}]}[drafter]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Backend, "_runner_factory",
+                      lambda self, m: functools.partial(CompiledRunner, m, (1, 16), 256, True, LIGHT))
+        chain = build_chain(levels, target, tokenizer=None)
+    assert all(isinstance(level.runner, CompiledRunner) for level in chain.levels if isinstance(level, ModelLevel))
+    for prompt in prompts(VOCAB):
+        assert chain.generate(prompt, 30).tokens == autoregressive(target, prompt, 30).tokens
+
+
+@pytest.mark.slow
+def test_a_sampled_chain_on_it_samples_like_the_target():
+    from test_sampling_distribution import VOCAB as V, chain_counts, chi_square_pvalue, exact_joint
+
+    target = tiny_model(seed=3, vocab=V, layers=2, hidden=32, init=0.3)
+    middle = tiny_model(seed=11, vocab=V, layers=2, hidden=32, init=0.3)
+    levels = [ModelLevel(name, m, compute=LevelCompute(CompiledRunner(m, (1, 2, 4), 32, backend=LIGHT)), **kw)
+              for name, m, kw in (("target", target, {}), ("middle", middle, {"mu": 2}),
+                                  ("drafter", noisy_copy(middle, 0.5, seed=5), {"draft": {"length": 2}}))]
+    p = chi_square_pvalue(chain_counts(Chain(levels)), exact_joint(target))
+    assert p > 1e-3, f"sampling through the compiled runner differs from the target's (chi-square p={p:.2e})"
+
+
+def test_the_backend_setting_puts_every_model_level_on_it(model):
+    def backend(value: str) -> Backend:
+        section = decode_section(OmegaConf.create({"decode": {"backend": value, "fast": True}}))
+        return backend_of(section, torch.device("cpu"))
+
+    chosen = backend("static")
+    assert (chosen.runner, chosen.gemm, chosen.native_fp32) == ("static", None, "off")
+    assert isinstance(chosen.prepare(model).new_runner(), CompiledRunner)
+    assert isinstance(chosen.drafting(chosen.prepare(model)).prepare(model).new_runner(), CompiledRunner)
+    assert backend("auto").runner == "auto"
+    with pytest.raises(DecodeError, match="decode.backend must be one of auto, static, got 'graphs'"):
+        backend("graphs")
