@@ -26,7 +26,9 @@ from pathlib import Path
 MANIFEST = "manifest.json"
 TAR = "wheelhouse.tar"
 CHUNK = 1 << 20
-# What a CUDA torch host already has: torch and what torch itself requires (its closure is added from torch's metadata).
+# What a CUDA torch host already has and no wheelhouse may replace: torch and its CUDA builds' own binaries. torch's
+# pure-Python requirements (filelock, fsspec, jinja2, sympy, ...) travel: a host's copy may miss another pin's range
+# (datasets caps fsspec), and pip keeps the host's where it fits.
 HOST_PROVIDED = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*|pytorch-triton.*)$")
 
 
@@ -171,14 +173,12 @@ def closure(roots: list[str], python: str) -> tuple[dict[str, str], list[str]]:
 
 def collect(python: str, extra: str) -> list[str]:
     """Pins of everything the project (with its `extra`) needs on Python `python`, from the distributions installed
-    here (scripts/setup.sh's pins), less what a CUDA torch host already has: torch and what torch requires."""
+    here (scripts/setup.sh's pins), less the project itself and what a CUDA torch host already has (HOST_PROVIDED)."""
     from packaging.utils import canonicalize_name
 
     needed, unresolved = closure([f"polyspec[{extra}]" if extra else "polyspec"], python)
-    host, _ = closure(["torch"], python)
-    skip = set(host) | {canonicalize_name("polyspec")}
     pins = [f"{name}=={version}" for name, version in sorted(needed.items())
-            if name not in skip and not HOST_PROVIDED.match(name)]
+            if name != "polyspec" and not HOST_PROVIDED.match(name)]
     return pins + [r for r in unresolved if not HOST_PROVIDED.match(canonicalize_name(re.split(r"[<>=!~ \[]", r)[0]))]
 
 

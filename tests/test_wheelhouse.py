@@ -81,8 +81,9 @@ def test_nothing_to_pack_is_refused_in_one_line(tmp_path):
     assert done.returncode == 2 and done.stderr.strip() == f"error: {tmp_path}: no .whl files to pack"
 
 
-def test_the_pins_leave_torch_and_its_requirements_to_the_gpu_host():
-    """collect: the project's dependencies as installed here (scripts/setup.sh's pins), for the host's Python."""
+def test_the_pins_leave_torch_and_its_cuda_binaries_to_the_gpu_host():
+    """collect: the project's dependencies as installed here (scripts/setup.sh's pins), for the host's Python; torch's
+    pure-Python requirements travel (a host's fsspec may miss datasets' range)."""
     from importlib.metadata import version
 
     done = wheelhouse("collect", "--python", "3.12")
@@ -90,5 +91,5 @@ def test_the_pins_leave_torch_and_its_requirements_to_the_gpu_host():
     pins = done.stdout.split()
     names = {pin.split("==")[0] for pin in pins}
     assert f"transformers=={version('transformers')}" in pins and {"deepspeed", "hydra-core", "pytest"} <= names
-    assert not names & {"torch", "polyspec", "sympy", "filelock", "networkx", "jinja2", "triton"}
+    assert not names & {"torch", "polyspec", "triton"} and {"filelock", "fsspec", "jinja2"} <= names
     assert not any(name.startswith("nvidia-") for name in names)
