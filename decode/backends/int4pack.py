@@ -33,14 +33,13 @@ GPTQ_PARTS = ("qweight", "qzeros", "scales", "g_idx")
 
 
 def cuda_shape_problem(n: int, k: int, group_size: int) -> str | None:
-    """Why tinygemm cannot take an [n, k] weight in `group_size` groups, or None: its n tiles are 8 outputs wide, its
-    inner k tiles (2, 4 or 8 tiles of 16 inputs) must divide k, and its groups are 32-256 inputs wide and divide k."""
+    """Why tinygemm cannot take an [n, k] weight in `group_size` groups, or None: its n tiles are 8 outputs wide, and
+    its groups are 32-256 inputs wide and divide k (so k is a multiple of 32, and its inner k tiles, 2, 4 or 8 tiles
+    of 16 inputs, divide it: `inner_k_tiles`)."""
     if n % 8:
         return f"{n} outputs: not a multiple of 8 (tinygemm's n tile)"
     if group_size not in CUDA_GROUP_SIZES or k % group_size:
         return f"group size {group_size} over {k} inputs: tinygemm takes {CUDA_GROUP_SIZES} dividing the inputs"
-    if inner_k_tiles(k) is None:
-        return f"{k} inputs: not a multiple of 32 (two of tinygemm's 16-input k tiles)"
     return None
 
 
@@ -66,10 +65,12 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_s
          dtype: torch.dtype | None = None) -> Int4Pack:
     """Codes [n, k] (0..15), GPTQ scales and zero points [n, groups] (w = s * (q - z)), all on the device the pack is
     for, as torch's int4 layout there, its scales and zeros in `dtype` (None: bf16 on CUDA, tinygemm's only one;
-    float32 on a CPU, whose kernel also takes bf16). ValueError where tinygemm cannot take the shape (on CUDA)."""
+    float32 on a CPU, whose kernel also takes bf16). ValueError where tinygemm cannot take the shape or dtype."""
     n, k = codes.shape
     if codes.device.type == "cuda":
         problem = cuda_shape_problem(n, k, group_size)
+        if dtype not in (None, torch.bfloat16):
+            problem = f"scales and zeros in {dtype}: tinygemm takes bf16 only"
         if problem is not None:
             raise ValueError(problem)
         even, odd = codes.reshape(n, k // 2, 2).unbind(-1)
@@ -89,8 +90,8 @@ def gptq_parts(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
                group_size: int, zero_offset: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A 4-bit GPTQ linear's stored tensors as (codes [n, k], scales [n, groups], zero points [n, groups]); the zero
     points are the stored ones plus `zero_offset` (1 for v1 checkpoints, added to each packed word as GPTQModel does
-    when it loads one). ValueError unless the groups are static
-    (g_idx[i] = i // group_size, which desc_act permutes) and divide the inputs."""
+    when it loads one). ValueError unless the groups are static (g_idx[i] = i // group_size, which desc_act
+    permutes) and divide the inputs."""
     k, groups = g_idx.numel(), scales.shape[0]
     if groups * group_size != k or not torch.equal(g_idx.long(), torch.arange(k) // group_size):
         raise ValueError(f"g_idx is not static {group_size}-wide groups over {k} inputs (desc_act, or a ragged "
