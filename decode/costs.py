@@ -107,6 +107,9 @@ def _target_steps(decoding: Decoding, context: list[int], steps: dict[str, Step]
         hf_target = Backend(backend.gemm).prepare(load_model(decoding.model.name, dtype, device)[0]).model
         steps["target hf layers"] = cached_forward(hf_target, context)
         notes["target hf layers"] = f"{packed}, the HF layers (decode.native_fp32=off)"
+    elif backends.runs_static(fast_target):  # its forwards are the runner's (compiled, graphs on CUDA), not HF's
+        steps["target"] = level_forward(ModelLevel("target", fast_target), context)
+        notes["target"] = f"{dtype}, {fast_target.new_runner.func.__name__} (decode.backend)"
     else:
         steps["target"], notes["target"] = cached_forward(fast_target.model, context), packed
     onednn = onednn_target(decoding, fast_target.model)  # the other packed product, side by side

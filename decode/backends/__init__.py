@@ -154,6 +154,10 @@ class Backend:
         return hf
 
     def _head_runner_factory(self, head: nn.Module, int8: bool) -> Callable[[], HeadRunner]:
+        if self.runner == "static" or next(head.parameters()).device.type == "cuda":
+            from decode.backends.static import CompiledHeadRunner
+
+            return functools.partial(CompiledHeadRunner, head)
         if not (self.gemm and on_cpu(head)) or self.native_fp32 == "off":
             return functools.partial(HFHeadRunner, head)
         from decode.backends.cpu.eagle_head import head_unsupported, native_head_runners
@@ -185,6 +189,14 @@ def with_lm_head(prepared: Prepared, head: nn.Module) -> Prepared:
 def runs_natively(prepared: Prepared) -> bool:
     """Whether a prepared model runs the native CPU runner."""
     return _native(prepared.new_runner)
+
+
+def runs_static(prepared: Prepared) -> bool:
+    """Whether a prepared model runs the static runner (compiled or not)."""
+    from decode.backends.cuda.runner import StaticRunner
+
+    func = getattr(prepared.new_runner, "func", None)
+    return isinstance(func, type) and issubclass(func, StaticRunner)
 
 
 def _int8_problem(head: nn.Module) -> str | None:

@@ -1,5 +1,6 @@
-"""The compiled static runner: the static-cache runner (decode.backends.cuda.runner) with its fixed-width forward under
-`torch.compile(fullgraph=True, dynamic=False)`, on any device, so that a CPU test runs the code a GPU runs.
+"""The compiled static runners: the static-cache runner (decode.backends.cuda.runner) with its fixed-width forward under
+`torch.compile(fullgraph=True, dynamic=False)`, on any device, so that a CPU test runs the code a GPU runs; and the
+same for a draft head's step (CompiledHeadRunner: EAGLE-2 and EAGLE-3).
 
 Every forward has one of a few shapes: it is cut into pieces of at most max(widths) tokens, each padded to the next
 width, and attends over the whole buffer (the span of keys is fixed: the buffer holds max_length positions plus one
@@ -21,7 +22,8 @@ from transformers import PreTrainedModel
 from transformers.utils.output_capturing import maybe_install_capturing_hooks
 
 from decode.backends.cuda import cuda_runners
-from decode.backends.cuda.runner import StaticKV, StaticRunner, decoder_forward, extend, static_mask
+from decode.backends.cuda.runner import (MAX_LENGTH, WIDTHS, StaticKV, StaticRunner, decoder_forward, extend,
+                                        static_mask)
 from decode.engine.errors import DecodeError
 from decode.engine.runner import Runner
 
@@ -30,18 +32,63 @@ torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
 torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 512)
 
 
-class CompiledRunner(StaticRunner):
+class Pieces:
+    """What the compiled runners share: a forward cut into pieces of at most max(widths) tokens after the cached ones,
+    each padded to the next width and run by `_run` (compiled) or `_replay` (a CUDA graph of it), under the
+    no-recompile rule (`_call`). A user sets cache (a StaticKV), widths, max_length, dtype, device, graph_widths, warm
+    and compiled."""
+
+    def _pieces(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None,
+                features: torch.Tensor | None = None) -> list[tuple[torch.Tensor | None, ...]]:
+        width, cached, widest = ids.shape[1], self.cache.length, self.widths[-1]
+        if cached + width > self.max_length:
+            raise DecodeError(f"the static runner holds {self.max_length} positions: {cached} cached + {width} new do "
+                              "not fit (a larger max_length, or a shorter prompt or max_new_tokens)")
+        if positions is None:
+            positions = torch.arange(cached, cached + width, device=self.device)[None]
+        if mask is None:
+            mask = static_mask(None, cached, width, cached + width, self.dtype).to(self.device)
+        return [self._piece(ids[:, i: i + widest], mask[..., i: i + widest, : cached + i + widest],
+                            positions[:, i: i + widest], None if features is None else features[:, i: i + widest])
+                for i in range(0, width, widest)]
+
+    def _piece(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+               features: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        """One forward of at most max(widths) tokens after the cached ones, padded to the next width."""
+        width, cached = ids.shape[1], self.cache.length
+        rows = next(w for w in self.widths if w >= width)
+        slots = torch.arange(cached, cached + rows, device=self.device)
+        # fresh inference tensors of plain strides at every call (guards check dispatch keys and strides)
+        ids, positions = (x.clone(memory_format=torch.contiguous_format) for x in (ids, positions))
+        inputs = (extend(ids, rows, 0), extend(positions, rows, 1),
+                  static_mask(mask, cached, width, self.cache.max_length, self.dtype, rows).to(self.device), slots)
+        if features is not None:  # padded with zeros, whose outputs are dropped
+            inputs += (torch.cat([features, features.new_zeros(1, rows - width, features.shape[-1])], dim=1),)
+        out = self._replay(inputs) if rows in self.graph_widths else self._run(*inputs)
+        self.cache.length = cached + width
+        return tuple(None if x is None else x[:, :width] for x in out)
+
+    def _call(self, key: tuple[int, ...], *args: object) -> tuple[torch.Tensor | None, ...]:
+        """The compiled forward: at a key's (width's) first call it compiles (the warm-up), at every later one a
+        recompile is an error."""
+        with torch.compiler.set_stance("fail_on_recompile" if key in self.warm else "default"):
+            out = self.compiled(*args)
+        self.warm.add(key)
+        return out
+
+
+class CompiledRunner(Pieces, StaticRunner):
     """The Runner protocol on a StaticKV whose every forward is a compiled graph of one of `widths` (CUDA: replayed
     from a captured CUDA graph). `backend`: torch.compile's (inductor; tests may pass a lighter one)."""
 
     def __init__(self, model: PreTrainedModel, widths: tuple[int, ...] | None = None, max_length: int | None = None,
-                 graphs: bool = True, backend: str = "inductor"):
+                 graphs: bool = True, backend: str | Callable = "inductor"):
         super().__init__(model, widths, max_length, graphs)
         if not self.widths:
             raise ValueError("the compiled runner needs at least one width")
         self.cache = StaticKV(self.config, self.max_length + self.widths[-1])
         self.cache.kv = kv_buffer(self.config, self.cache.max_length, self.dtype, self.device)
-        self.warm: set[int] = set()
+        self.warm: set[tuple[int, ...]] = set()
         maybe_install_capturing_hooks(self.decoder)  # transformers installs them at a first capture, under a lock
         self.compiled = torch.compile(decoder_forward, fullgraph=True, dynamic=False, backend=backend)
 
@@ -51,43 +98,65 @@ class CompiledRunner(StaticRunner):
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None) -> torch.Tensor:
-        width, cached, widest = ids.shape[1], self.cache.length, self.widths[-1]
-        if cached + width > self.max_length:
-            raise DecodeError(f"the static runner holds {self.max_length} positions: {cached} cached + {width} new do "
-                              "not fit (a larger max_length, or a shorter prompt or max_new_tokens)")
-        if positions is None:
-            positions = torch.arange(cached, cached + width, device=self.device)[None]
-        if mask is None:
-            mask = static_mask(None, cached, width, cached + width, self.dtype).to(self.device)
-        starts = range(0, width, widest)
-        pieces = [self._piece(ids[:, i: i + widest], mask[..., i: i + widest, : cached + i + widest],
-                              positions[:, i: i + widest]) for i in starts]
+        pieces = self._pieces(ids, mask, positions)
         if self.layers:
             self.captured = torch.cat([aux for _, aux in pieces], dim=1)
         return torch.cat([hidden for hidden, _ in pieces], dim=1)
 
-    def _piece(self, ids: torch.Tensor, mask: torch.Tensor,
-               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One forward of at most max(widths) tokens after the cached ones, padded to the next width."""
-        width, cached = ids.shape[1], self.cache.length
-        rows = next(w for w in self.widths if w >= width)
-        slots = torch.arange(cached, cached + rows, device=self.device)
-        # fresh inference tensors of plain strides at every call (guards check dispatch keys and strides)
-        ids, positions = (x.clone(memory_format=torch.contiguous_format) for x in (ids, positions))
-        inputs = (extend(ids, rows, 0), extend(positions, rows, 1),
-                  static_mask(mask, cached, width, self.cache.max_length, self.dtype, rows).to(self.device), slots)
-        hidden, aux = self._replay(inputs) if rows in self.graph_widths else self._run(*inputs)
-        self.cache.length = cached + width
-        return hidden[:, :width], None if aux is None else aux[:, :width]
-
     def _run(self, ids, positions, mask, slots) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The compiled forward: at a width's first call it compiles (the warm-up), at every later one a recompile is
-        an error."""
-        self.cache.slots, width = slots, ids.shape[1]
-        with torch.compiler.set_stance("fail_on_recompile" if width in self.warm else "default"):
-            out = self.compiled(self.decoder, self.cache, ids, positions, mask, self.layers)
-        self.warm.add(width)
-        return out
+        self.cache.slots = slots
+        return self._call((ids.shape[1],), self.decoder, self.cache, ids, positions, mask, self.layers)
+
+
+class HeadKV(StaticKV):
+    """A draft head's StaticKV. Its length stays out of the compiled forward: the head reads get_seq_length only for
+    the positions and mask its runner always gives, and a length read there would be guarded on (a recompile a
+    step)."""
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+def head_forward(head: torch.nn.Module, cache: StaticKV, ids: torch.Tensor, positions: torch.Tensor,
+                 mask: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor]:
+    """A draft head's (EAGLE-2's, EAGLE-3's) forward on a StaticKV (its slots set): the features its next step
+    feeds back."""
+    return head(ids, features, past_key_values=cache, position_ids=positions, attention_mask=mask,
+                compute_logits=False)[:1]
+
+
+class CompiledHeadRunner(Pieces):
+    """The HeadRunner protocol (decode.engine.runner) on a StaticKV: an EAGLE-2 or EAGLE-3 head's own forward
+    compiled per width (and per feature size: an EAGLE-3 head's first step fuses the target's 3h aux states, its
+    later ones take its own h). No CUDA graph capture yet: compiled forwards on every device."""
+
+    def __init__(self, head: torch.nn.Module, widths: tuple[int, ...] = WIDTHS, max_length: int = MAX_LENGTH,
+                 backend: str | Callable = "inductor"):
+        self.head, self.widths, self.max_length = head, tuple(sorted(widths)), max_length
+        self.dtype, self.device = head.fc.weight.dtype, head.fc.weight.device
+        self.graph_widths: tuple[int, ...] = ()
+        self.cache = HeadKV(head.config, max_length + self.widths[-1])
+        self.cache.kv = kv_buffer(head.config, self.cache.max_length, self.dtype, self.device)
+        self.warm: set[tuple[int, ...]] = set()
+        self.compiled = torch.compile(head_forward, fullgraph=True, dynamic=False, backend=backend)
+
+    def reset(self) -> None:
+        self.cache.length = 0
+
+    def cached(self) -> int:
+        return self.cache.length
+
+    def crop(self, length: int) -> None:
+        self.cache.length = min(self.cache.length, length)
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, features: torch.Tensor, mask: torch.Tensor | None,
+                positions: torch.Tensor | None) -> torch.Tensor:
+        return torch.cat([hidden for hidden, in self._pieces(ids, mask, positions, features)], dim=1)
+
+    def _run(self, ids, positions, mask, slots, features) -> tuple[torch.Tensor]:
+        self.cache.slots = slots
+        return self._call((ids.shape[1], features.shape[-1]), self.head, self.cache, ids, positions, mask, features)
 
 
 def kv_buffer(config, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -21,16 +21,19 @@ from decode.backends import Backend
 from decode.backends.cuda import StaticRunner
 from decode.backends.cuda.runner import decoder_forward
 from decode.backends.int4pack import Int4Linear, pack
-from decode.backends.static import CompiledRunner
+from decode.backends.static import CompiledHeadRunner, CompiledRunner, head_forward
 from decode.chains.baselines import autoregressive
 from decode.engine.chain import Chain
 from decode.engine.errors import DecodeError
 from decode.engine.levels import LevelCompute, ModelLevel, NgramLevel
 from decode.engine.runner import Prepared
 from decode.settings import backend_of, decode_section
+from heads.eagle import EagleHead
+from heads.eagle3 import Eagle3Head
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_dynamo")
 LIGHT = "aot_eager"  # dynamo + AOTAutograd without inductor's code generation: the fast tests' backend
+HEADS = {"eagle": EagleHead, "eagle3": Eagle3Head}
 
 
 @pytest.fixture
@@ -79,15 +82,22 @@ def int4_model(seed: int = 0) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("kind", ["target", "int4pack W4"])
+@pytest.mark.parametrize("kind", ["target", "int4pack W4", "eagle", "eagle3"])
 def test_the_forward_traces_as_one_graph(model, kind):
-    net = model if kind == "target" else int4_model()
-    runner = CompiledRunner(net, (4,), 64, backend=LIGHT)
+    """The target's forward with captured features, the W4 level's on torch's int4 kernel and both heads' steps."""
+    ids, positions = torch.tensor([[1, 2, 3, 4]]), torch.arange(4)[None]
+    if kind in ("target", "int4pack W4"):
+        runner = CompiledRunner(model if kind == "target" else int4_model(), (4,), 64, backend=LIGHT)
+        function, args = decoder_forward, (runner.decoder, runner.cache, ids, positions)
+        last = (0, 1)
+    else:
+        runner = CompiledHeadRunner(HEADS[kind](model).eval(), (4,), 64, backend=LIGHT)
+        function, args = head_forward, (runner.head, runner.cache, ids, positions)
+        last = torch.randn(1, 4, model.config.hidden_size * (3 if kind == "eagle3" else 1))
     runner.cache.slots = torch.arange(4)
     mask = static.static_mask(None, 0, 4, runner.cache.max_length, runner.dtype)
     with torch.inference_mode():
-        explained = torch._dynamo.explain(decoder_forward)(runner.decoder, runner.cache, torch.tensor([[1, 2, 3, 4]]),
-                                                           torch.arange(4)[None], mask, (0, 1))
+        explained = torch._dynamo.explain(function)(*args, mask, last)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 
@@ -112,22 +122,31 @@ def test_a_greedy_lookup_chain_on_the_inductor_runner_is_ar_on_it(model):
         assert chain.generate(prompt, 30).tokens == autoregressive(target, prompt, 30).tokens
 
 
-@pytest.mark.parametrize("drafter", ["model, chain", "model, tree", "eagle, tree"])
+EAGLE = {"kind": "eagle", "path": "untrained"}
+CHAINS = {"model, chain": [{"kind": "model", "model": "target", "layers": 1, "draft": {"length": 4}}],
+          "model, tree": [{"kind": "model", "model": "target", "layers": 1, "draft": TREE}],
+          "eagle, chain": [{**EAGLE, "draft": {"length": 4}}],
+          "eagle, tree": [{**EAGLE, "draft": TREE}],
+          "eagle3, chain": [{**EAGLE, "method": "eagle3", "draft": {"length": 4}}],
+          "eagle3, tree": [{**EAGLE, "method": "eagle3", "draft": TREE}]}
+
+
+@pytest.mark.parametrize("drafter", CHAINS)
 def test_greedy_chains_on_it_are_ar_on_it(model, drafter):
-    """Every model level on the compiled runner (a drafting model too); an EAGLE head drafts from the target's
-    features as today (its own forward)."""
+    """Every model level on the compiled runner (a drafting model too) and every EAGLE head on the compiled head
+    runner, drafting from the features handed down as today (EAGLE-3: the aux states the target's runner captures)."""
     from decode_fixtures import build_chain
 
     target = compiled(model, widths=(1, 16))
-    levels = {"model, chain": [{"kind": "model"}, {"kind": "model", "model": "target", "layers": 1,
-                                                   "draft": {"length": 4}}],
-              "model, tree": [{"kind": "model"}, {"kind": "model", "model": "target", "layers": 1, "draft": TREE}],
-              "eagle, tree": [{"kind": "model"}, {"kind": "eagle", "path": "untrained", "draft": TREE}]}[drafter]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Backend, "_runner_factory",
                       lambda self, m: functools.partial(CompiledRunner, m, (1, 16), 256, True, LIGHT))
-        chain = build_chain(levels, target, tokenizer=None)
+        patch.setattr(Backend, "_head_runner_factory",
+                      lambda self, head, int8: functools.partial(CompiledHeadRunner, head, (1, 16), 256, LIGHT))
+        chain = build_chain([{"kind": "model"}, *CHAINS[drafter]], target, tokenizer=None)
     assert all(isinstance(level.runner, CompiledRunner) for level in chain.levels if isinstance(level, ModelLevel))
+    if "eagle" in drafter:
+        assert isinstance(chain.levels[-1].runner, CompiledHeadRunner), chain.levels[-1].runner
     for prompt in prompts(VOCAB):
         assert chain.generate(prompt, 30).tokens == autoregressive(target, prompt, 30).tokens
 
@@ -154,6 +173,7 @@ def test_the_backend_setting_puts_every_model_level_on_it(model):
     assert (chosen.runner, chosen.gemm, chosen.native_fp32) == ("static", None, "off")
     assert isinstance(chosen.prepare(model).new_runner(), CompiledRunner)
     assert isinstance(chosen.drafting(chosen.prepare(model)).prepare(model).new_runner(), CompiledRunner)
+    assert isinstance(chosen.prepare_head(EagleHead(model).eval()).new_runner(), CompiledHeadRunner)
     assert backend("auto").runner == "auto"
     with pytest.raises(DecodeError, match="decode.backend must be one of auto, static, got 'graphs'"):
         backend("graphs")
