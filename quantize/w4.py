@@ -8,6 +8,7 @@ where the CPU kernels need it (quantize/checkpoint.py); the stage then measures 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -18,7 +19,7 @@ from typing import Any
 import hydra
 import torch
 from omegaconf import DictConfig
-from transformers import PreTrainedModel
+from transformers import AutoConfig, PreTrainedModel
 
 from data.models import IncompleteCheckpointError, load_model, load_tokenizer, resolve_model_path, weights_hash
 from data.sharegpt import load_split
@@ -26,7 +27,7 @@ from infra.cli import check_writable, run_main
 from infra.layout import RunLayout
 from infra.tracking import replace_dir
 from quantize.checkpoint import (class_linears, existing_is_valid, fuse_split_projections, regroup_checkpoint,
-                                 static_groups, write_metadata)
+                                 static_groups, storage_group_size, write_metadata)
 from quantize.errors import QuantizeError
 from quantize.evaluation import evaluate_w4, folder_mb, report
 from quantize.gptq import calibration_samples, cpu_recipe, gptq_quantize
@@ -43,6 +44,22 @@ def source_model_path(spec: str) -> str:
             method = quant.get("quant_method", "unknown method") if isinstance(quant, dict) else "unknown method"
             raise QuantizeError(f"{path}: already quantized ({method}); quantize.w4 needs a full-precision model")
     return path
+
+
+def check_group_size(path: str, group_size: int) -> None:
+    """quantize.group_size against the linear input widths in the model's config.json, before any model loads: the
+    CPU kernels store groups of at least 16 columns, each dividing every width (a ragged last group is re-encoded as
+    narrower ones), which a group size or a model may not allow."""
+    config = AutoConfig.from_pretrained(path).get_text_config()
+    heads = config.num_attention_heads
+    widths = sorted({config.hidden_size, config.intermediate_size,
+                     heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)})
+    if math.gcd(*widths) < 16:
+        raise QuantizeError(f"{path}: linear input widths {widths} are not all multiples of 16, which the CPU int4 "
+                            "kernels need: not supported; set model.name to another model")
+    if storage_group_size(group_size, widths) < 16:
+        raise QuantizeError(f"quantize.group_size={group_size} shares fewer than 16 columns with the model's linear "
+                            f"input widths {widths}; set it to a multiple of {math.gcd(*widths, 128)}")
 
 
 def check_output(out: Path, overwrite: bool) -> None:
@@ -117,6 +134,7 @@ def run(settings: W4Settings) -> Path:
     out = validated_output(q, settings.run.layout)
     train, held_out = load_split(settings.data)  # the data before any model: a bad source is refused in seconds
     src = source_model_path(settings.model.name)
+    check_group_size(src, q.group_size)
     tokenizer = load_tokenizer(src)
     target, _ = load_model(src, dtype=settings.model.dtype, device=device)
     meta = provenance(q, settings.model.name, target)

@@ -152,3 +152,17 @@ def test_a_checkpoint_missing_a_tensor_is_refused_by_its_readers(phi3, tmp_path)
     with pytest.raises(DecodeError, match=r"level 'w4': .*module model\.layers\.1\.mlp\.down_proj "):
         builder.build(ChainSpec.parse([{"kind": "model"}, {"kind": "model", "name": "w4", "model": str(broken),
                                                            "draft": {"mode": "chain", "length": 2}}]))
+
+
+def test_a_group_size_the_kernels_cannot_store_is_refused_before_any_model_loads(tiny_source, chat_file, tmp_path,
+                                                                                 monkeypatch):
+    """The tiny Llama's linear inputs are 192 and 384 wide: 40-wide groups leave 8-column stored groups."""
+    import quantize.w4 as w4
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a model was loaded before quantize.group_size was checked")
+
+    monkeypatch.setattr(w4, "load_model", refused)
+    with pytest.raises(QuantizeError, match=r"^quantize\.group_size=40 .* widths \[192, 384\]; set it to a multiple "
+                                            r"of 64$"):
+        run(w4_of(stage_config(tiny_source, chat_file, tmp_path, group_size=40)))
