@@ -38,3 +38,17 @@ def test_two_gpu_torchrun_matches_one_gpu_with_the_same_global_batch(tiny_setup,
         torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=1e-3)
 
 
+
+
+def test_gpu_recipe_fits_its_batches_to_the_card_and_checkpoints(tiny_setup, tmp_path, capsys):  # noqa: F811
+    """train=gpu on one GPU: the batches sized from the card's total memory (the line names it), bf16, a checkpoint,
+    and the store's and the head's tokens/s printed."""
+    import train.eagle as eagle
+
+    metrics = eagle.train(settings(tiny_setup, tmp_path, "train=gpu", "device=cuda", "train.max_steps=3",
+                                   "train.eval.conversations=2"))
+    out = capsys.readouterr().out
+    name = torch.cuda.get_device_properties(0).name
+    assert f"train.fit_memory: {name}, " in out and "tokens/s" in out.split("feature store: built")[1]
+    assert "head: 3 steps" in out and (tmp_path / "eagle_checkpoints" / "latest").read_text() == "step0000003"
+    assert metrics["train/steps"] == 3 and {t.dtype for t in head_weights(tmp_path).values()} == {torch.bfloat16}
