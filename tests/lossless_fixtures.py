@@ -11,16 +11,17 @@ from decode.engine.chain import Chain
 from decode.engine.runner import Prepared
 
 
-def greedy_equal(target, prompt: list[int], got: list[int], tol: float = 1e-4) -> tuple[bool, int]:
-    """Compare a chain's greedy tokens with the target's plain greedy decoding (KV-cached AR), as the eval does
-    (decode.evaluation.checks.compare_greedy): a divergence passes only at a near-tie of the target's top-2 logits
-    in the forward that chose AR's token (relative margin within tol), and the comparison goes on past it against
-    AR re-decoded with the chain's token. Returns (ok, ties seen). Both are looked up when called, as the eval does,
-    so that a planted bug in either reaches this check too."""
+def greedy_equal(target, prompt: list[int], got: list[int], tol: float = 1e-4,
+                 ref: list[int] | None = None) -> tuple[bool, int]:
+    """Compare a chain's greedy tokens with the target's plain greedy decoding (`ref`, e.g. transformers' `generate`;
+    None: KV-cached AR), as the eval does (decode.evaluation.checks.compare_greedy): a divergence passes only at a
+    near-tie of the target's top-2 logits in the forward that chose AR's token (relative margin within tol), and the
+    comparison goes on past it against AR re-decoded with the chain's token. Returns (ok, ties seen). Both are looked
+    up when called, as the eval does, so that a planted bug in either reaches this check too."""
     from decode.chains.baselines import greedy_margins
     from decode.evaluation.checks import compare_greedy
 
-    ref = autoregressive(target, prompt, len(got)).tokens
+    ref = autoregressive(target, prompt, len(got)).tokens if ref is None else ref
     reason, ties = compare_greedy(prompt, got, ref, lambda p, forced, n: greedy_margins(target, p, forced, n), tol)
     return reason is None, len(ties)
 

@@ -17,6 +17,8 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 
+from heads.eagle import causal_mask
+
 
 class Runner(Protocol):
     """A decoder with a KV cache. `forward` feeds ids [1, T] after the cached positions (mask None = causal, else an
@@ -132,9 +134,7 @@ class HFRunner:
         queries = positions[0] if positions is not None else torch.arange(past, past + length, device=self.device)
         self.positions = torch.cat([self.positions, queries])
         if mask is None:
-            causal = torch.ones(length, past + length, dtype=torch.bool, device=self.device).tril(past)
-            mask = torch.zeros(causal.shape, dtype=self.dtype, device=self.device)
-            mask = mask.masked_fill(~causal, torch.finfo(self.dtype).min)[None, None]
+            mask = causal_mask(length, past, self.dtype, self.device)
         distance = queries[:, None] - self.positions[None, :]
         masks = {kind: mask if window is None else mask.masked_fill(distance >= window, torch.finfo(mask.dtype).min)
                  for kind, window in self.windows.items()}

@@ -4,7 +4,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from decode.engine.runner import Prepared, as_prepared
 
@@ -22,10 +22,11 @@ def tiny_model(seed: int = 0, vocab: int = 300, layers: int = 4, hidden: int = 6
     return LlamaForCausalLM(config).eval()
 
 
-def noisy_copy(model: LlamaForCausalLM | Prepared, noise: float, seed: int = 1) -> LlamaForCausalLM:
-    """The model with Gaussian noise on every weight, plain: a drafter that agrees often but not always."""
+def noisy_copy(model: PreTrainedModel | Prepared, noise: float, seed: int = 1) -> PreTrainedModel:
+    """The model (any family) with Gaussian noise on every weight, plain: a drafter that agrees often but not
+    always."""
     model = as_prepared(model).model
-    clone = LlamaForCausalLM(model.config).eval()
+    clone = type(model)(model.config).eval()
     clone.load_state_dict(model.state_dict())
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
