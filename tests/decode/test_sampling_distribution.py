@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import MistralConfig, MistralForCausalLM
 from decode_fixtures import native, noisy_copy, packed, tiny_model
 from lossless_fixtures import chi_square_pvalue
 
@@ -105,6 +106,25 @@ def test_tree_and_prompt_lookup_proposals_sample_like_the_target(models):
     for chain in (tree, ngram):
         p = chi_square_pvalue(chain_counts(chain), joint)
         assert p > 1e-3, f"{chain.levels[-1].name}: sampling differs from the target's (chi-square p={p:.2e})"
+
+
+def tiny_sliding(seed: int) -> MistralForCausalLM:
+    """A tiny random Mistral whose sliding window (3) is shorter than PROMPT: new tokens 2 and 3 see its end only."""
+    torch.manual_seed(seed)
+    config = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=3, initializer_range=0.3)
+    return MistralForCausalLM(config).eval()
+
+
+def test_sliding_window_chain_samples_like_the_target():
+    """Past a sliding window, a three-level chain whose drafter drafts trees (rollbacks and kept tree paths on the
+    levels' windowed runners) samples like the target, whose exact joint its full forward computes."""
+    target, middle = tiny_sliding(3), tiny_sliding(11)
+    chain = Chain([ModelLevel("target", target), ModelLevel("middle", middle, mu=2),
+                   ModelLevel("drafter", noisy_copy(middle, 0.5, seed=5),
+                              draft={"mode": "tree", "depth": 2, "top_k": 2, "total_tokens": 5})])
+    p = chi_square_pvalue(chain_counts(chain), exact_joint(target))
+    assert p > 1e-3, f"past the sliding window, chain sampling differs from the target's (chi-square p={p:.2e})"
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "eagle int8"])
