@@ -51,11 +51,13 @@ class CountedStep:
 
 def cached_forward(model, context: list[int]) -> CountedStep:
     """A step for `median_ms`: one forward of k new tokens of a causal LM on top of a KV cache of `context`
-    (computed once; each call first crops the cache back to it) with all k logits, as a verification does."""
+    (computed once; each call first crops the cache back to it) with all k logits, as a verification does. The cache
+    keeps every key and value of every layer, as the decode runners' do: a sliding-window layer built from the
+    config evicts what its window passed and cannot be cropped back past it."""
     import torch
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache()
     ids = torch.tensor([context], device=model.device)
     with torch.inference_mode():
         model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)

@@ -109,3 +109,23 @@ def test_paired_ratios_divide_each_repeat_by_the_read_of_its_own_repeat():
     assert set(ratios) == {"fwd"} and ratios["fwd"] == pytest.approx(1.2)
     times["fwd"][1].reverse()
     assert probe.paired_ratios(times, steps, "probe")["fwd"] != pytest.approx(1.2)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_a_timed_forward_past_a_sliding_window_is_cropped_back_exactly(family, tmp_path):
+    """The timed step crops its cache back to the context before each forward: on a model whose sliding layers
+    (window 16) transformers' own cache would evict and then refuse to crop, it keeps every key and value, and
+    each forward's logits are the full-sequence forward's."""
+    from family_models import tiny_family_model
+    from transformers import AutoModelForCausalLM
+
+    from infra.timing import cached_forward
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_family_model(family, tmp_path)).eval()
+    context = list(range(5, 50))
+    step = cached_forward(model, context)
+    for k in (4, 1, 8):
+        logits = step(k).logits[0]
+        with torch.inference_mode():
+            full = model(torch.tensor([context + context[-k:]])).logits[0, -k:]
+        torch.testing.assert_close(logits, full, atol=1e-4, rtol=1e-4)
