@@ -1,10 +1,12 @@
-"""The compiled static runner (decode.backends.static) on a CPU, the code a GPU runs but for the CUDA graph capture:
-its inductor-compiled forward is the eager static runner's through rollbacks, a tree's keep and captured features, and
-a mask that leaves a stale key visible fails that comparison; the target's and an int4pack W4 model's forwards trace
-as one graph (no graph breaks); a chain decodes under the no-recompile rule with one compiled graph per width, and a
-planted guard failure raises instead of recompiling; greedy chains on it are AR on it, a sampled chain samples like
-the target; `decode.backend=static` puts every model level on it. The heavy inductor compiles are marked slow; the
-rest compile through dynamo with AOTAutograd's eager backend (the same tracing, guards and functionalization)."""
+"""The compiled static runners (decode.backends.static) on a CPU, the code a GPU runs but for the CUDA graph capture:
+the inductor-compiled forward is the eager static runner's through rollbacks, a tree's keep and captured features, and
+a mask that leaves a stale key visible fails that comparison; the target's, an int4pack W4 model's and both EAGLE
+heads' forwards trace as one graph (no graph breaks); a chain decodes under the no-recompile rule with one compiled
+graph per width, and a planted guard failure raises instead of recompiling; greedy chains on them (model drafters,
+EAGLE-2 and EAGLE-3 chains and trees) are AR on them, a sampled chain samples like the target; `decode.backend=static`
+puts every model level and head on them, and decode.costs runs on them end to end. The heavy inductor compiles are
+marked slow; the rest compile through dynamo with AOTAutograd's eager backend (the same tracing, guards and
+functionalization)."""
 from __future__ import annotations
 
 import functools
@@ -177,3 +179,23 @@ def test_the_backend_setting_puts_every_model_level_on_it(model):
     assert backend("auto").runner == "auto"
     with pytest.raises(DecodeError, match="decode.backend must be one of auto, static, got 'graphs'"):
         backend("graphs")
+
+
+@pytest.mark.slow
+def test_decode_costs_times_the_target_on_it_with_the_static_backend(tiny_source, chat_file, tmp_path):
+    """The app end to end on the GPU's code path (decode.backend=static on a CPU): its target row is the compiled
+    runner's forward."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    small = ["decode.costs.ks=[1,2]", "decode.costs.repeats=1", "decode.costs.context=32", "decode.costs.head_vocab=[]",
+             "decode.costs.round_tokens=8"]
+    done = subprocess.run(
+        [sys.executable, "-m", "decode.costs", f"run_dir={tmp_path}", f"model.name={tiny_source}",
+         f"data.source={chat_file}", "data.held_out_fraction=0.25", "decode.backend=static", *small],
+        capture_output=True, text=True, timeout=1200,
+        env={**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "CompiledRunner (decode.backend)" in json.dumps(json.loads((tmp_path / "costs.json").read_text()))
