@@ -19,7 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from decode.engine.runner import HeadRunner, HFHeadRunner, HFRunner, Prepared, PreparedHead, Runner
 
 NATIVE = ("auto", "on", "off")
-RUNNERS = ("auto", "static")
+RUNNERS = ("auto", "static", "eager")
 W4_KERNELS = ("auto", "gptqmodel", "int4pack")
 
 
@@ -41,8 +41,9 @@ class Backend:
     unpacked). `native_fp32`: whether an fp32 Llama-family model runs the native CPU runner (auto, on, off);
     `native_w4` the same for a GPTQ W4 model, on `activations` (int8, fp32). Off the CPU all three are moot.
     `w4_kernel`: what runs a GPTQ W4 model's linears (see `int4pack`). `runner`: auto (CUDA: the compiled static
-    runner, decode.backends.static; a CPU: as above) or static (the compiled static runner on every device, as on
-    CUDA: nothing packed, nothing native, so that a CPU runs the GPU's code path)."""
+    runners, decode.backends.static; a CPU: as above), static (the compiled static runners on every device, as on
+    CUDA: nothing packed, nothing native, so that a CPU runs the GPU's code path) or eager (nothing compiled: on CUDA
+    the hand-captured static runner, heads on their own forward)."""
 
     gemm: str | None = None
     native_fp32: str = "off"
@@ -127,12 +128,21 @@ class Backend:
 
         return packed_or_plain(linear, self.gemm)
 
+    def compiled(self, cuda: bool) -> bool:
+        """Whether a level on CUDA (`cuda`) or a CPU runs the compiled static runners."""
+        return self.runner == "static" or (cuda and self.runner == "auto")
+
     def _runner_factory(self, model: PreTrainedModel) -> Callable[[], Runner]:
         hf = functools.partial(HFRunner, model)
-        if self.runner == "static" or next(model.parameters()).device.type == "cuda":  # compiled, graphs on CUDA
+        cuda = next(model.parameters()).device.type == "cuda"
+        if self.compiled(cuda):  # graphs on CUDA
             from decode.backends.static import static_runners
 
             return static_runners(model)
+        if cuda:  # a static KV cache and CUDA graphs of the eager forward
+            from decode.backends.cuda import cuda_runners
+
+            return cuda_runners(model)
         if not on_cpu(model):
             return hf
         from decode.backends.int4pack import is_int4pack
@@ -154,7 +164,7 @@ class Backend:
         return hf
 
     def _head_runner_factory(self, head: nn.Module, int8: bool) -> Callable[[], HeadRunner]:
-        if self.runner == "static" or next(head.parameters()).device.type == "cuda":
+        if self.compiled(next(head.parameters()).device.type == "cuda"):
             from decode.backends.static import CompiledHeadRunner
 
             return functools.partial(CompiledHeadRunner, head)

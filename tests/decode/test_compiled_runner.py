@@ -176,8 +176,10 @@ def test_the_backend_setting_puts_every_model_level_on_it(model):
     assert chosen.prepare(model).new_runner.func is CompiledRunner  # made, it would compile every width
     assert chosen.drafting(chosen.prepare(model)).prepare(model).new_runner.func is CompiledRunner
     assert chosen.prepare_head(EagleHead(model).eval()).new_runner.func is CompiledHeadRunner
-    assert backend("auto").runner == "auto"
-    with pytest.raises(DecodeError, match="decode.backend must be one of auto, static, got 'graphs'"):
+    assert backend("auto").runner == "auto" and backend("auto").gemm is not None  # a CPU's fast path, as before
+    assert backend("eager").gemm is not None and not backend("eager").compiled(cuda=True)
+    assert backend("auto").compiled(cuda=True) and not backend("auto").compiled(cuda=False)
+    with pytest.raises(DecodeError, match="decode.backend must be one of auto, static, eager, got 'graphs'"):
         backend("graphs")
 
 
