@@ -161,7 +161,7 @@ def steps_for(settings: CostsSettings) -> tuple[dict[str, Step], dict[str, str],
     beside = {"bandwidth": _best_bandwidth(), "round": round_costs(settings, fast_target, tokenizer, context)}
     w4, w4_dir = None, decoding.layout.output("w4")
     if (w4_dir / "config.json").is_file():
-        w4 = backend.drafting(fast_target).prepare(load_model(str(w4_dir), decoding.model.dtype, device)[0])
+        w4 = backend.drafting(fast_target).prepare(backend.load(str(w4_dir), decoding.model.dtype, device)[0])
         _w4_steps(w4, context, steps, notes)
     else:
         print(f"costs: no W4 model in {w4_dir}; skipping it", file=sys.stderr)
@@ -198,7 +198,8 @@ def _small_page_steps(decoding: Decoding, fast_target: Any, context: list[int], 
         steps["target 4KiB pages"] = level_forward(ModelLevel("target", target), context)
         notes["target 4KiB pages"] = "the target (default) with its packed weights on 4 KiB pages"
         if (w4_dir / "config.json").is_file():
-            w4 = decoding.backend.drafting(target).prepare(load_model(str(w4_dir), model.dtype, decoding.device)[0])
+            w4 = decoding.backend.drafting(target).prepare(
+                decoding.backend.load(str(w4_dir), model.dtype, decoding.device)[0])
             int8 = backends.with_lm_head(w4, Int8RowLinear(w4.model.get_output_embeddings()))
             steps["w4 int8 head 4KiB"] = level_forward(ModelLevel("w4", int8), context)
             notes["w4 int8 head 4KiB"] = "the W4 level with lm_head: int8, its packed weights on 4 KiB pages"
