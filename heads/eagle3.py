@@ -30,6 +30,7 @@ from heads.eagle import DraftHead, HeadError, _layer_parts, head_config
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # vLLM's Eagle3LlamaForCausalLM, SGLang's LlamaForCausalLMEagle3
 LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+INPUT_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("qkv_proj",))  # the attention's input linears (Phi-3: fused)
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
@@ -166,7 +167,8 @@ def _vocab_of(path: Path, state: dict[str, torch.Tensor], vocab_size: int) -> to
 
 
 def _widened_layer(target: PreTrainedModel, layer_cls: type, config: Any) -> nn.Module:
-    """The target's decoder-layer class built from the head's one-layer config, q/k/v reading 2h inputs."""
+    """The target's decoder-layer class built from the head's one-layer config, q/k/v (or a fused qkv) reading 2h
+    inputs."""
     name = type(target).__name__
     try:
         layer = layer_cls(config, layer_idx=0)
@@ -175,11 +177,13 @@ def _widened_layer(target: PreTrainedModel, layer_cls: type, config: Any) -> nn.
                         f"({err.__class__.__name__}: {err})") from None
     attention = getattr(layer, "self_attn", None)
     missing = [part for part in LAYER_PARTS if not isinstance(getattr(layer, part, None), nn.Module)]
-    missing += [p for p in ("q_proj", "k_proj", "v_proj") if not isinstance(getattr(attention, p, None), nn.Linear)]
+    inputs = next((parts for parts in INPUT_PROJECTIONS
+                   if all(isinstance(getattr(attention, p, None), nn.Linear) for p in parts)), None)
+    missing += ["q_proj, k_proj, v_proj (or a fused qkv_proj)"] if inputs is None else []
     if missing:
         raise HeadError(f"target {name}: decoder layer {layer_cls.__name__} lacks {', '.join(missing)} "
                         "(an EAGLE-3 head needs a Llama-style layer)")
-    for part in ("q_proj", "k_proj", "v_proj"):
+    for part in inputs:
         old = getattr(attention, part)
         setattr(attention, part, nn.Linear(2 * old.in_features, old.out_features, bias=old.bias is not None))
     return layer

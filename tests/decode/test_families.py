@@ -38,6 +38,7 @@ CHAINS = {
     "model chain": [{"kind": "model"}, {"kind": "model", "model": NOISY, "draft": {"length": 4}}],
     "model tree": [{"kind": "model"}, {"kind": "model", "model": NOISY, "draft": TREE}],
     "dualistic tree": [{"kind": "model"}, {"kind": "eagle", "path": "untrained", "draft": TREE}],
+    "eagle3 tree": [{"kind": "model"}, {"kind": "eagle", "path": "untrained", "method": "eagle3", "draft": TREE}],
     "polybasic tree": [{"kind": "model"}, {"kind": "model", "model": NOISY, "mu": 2},
                        {"kind": "eagle", "path": "untrained", "draft": TREE}],
 }
