@@ -28,9 +28,15 @@ from decode.backends.cuda.runner import (MAX_LENGTH, WIDTHS, StaticKV, StaticRun
 from decode.engine.errors import DecodeError
 from decode.engine.runner import Runner
 
-torch._dynamo.config.fail_on_recompile_limit_hit = True  # never fall back to eager in silence
-torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # widths x levels x captures
-torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 512)
+
+
+def dynamo_limits() -> dict[str, object]:
+    """torch.compile's settings for the compiled runners only, set around their calls, never process-wide: another
+    library's compiled code in the same process (GPTQModel's dequantization recompiles per module) keeps its own
+    fallback. Enough compiled graphs for widths x levels x captures; past them, an error, never eager in silence."""
+    config = torch._dynamo.config
+    return {"fail_on_recompile_limit_hit": True, "recompile_limit": max(config.recompile_limit, 64),
+            "accumulated_recompile_limit": max(config.accumulated_recompile_limit, 512)}
 
 
 class Pieces:
@@ -72,7 +78,8 @@ class Pieces:
     def _call(self, key: tuple[int, ...], *args: object) -> tuple[torch.Tensor | None, ...]:
         """The compiled forward: at a key's (width's) first call it compiles (the warm-up), at every later one a
         recompile is an error."""
-        with torch.compiler.set_stance("fail_on_recompile" if key in self.warm else "default"):
+        stance = "fail_on_recompile" if key in self.warm else "default"
+        with torch._dynamo.config.patch(dynamo_limits()), torch.compiler.set_stance(stance):
             out = self.compiled(*args)
         self.warm.add(key)
         return out

@@ -116,6 +116,23 @@ def test_a_chain_decodes_with_one_graph_per_width_and_a_recompile_raises(model):
         runner.forward(torch.tensor([[1]]), None, None)
 
 
+def test_the_runners_compile_limits_are_their_own(model):
+    """Another library's compiled code in the process keeps torch's defaults: the runners' hard recompile limit set
+    process-wide made GPTQModel's per-module dequantization (129 recompiles) raise FailOnRecompileLimitHit."""
+    before = {name: getattr(torch._dynamo.config, name) for name in static.dynamo_limits()}
+    chain = Chain([ModelLevel("t", compiled(model)), NgramLevel("n", draft={"length": 5})])
+    chain.generate(prompts(VOCAB)[0], 10)
+    assert {name: getattr(torch._dynamo.config, name) for name in before} == before
+
+    def square(x):
+        return x * x
+
+    compiled_square = torch.compile(square, backend=LIGHT)  # recompiles at each new dtype, past a limit of 2
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+            assert torch.equal(compiled_square(torch.ones(2, dtype=dtype)), torch.ones(2, dtype=dtype))
+
+
 @pytest.mark.slow
 def test_a_greedy_lookup_chain_on_the_inductor_runner_is_ar_on_it(model):
     target = compiled(model, "inductor", widths=(1, 8))
