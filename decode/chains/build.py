@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils.output_capturing import maybe_install_capturing_hooks
 
 from data.models import ModelSourceError, load_model, resolve_model_path, same_vocabulary
 from decode.backends import Backend, int8_fallback
@@ -295,6 +296,9 @@ def truncated_copy(model: PreTrainedModel, layers: int) -> PreTrainedModel:
     if not 0 < layers < total:
         raise DecodeError(f"layers must be between 1 and {total - 1} for this model, got {layers}")
     decoder = model.get_decoder()
+    # the layers keep one set of transformers' output-capturing hooks: hooked once here, the copy inherits the mark,
+    # where a copy hooking its layers again would change what a compiled forward of `model` was guarded on
+    maybe_install_capturing_hooks(decoder)
     kept = decoder.layers[:layers]
     full, decoder.layers = decoder.layers, torch.nn.ModuleList()
     try:
