@@ -76,9 +76,9 @@ def _one_token_at_a_time(prepared: Prepared, prompt_ids: list[int], max_new_toke
     """The loop both references share: a prefill, then one-token forwards, each token `choose`n from its logits."""
     check_new_tokens(max_new_tokens)
     model, device = prepared.model, prepared.model.device
-    eos, stats = _eos_set(eos_token_id), LevelStats("target", "model")
     head, new, ttft = prepared.lm_head, [], 0.0
     runner = runner or prepared.new_runner()
+    eos, stats = _eos_set(eos_token_id), LevelStats("target", "model", type(runner).__name__)
     runner.reset()
     ids = list(prompt_ids)
     start = time.perf_counter()
@@ -135,7 +135,7 @@ def _hf_generate(model: PreTrainedModel, prompt_ids: list[int], max_new_tokens: 
                              **assistant)
     wall = time.perf_counter() - start
     new = _truncate(out[0, len(prompt_ids):].tolist(), max_new_tokens, eos)
-    return Generation(new, GenerationStats(wall, clock.ttft, len(new), 0.0, [LevelStats(name, "hf")]))
+    return Generation(new, GenerationStats(wall, clock.ttft, len(new), 0.0, [LevelStats(name, "hf", "generate")]))
 
 
 def hf_assisted(

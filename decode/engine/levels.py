@@ -29,6 +29,7 @@ class LevelStats:
 
     name: str
     kind: str
+    runner: str = ""  # what computed its forwards (a Runner's class name; "" for a model-free level): reports say it
     forward_calls: int = 0
     draft_time_s: float = 0.0  # forwards spent proposing tokens
     verify_time_s: float = 0.0  # forwards spent verifying the level below
@@ -127,13 +128,14 @@ class Level:
 
     def __init__(self, name: str, mu: int = 1, draft: Draft | dict | None = None):
         self.name, self.mu, self.draft_spec = name, mu, Draft.of(draft)
-        self.stats = LevelStats(name, self.kind)
+        self.reset_stats()
 
     def reset(self) -> None:
         self.reset_stats()
 
     def reset_stats(self) -> None:
-        self.stats = LevelStats(self.name, self.kind)
+        runner = getattr(self, "runner", None)  # set by model and EAGLE levels (after this first runs)
+        self.stats = LevelStats(self.name, self.kind, "" if runner is None else type(runner).__name__)
 
     def draft(self, ctx: list[int], budget: int, sampling: Sampling, gen: torch.Generator | None) -> Proposal:
         raise DecodeError(f"level {self.name!r} ({self.kind}) cannot draft")

@@ -30,7 +30,7 @@ def summarize(stats: Sequence[GenerationStats]) -> dict[str, Any]:
         lengths = [x for stat in per for x in stat.acceptance_lengths]
         carried = [k for stat in per for k, _ in stat.forwards]
         levels.append({
-            "name": first.name, "kind": first.kind, "forward_calls": calls,
+            "name": first.name, "kind": first.kind, "runner": first.runner, "forward_calls": calls,
             "T_s": sum(stat.draft_time_s + stat.verify_time_s for stat in per) / calls if calls else None,
             "L_mean": statistics.fmean(lengths) if lengths else None,
             "L_var": statistics.variance(lengths) if len(lengths) > 1 else None,
@@ -85,12 +85,13 @@ def predictions(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def level_line(summary: dict[str, Any]) -> str:
-    """Per level: mean forward time, acceptance length and (middle levels) tokens handed up per round."""
+    """Per level: what ran it, mean forward time, acceptance length and (middle levels) tokens handed up per round."""
     return ", ".join(_level(level) for level in summary["levels"])
 
 
 def _level(level: dict[str, Any]) -> str:
-    text = f"{level['name']}: T=" + ("n/a" if level["T_s"] is None else f"{1e3 * level['T_s']:.0f}ms")
+    runner = f" ({level['runner']})" if level.get("runner") else ""
+    text = f"{level['name']}{runner}: T=" + ("n/a" if level["T_s"] is None else f"{1e3 * level['T_s']:.0f}ms")
     if level["L_mean"] is not None:
         text += f" L={level['L_mean']:.2f}"
     if level.get("handed_up") is not None:

@@ -21,10 +21,10 @@ def _two_level(new_tokens: int, wall: float, ttft: float) -> Generation:
 def _three_level(new_tokens: int = 17, wall: float = 1.3, ttft: float = 0.1) -> Generation:
     # 16 tokens after the first: the target verifies 4 hand-ups of 6 tokens (keeps 3 + its own: L_1 = 4);
     # the middle level made 24 tokens at L_2 = 2: 12 rounds; the drafter 3 forwards a middle round: 36.
-    target = LevelStats("target", "model", forward_calls=4, verify_time_s=0.4, acceptance_lengths=[4] * 4,
-                        proposed=24, accepted=12, forwards=[(7, 0.1)] * 4)
-    middle = LevelStats("w4", "model", forward_calls=12, verify_time_s=0.48, acceptance_lengths=[2] * 12,
-                        proposed=36, accepted=12, forwards=[(4, 0.04)] * 12)
+    target = LevelStats("target", "model", "CompiledRunner", forward_calls=4, verify_time_s=0.4,
+                        acceptance_lengths=[4] * 4, proposed=24, accepted=12, forwards=[(7, 0.1)] * 4)
+    middle = LevelStats("w4", "model", "NativeLlamaRunner", forward_calls=12, verify_time_s=0.48,
+                        acceptance_lengths=[2] * 12, proposed=36, accepted=12, forwards=[(4, 0.04)] * 12)
     drafter = LevelStats("head", "eagle", forward_calls=36, draft_time_s=0.36, forwards=[(1, 0.01)] * 36)
     return Generation(list(range(new_tokens)), GenerationStats(wall, ttft, new_tokens, 3.0, [target, middle, drafter]))
 
@@ -63,9 +63,8 @@ def test_bench_and_eval_print_the_same_per_level_numbers_for_the_same_generation
     from decode.evaluation.report import markdown
     from decode.evaluation.speedup import Interval
 
-    ar = [Generation(list(range(17)),
-                     GenerationStats(1.7, 0.1, 17, 0.0, [LevelStats("target", "model", 16, verify_time_s=1.6)]))
-          for _ in range(2)]
+    target = LevelStats("target", "model", forward_calls=16, verify_time_s=1.6)
+    ar = [Generation(list(range(17)), GenerationStats(1.7, 0.1, 17, 0.0, [target])) for _ in range(2)]
     chain = [_three_level(wall=1.3), _three_level(wall=1.4)]
     bench = summarise({"ar": ar, "polybasic": chain}, [g.tokens for g in ar], 0.95)
     printed = table(bench, {"polybasic": "polybasic"})
@@ -81,7 +80,7 @@ def test_bench_and_eval_print_the_same_per_level_numbers_for_the_same_generation
     md = markdown(report)
 
     line = measure.level_line(report["summaries"]["polybasic"])
-    assert line == "target: T=100ms L=4.00, w4: T=40ms L=2.00 P=6.00, head: T=10ms"
+    assert line == "target (CompiledRunner): T=100ms L=4.00, w4 (NativeLlamaRunner): T=40ms L=2.00 P=6.00, head: T=10ms"
     assert line in printed and line in md
     assert measure.prediction_line(bench["polybasic"]["measured"]) in printed
     assert measure.prediction_line(report["summaries"]["polybasic"]) in md

@@ -167,7 +167,23 @@ def test_greedy_chains_on_it_are_ar_on_it(model, drafter):
     if "eagle" in drafter:
         assert isinstance(chain.levels[-1].runner, CompiledHeadRunner), chain.levels[-1].runner
     for prompt in prompts(VOCAB):
-        assert chain.generate(prompt, 30).tokens == autoregressive(target, prompt, 30).tokens
+        result = chain.generate(prompt, 30)
+        assert result.tokens == autoregressive(target, prompt, 30).tokens
+    ran = [level.runner for level in result.stats.levels]  # what a report says ran each level
+    assert ran == ["CompiledRunner"] * (len(ran) - 1) + [("CompiledHeadRunner" if "eagle" in drafter else ran[0])]
+
+
+def test_a_stand_in_copied_before_the_target_runs_leaves_its_graphs_valid():
+    """An early-exit copy shares the target's layers: hooking them again for the copy's runner changed what the
+    target's compiled forward was guarded on, and its next forward raised "Detected recompile" (seen when this file's
+    model, chain case ran first in its process)."""
+    from decode.chains.build import truncated_copy
+
+    target = tiny_model(seed=1, vocab=VOCAB, layers=2)
+    stand_in = truncated_copy(target, 1)  # before any forward of the target
+    runner = CompiledRunner(target, (1,), 64, backend=LIGHT)
+    CompiledRunner(stand_in, (1,), 64, backend=LIGHT)
+    runner.forward(torch.tensor([[1]]), None, None)  # warm: a changed guard raises here
 
 
 @pytest.mark.slow
