@@ -158,6 +158,18 @@ class CompiledHeadRunner(Pieces):
         self.cache.kv = kv_buffer(head.config, self.cache.max_length, self.dtype, self.device)
         self.warm: set[tuple[int, ...]] = set()
         self.compiled = torch.compile(head_forward, fullgraph=True, dynamic=False, backend=backend)
+        self.warm_up()
+
+    def warm_up(self) -> None:
+        """Compile every width for each feature size the head takes (its own h; an EAGLE-3 head's first step the
+        target's aux states too) now, as CompiledRunner does: a compile in a chain's first draft would land in its
+        timed forwards (a head step measured in seconds). The warm-up's keys are stale; the length is put back."""
+        self.warm.clear()
+        for width in self.widths:
+            for size in dict.fromkeys((self.head.feature_size, self.head.config.hidden_size)):
+                self.forward(torch.zeros(1, width, dtype=torch.long, device=self.device),
+                             torch.zeros(1, width, size, dtype=self.dtype, device=self.device), None, None)
+                self.cache.length = 0
 
     def reset(self) -> None:
         self.cache.length = 0

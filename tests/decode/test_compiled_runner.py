@@ -133,6 +133,20 @@ def test_the_runners_compile_limits_are_their_own(model):
             assert torch.equal(compiled_square(torch.ones(2, dtype=dtype)), torch.ones(2, dtype=dtype))
 
 
+@pytest.mark.parametrize("kind", HEADS)
+def test_a_head_runner_compiles_when_made_and_never_while_drafting(model, kind):
+    """A compile in a chain's first draft landed in its timed head steps (seconds a step in decode.bench)."""
+    counter, head = CompileCounter(), HEADS[kind](model).eval()
+    runner = CompiledHeadRunner(head, (1, 4), 64, backend=counter)
+    sizes = dict.fromkeys((head.feature_size, model.config.hidden_size))
+    made = counter.frame_count
+    assert made == len(runner.warm) == 2 * len(sizes) and runner.cached() == 0
+    for width in (1, 3, 4, 1):
+        for size in sizes:
+            runner.forward(torch.ones(1, width, dtype=torch.long), torch.randn(1, width, size), None, None)
+    assert counter.frame_count == made and runner.cached() == 9 * len(sizes)
+
+
 @pytest.mark.slow
 def test_a_greedy_lookup_chain_on_the_inductor_runner_is_ar_on_it(model):
     target = compiled(model, "inductor", widths=(1, 8))
