@@ -29,7 +29,6 @@ from decode.engine.errors import DecodeError
 from decode.engine.runner import Runner
 
 
-
 def dynamo_limits() -> dict[str, object]:
     """torch.compile's settings for the compiled runners only, set around their calls, never process-wide: another
     library's compiled code in the same process (GPTQModel's dequantization recompiles per module) keeps its own
@@ -76,10 +75,13 @@ class Pieces:
         return tuple(None if x is None else x[:, :width] for x in out)
 
     def _call(self, key: tuple[int, ...], *args: object) -> tuple[torch.Tensor | None, ...]:
-        """The compiled forward: at a key's (width's) first call it compiles (the warm-up), at every later one a
-        recompile is an error."""
-        stance = "fail_on_recompile" if key in self.warm else "default"
-        with torch._dynamo.config.patch(dynamo_limits()), torch.compiler.set_stance(stance):
+        """The compiled forward: at a key's (width's) first call it compiles (the warm-up) under the runners' limits,
+        at every later one a recompile is an error (the stance raises before any limit is read, so a warm call, the
+        hot path, patches nothing else)."""
+        if key in self.warm:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return self.compiled(*args)
+        with torch._dynamo.config.patch(dynamo_limits()):
             out = self.compiled(*args)
         self.warm.add(key)
         return out
