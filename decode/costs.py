@@ -9,7 +9,8 @@ Beside the curve, one greedy decode of `decode.chain` on the same context splits
 forwards and the round overhead: what a round costs beside forwards (acceptance, drafting logic, cache crops,
 Python); and every level's T(1) against its own floor (the bytes its one-token forward streams, counted from the
 buffers it runs on, over the read bandwidth a STREAM-style kernel measures in the same process, timed among the
-forwards: its median; beside it the floor at that kernel's best read) and its T(k) / T(1).
+forwards: its median; beside it the floor at that kernel's best read) and its T(k) / T(1); and what every row's
+one-token forward launches (CUDA: kernels; a CPU: operators) and how many of those are matrix products.
 Writes `decode.costs.out` (json).
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ from decode.settings import CostsSettings, Decoding, costs_of
 from infra.cli import check_writable, run_main
 from infra.device import use_threads
 from infra.timing import (Bandwidth, CountedStep, ReadProbe, Step, cached_forward, floors, forward_bytes,
-                          interleaved_ms, level_forward, medians, module_bytes, read_bandwidth)
+                          interleaved_ms, launches, level_forward, medians, module_bytes, read_bandwidth)
 
 
 PROBE = "read probe"  # the read probe's row among the timed steps
@@ -279,6 +280,17 @@ def _print_floors(ms: dict, steps: dict[str, Step], probed: tuple[Bandwidth, dic
     return rows
 
 
+def _print_launches(steps: dict[str, Step], device: Any) -> dict[str, dict[str, int]]:
+    """Each row's launches of a one-token forward (infra.timing.launches), one line a row; returns them."""
+    counts = {name: launches(step, device) for name, step in steps.items()}
+    what = ("device kernels and copies" if torch.device(device).type == "cuda"
+            else "operators dispatched (a compiled graph's own kernels not seen on a CPU)")
+    print(f"\nlaunches of a one-token forward, by torch.profiler: {what}; matrix products among them")
+    for name, count in counts.items():
+        print(f"{name:<18}{count['kernels']:6d} launches  {count['products']:5d} products")
+    return counts
+
+
 def _print_rounds(rounds: dict) -> None:
     """One line: a round's ms, split into each level's forwards and the overhead beside them."""
     forwards = ", ".join(f"{name} {ms:.1f}" for name, ms in rounds["forward_ms"].items())
@@ -307,6 +319,7 @@ def run(settings: CostsSettings) -> dict:
               "repeats": c.repeats, "notes": notes, "ms": ms,
               "ratio_to_target_1": {n: {k: v / base for k, v in per.items()} for n, per in ms.items()}}
     result["floors"] = _print_floors(ms, steps, probed, beside["bandwidth"])
+    result["launches"] = _print_launches(steps, settings.decoding.device)
     target = result["floors"]["target"]
     result["floor"] = {"ms": target["ms"], "weight_bytes": target["bytes"], "ratio": target["ratio"],
                        "read_bytes_per_s": target["read_bytes_per_s"], "method": target["method"]}

@@ -1,6 +1,7 @@
 """Side-by-side timing: median milliseconds of several forwards, interleaved so machine noise hits all alike."""
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from dataclasses import dataclass
@@ -35,6 +36,42 @@ def interleaved_ms(steps: dict[str, Step], ks: list[int], repeats: int,
                 if r >= warmup:
                     times[name][k].append((synchronized_clock() - start) * 1000)
     return times
+
+
+PRODUCT = re.compile(r"mm|gemv|linear", re.IGNORECASE)  # aten's (add/b)mm, int4pack_mm, mkl linear; gemm/gemv kernels
+
+
+def launches(step: Step, device: Any) -> dict[str, int]:
+    """What one forward of one new token (`step(1)`, run before it once) launches, by torch.profiler: `kernels`, on
+    CUDA its device kernels and copies (CUPTI, inside a replayed CUDA graph too), on a CPU the operators it
+    dispatches, each counted once at its outermost (aten::linear, not also its aten::mm; a compiled graph's own C++
+    kernels are not operators); `products`, how many of those are matrix products."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(device).type == "cuda"
+    step(1)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        step(1)
+        synchronized_clock(device)
+    events = prof.events()
+    if cuda:
+        names = [e.name for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    else:
+        names = [e.name for e in events if _operator(e) and not _under_operator(e)]
+    return {"kernels": len(names), "products": sum(1 for name in names if PRODUCT.search(name))}
+
+
+def _operator(event: Any) -> bool:
+    return event.name.startswith(("aten::", "mkl::"))
+
+
+def _under_operator(event: Any) -> bool:
+    """Whether a profiled event runs inside an operator (aten::mm inside aten::linear): counted once, outermost."""
+    parent = event.cpu_parent
+    while parent is not None and not _operator(parent):
+        parent = parent.cpu_parent
+    return parent is not None
 
 
 @dataclass(frozen=True)

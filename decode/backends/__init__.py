@@ -43,7 +43,8 @@ class Backend:
     `w4_kernel`: what runs a GPTQ W4 model's linears (see `int4pack`). `runner`: auto (CUDA: the compiled static
     runners, decode.backends.static; a CPU: as above), static (the compiled static runners on every device, as on
     CUDA: nothing packed, nothing native, so that a CPU runs the GPU's code path) or eager (nothing compiled: on CUDA
-    the hand-captured static runner, heads on their own forward)."""
+    the hand-captured static runner, heads on their own forward). The compiled runners' models and heads run their
+    sibling linears (q/k/v, gate/up) as one product each (decode.backends.siblings)."""
 
     gemm: str | None = None
     native_fp32: str = "off"
@@ -92,6 +93,11 @@ class Backend:
             from decode.backends.cpu import pack
 
             pack(model, self.gemm)
+        if self.compiled(next(model.parameters()).device.type == "cuda"):  # q/k/v and gate/up: one kernel each
+            from decode.backends.siblings import stack_siblings
+
+            ids = torch.arange(2, 6, device=model.device)[None] % model.get_input_embeddings().num_embeddings
+            stack_siblings(model, lambda: model(input_ids=ids, use_cache=False))
         new_runner = self._runner_factory(model)
         return Prepared(model, new_runner, _fast_lm_head(model.get_output_embeddings(), new_runner))
 
@@ -105,6 +111,12 @@ class Backend:
             from decode.backends.cpu import pack
 
             pack(head, self.gemm)
+        if self.compiled(next(head.parameters()).device.type == "cuda"):
+            from decode.backends.siblings import stack_siblings
+
+            weight = head.fc.weight
+            ids, features = torch.arange(2, 6, device=weight.device)[None], weight.new_zeros(1, 4, head.feature_size)
+            stack_siblings(head, lambda: head(ids, features))
         vocab = getattr(head, "draft_vocab", None)
         rows = None if vocab is None or not hasattr(head, "draft_rows") else self.linear(head, head.draft_rows())
         int8 = weights == "int8" and on_cpu(head) and _int8_problem(head) is None

@@ -17,6 +17,7 @@ import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -114,8 +115,13 @@ class Int4Linear(nn.Module):
         self.register_buffer("weight_int4pack", packed.weight, persistent=False)
         self.register_buffer("scales_and_zeros", packed.scales_and_zeros, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.sibling: tuple[Any, int] | None = None  # (SiblingGroup, index), set by decode.backends.siblings
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sibling is not None:
+            out = self.sibling[0].output(self.sibling[1], x)
+            if out is not None:
+                return out
         flat = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype).contiguous()
         if flat.device.type == "cuda":
             out = torch.ops.aten._weight_int4pack_mm(flat, self.weight_int4pack, self.group_size,

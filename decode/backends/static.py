@@ -10,10 +10,11 @@ inside the compiled forward. Rollback moves the length pointer; stale keys past 
 
 A runner compiles every width when it is made (its warm-up); every later forward of that width runs under
 `torch.compiler.set_stance("fail_on_recompile")`: a guard that fails raises instead of silently recompiling in a
-timed loop. On CUDA the compiled forward is captured by hand as a CUDA graph per width (StaticRunner's capture),
-not by `mode="reduce-overhead"`: its cudagraph trees would see the KV buffer, written in place at every forward and
-between forwards (keep), as a mutated input that is not a parameter and skip the graph (or copy the buffer), while
-the hand capture already replays from static buffers (checked on an H200 for the eager forward)."""
+timed loop. On CUDA the compiled forward (a model's, a head's) is captured by hand as a CUDA graph per width
+(decode.backends.cuda.runner.CapturedGraphs), not by `mode="reduce-overhead"`: its cudagraph trees would see the KV
+buffer, written in place at every forward and between forwards (keep), as a mutated input that is not a parameter
+and skip the graph (or copy the buffer), while the hand capture already replays from static buffers (checked on an
+H200 for the eager forward)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -23,8 +24,8 @@ from transformers import PreTrainedModel
 from transformers.utils.output_capturing import maybe_install_capturing_hooks
 
 from decode.backends.cuda import cuda_runners
-from decode.backends.cuda.runner import (MAX_LENGTH, WIDTHS, StaticKV, StaticRunner, decoder_forward, extend,
-                                        static_mask)
+from decode.backends.cuda.runner import (MAX_LENGTH, WIDTHS, CapturedGraphs, StaticKV, StaticRunner, decoder_forward,
+                                        extend, static_mask)
 from decode.engine.errors import DecodeError
 from decode.engine.runner import Runner
 
@@ -146,16 +147,18 @@ def head_forward(head: torch.nn.Module, cache: StaticKV, ids: torch.Tensor, posi
                 compute_logits=False)[:1]
 
 
-class CompiledHeadRunner(Pieces):
+class CompiledHeadRunner(Pieces, CapturedGraphs):
     """The HeadRunner protocol (decode.engine.runner) on a StaticKV: an EAGLE-2 or EAGLE-3 head's own forward
     compiled per width (and per feature size: an EAGLE-3 head's first step fuses the target's 3h aux states, its
-    later ones take its own h). No CUDA graph capture yet: compiled forwards on every device."""
+    later ones take its own h), on CUDA replayed from a CUDA graph of each (unless `graphs` is False), as
+    CompiledRunner's."""
 
     def __init__(self, head: torch.nn.Module, widths: tuple[int, ...] = WIDTHS, max_length: int = MAX_LENGTH,
-                 backend: str | Callable = "inductor"):
+                 backend: str | Callable = "inductor", graphs: bool = True):
         self.head, self.widths, self.max_length = head, tuple(sorted(widths)), max_length
         self.dtype, self.device = head.fc.weight.dtype, head.fc.weight.device
-        self.graph_widths: tuple[int, ...] = ()
+        self.graph_widths = self.widths if graphs and self.device.type == "cuda" else ()
+        self._drop_graphs()
         self.cache = HeadKV(head.config, max_length + self.widths[-1])
         self.cache.kv = kv_buffer(head.config, self.cache.max_length, self.dtype, self.device)
         self.warm: set[tuple[int, ...]] = set()

@@ -9,13 +9,14 @@ marked slow; the rest compile through dynamo with AOTAutograd's eager backend (t
 functionalization)."""
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
 import torch
 from decode_fixtures import noisy_copy, prompts, tiny_model
 from omegaconf import OmegaConf
-from test_static_runner import TREE, VOCAB, leaky_mask, max_difference, sequence
+from test_static_runner import TREE, VOCAB, leaky_mask, max_difference, needs_cuda, sequence
 from torch._dynamo.testing import CompileCounter
 
 import decode.backends.static as static
@@ -71,9 +72,9 @@ def test_a_mask_that_leaves_a_stale_key_visible_is_caught(model, monkeypatch):
     assert clean < 1e-4 < 1e-3 < leaked, (clean, leaked)
 
 
-def int4_model(seed: int = 0) -> torch.nn.Module:
+def int4_model(seed: int = 0, hidden: int = 64) -> torch.nn.Module:
     """A tiny Llama whose decoder linears are Int4Linears (torch's CPU int4 kernel) of random codes, groups of 32."""
-    model, gen = tiny_model(seed=seed, vocab=VOCAB, layers=2), torch.Generator().manual_seed(seed)
+    model, gen = tiny_model(seed=seed, vocab=VOCAB, layers=2, hidden=hidden), torch.Generator().manual_seed(seed)
     for layer in model.model.layers:
         for parent in (layer.self_attn, layer.mlp):
             for name, linear in [(name, m) for name, m in parent.named_children() if isinstance(m, torch.nn.Linear)]:
@@ -233,7 +234,7 @@ def test_the_backend_setting_puts_every_model_level_on_it(model):
 @pytest.mark.slow
 def test_decode_costs_times_the_target_on_it_with_the_static_backend(tiny_source, chat_file, tmp_path):
     """The app end to end on the GPU's code path (decode.backend=static on a CPU): its target row is the compiled
-    runner's forward."""
+    runner's forward, whose launches it counts."""
     import json
     import os
     import subprocess
@@ -247,4 +248,36 @@ def test_decode_costs_times_the_target_on_it_with_the_static_backend(tiny_source
         capture_output=True, text=True, timeout=1200,
         env={**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "CompiledRunner (decode.backend)" in json.dumps(json.loads((tmp_path / "costs.json").read_text()))
+    costs = json.loads((tmp_path / "costs.json").read_text())
+    assert "CompiledRunner (decode.backend)" in json.dumps(costs)
+    # q/k/v and gate/up stacked on the compiled runner: 4 products a layer and the LM head's, against 7 and 1
+    assert (costs["launches"]["target"]["products"], costs["launches"]["target eager"]["products"]) == (9, 15)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_the_captured_compiled_forward_is_the_compiled_one_on_cuda(model):
+    """CUDA graphs captured around the inductor-compiled forward replay what it computes, through rollbacks, a tree's
+    keep and captured features (bf16), one graph per width and feature set."""
+    on_gpu = copy.deepcopy(model).to("cuda", torch.bfloat16)
+    graphs, plain = CompiledRunner(on_gpu, (1, 4), 256), CompiledRunner(on_gpu, (1, 4), 256, graphs=False)
+    difference = max_difference(sequence(graphs), sequence(plain))
+    assert difference <= 1e-3, f"graph replay differs from the compiled forward by {difference:.3g}"
+    assert len(graphs.graphs) == 2 and not plain.graphs  # the widths with captured features (the earlier dropped)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kind", HEADS)
+def test_a_heads_captured_steps_are_its_compiled_ones_on_cuda(model, kind):
+    """A head runner on CUDA replays a graph per width and feature size, computing what its compiled step does."""
+    head = HEADS[kind](copy.deepcopy(model).to("cuda", torch.bfloat16)).to("cuda", torch.bfloat16).eval()
+    graphs, plain = CompiledHeadRunner(head, (1, 4), 64), CompiledHeadRunner(head, (1, 4), 64, graphs=False)
+    sizes = dict.fromkeys((head.feature_size, model.config.hidden_size))
+    assert len(graphs.graphs) == 2 * len(sizes) and not plain.graphs  # captured when made, as compiled
+    gen = torch.Generator().manual_seed(0)
+    for width, size in ((3, head.feature_size), (1, model.config.hidden_size), (4, model.config.hidden_size)):
+        ids = torch.randint(0, VOCAB, (1, width), generator=gen).cuda()
+        features = torch.randn(1, width, size, generator=gen).to("cuda", torch.bfloat16)
+        out = [runner.forward(ids, features, None, None).float() for runner in (graphs, plain)]
+        assert (out[0] - out[1]).abs().max().item() <= 1e-3

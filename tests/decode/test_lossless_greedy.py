@@ -303,7 +303,7 @@ def test_sibling_linears_run_fused_with_the_unfused_packed_logits():
 
     from decode.backends.cpu.dense import PackedLinear, pack_weight
 
-    from decode.backends.cpu.fusion import SiblingGroup
+    from decode.backends.siblings import SiblingGroup
 
     fused, alone = packed(tiny_model(seed=4, vocab=VOCAB)), packed(tiny_model(seed=4, vocab=VOCAB))
     for m in alone.modules():

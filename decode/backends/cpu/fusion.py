@@ -1,6 +1,5 @@
-"""Sibling linears (those reading the same activation: q/k/v, gate/up) run as one product over their stacked rows.
-Siblings are found by tracing one forward (consecutive calls on the very same input tensor), not from module
-names, so any architecture gets it; the fusion is kept only if that forward's logits are bit-identical."""
+"""The CPU backend's sibling linears (decode.backends.siblings: q/k/v, gate/up) on one packed product (or lean int4
+call) over their stacked rows; the fusion is kept only if the traced forward's logits are bit-identical."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -10,58 +9,16 @@ from torch import nn
 
 from decode.backends.cpu.dense import PackedLinear, _packed_mm, pack_weight
 from decode.backends.cpu.int4 import _int4_mm, is_lean_int4
-
-class SiblingGroup:
-    """Linears that read the same activation, run as one product over their stacked rows.
-
-    The first sibling (in call order) computes everything and keeps the output with a strong reference to
-    its input; each later sibling takes its slice only if it is handed that very input tensor, otherwise
-    it computes alone. So a call order other than the traced one costs time, never correctness."""
-
-    def __init__(self, members: list[nn.Module], run: Callable[[torch.Tensor], torch.Tensor]):
-        sizes = [m.out_features for m in members]
-        self.bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-        self.run = run
-        self.input: torch.Tensor | None = None
-        self.out: torch.Tensor | None = None
-
-    def output(self, index: int, x: torch.Tensor) -> torch.Tensor | None:
-        if index == 0:
-            self.input, self.version, self.out = x, _version(x), self.run(x)
-        elif x is not self.input or _version(x) != self.version:
-            return None
-        out = self.out[..., self.bounds[index]:self.bounds[index + 1]]
-        if index == len(self.bounds) - 2:
-            self.input = self.out = None
-        return out
-
-
-def _version(x: torch.Tensor) -> int | None:
-    """In-place writes bump a tensor's version; inference tensors have none (and nothing writes them here)."""
-    return None if x.is_inference() else x._version
-
+from decode.backends.siblings import SiblingGroup, sibling_runs
 
 
 def _siblings(model: nn.Module, ids: torch.Tensor) -> tuple[list[list[nn.Module]], torch.Tensor]:
     """Runs of consecutive packed (or lean int4) linear calls on the same input tensor, in one traced
     forward; and that forward's logits."""
-    calls: list[tuple[nn.Module, torch.Tensor]] = []
     linears = [m for m in model.modules() if isinstance(m, PackedLinear) or is_lean_int4(m)]
-    hooks = [m.register_forward_pre_hook(lambda m, args: calls.append((m, args[0]))) for m in linears]
-    try:
-        with torch.inference_mode():
-            logits = model(input_ids=ids, use_cache=False).logits
-    finally:
-        for hook in hooks:
-            hook.remove()
-    runs: list[list[tuple[nn.Module, torch.Tensor]]] = []
-    for module, x in calls:
-        last = runs[-1] if runs else None
-        if last and x is last[0][1] and type(module) is type(last[0][0]) and all(module is not m for m, _ in last):
-            last.append((module, x))
-        else:
-            runs.append([(module, x)])
-    return [[m for m, _ in run] for run in runs if len(run) > 1], logits
+    logits = []
+    runs = sibling_runs(lambda: logits.append(model(input_ids=ids, use_cache=False).logits), linears)
+    return runs, logits[0]
 
 
 class StackedProduct:

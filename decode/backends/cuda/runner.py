@@ -108,14 +108,50 @@ def decoder_forward(decoder: torch.nn.Module, cache: StaticKV, ids: torch.Tensor
 
 @dataclass
 class Graph:
-    """A captured forward: its static inputs (ids, positions, mask, slots) and outputs (hidden, captured or None)."""
+    """A captured forward: its static inputs (ids, positions, mask, slots[, features]) and outputs (a model's hidden
+    and captured states or None; a head's features)."""
 
     graph: torch.cuda.CUDAGraph
     inputs: tuple[torch.Tensor, ...]
-    outputs: tuple[torch.Tensor, torch.Tensor | None]
+    outputs: tuple[torch.Tensor | None, ...]
 
 
-class StaticRunner:
+class CapturedGraphs:
+    """Forwards of a static cache replayed from CUDA graphs, one per shape of their inputs, captured at first use
+    around the runner's `_run` (eager or compiled). A user sets device and graph_widths and calls _drop_graphs."""
+
+    def _drop_graphs(self) -> None:
+        """Forget every graph, and their memory pool with them: a pool whose graphs are all freed cannot take a new
+        capture (PyTorch asserts), so the next capture starts a new one."""
+        self.graphs: dict[tuple, Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.graph_widths else None
+
+    def _replay(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor | None, ...]:
+        key = tuple(tuple(x.shape) for x in inputs)
+        graph = self.graphs.get(key) or self._capture(key, inputs)
+        for static, value in zip(graph.inputs, inputs):
+            static.copy_(value)
+        graph.graph.replay()
+        return tuple(None if x is None else x.clone() for x in graph.outputs)
+
+    def _capture(self, key: tuple, inputs: tuple[torch.Tensor, ...]) -> Graph:
+        """Capture the forward of one shape on this forward's inputs: the warm-up runs it for real, which only writes
+        this forward's keys at its own slots (the replay then writes the same ones again)."""
+        static = tuple(x.clone() for x in inputs)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(WARMUP):
+                self._run(*static)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = self._run(*static)
+        self.graphs[key] = Graph(graph, static, outputs)
+        return self.graphs[key]
+
+
+class StaticRunner(CapturedGraphs):
     """The Runner protocol (decode.engine.runner) on a StaticKV: crop moves the pointer, keep gathers the kept
     positions to the front, forwards padded to `widths` replay CUDA graphs on CUDA (eager elsewhere)."""
 
@@ -136,7 +172,6 @@ class StaticRunner:
         self.cache = StaticKV(self.config, self.max_length)
         self.layers: tuple[int, ...] = ()
         self.captured: torch.Tensor | None = None
-        self.graphs: dict[tuple[int, int], Graph] = {}
         self._drop_graphs()
 
     def reset(self) -> None:
@@ -148,12 +183,6 @@ class StaticRunner:
     def capture(self, layers: tuple[int, ...]) -> None:
         self.layers = tuple(layers)
         self._drop_graphs()  # graphs captured before return no features
-
-    def _drop_graphs(self) -> None:
-        """Forget every graph, and their memory pool with them: a pool whose graphs are all freed cannot take a new
-        capture (PyTorch asserts), so the next capture starts a new one."""
-        self.graphs.clear()
-        self.pool = torch.cuda.graph_pool_handle() if self.graph_widths else None
 
     def crop(self, length: int) -> None:
         self.cache.length = min(self.cache.length, length)
@@ -187,28 +216,3 @@ class StaticRunner:
         """The decoder's forward (eagerly, or recorded into a graph): last hidden states and the captured ones."""
         self.cache.slots, self.cache.span = slots, mask.shape[-1]
         return decoder_forward(self.decoder, self.cache, ids, positions, mask, self.layers)
-
-    def _replay(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        key = (inputs[0].shape[1], inputs[2].shape[-1])
-        graph = self.graphs.get(key) or self._capture(key, inputs)
-        for static, value in zip(graph.inputs, inputs):
-            static.copy_(value)
-        graph.graph.replay()
-        hidden, aux = graph.outputs
-        return hidden.clone(), None if aux is None else aux.clone()
-
-    def _capture(self, key: tuple[int, int], inputs: tuple[torch.Tensor, ...]) -> Graph:
-        """Capture the forward of one (width, span) on this forward's inputs: the warm-up runs it for real, which
-        only writes this forward's keys at its own slots (the replay then writes the same ones again)."""
-        static = tuple(x.clone() for x in inputs)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(WARMUP):
-                self._run(*static)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = self._run(*static)
-        self.graphs[key] = Graph(graph, static, outputs)
-        return self.graphs[key]
