@@ -120,7 +120,7 @@ def _stacked_int4(members: list[Int4Linear]) -> Int4Linear | None:
 def stack_siblings(module: nn.Module, forward: Callable[[], object]) -> int:
     """Run `module`'s sibling nn.Linears and Int4Linears (found in one `forward` of it) as one product each, in place
     (a plain linear becomes a SiblingLinear, an Int4Linear gets its `sibling`); returns how many groups."""
-    linears = [m for m in module.modules() if type(m) in (nn.Linear, Int4Linear)]
+    linears = [m for m in module.modules() if type(m) is nn.Linear or type(m) is Int4Linear and m.sibling is None]
     where = {id(child): (parent, name) for parent in module.modules() for name, child in parent.named_children()}
     groups = 0
     for members in sibling_runs(forward, linears):

@@ -24,6 +24,7 @@ from decode.backends import Backend
 from decode.backends.cuda import StaticRunner
 from decode.backends.cuda.runner import decoder_forward
 from decode.backends.int4pack import Int4Linear, pack
+from decode.backends.siblings import SiblingLinear, stack_siblings
 from decode.backends.static import CompiledHeadRunner, CompiledRunner, head_forward
 from decode.chains.baselines import autoregressive
 from decode.engine.chain import Chain
@@ -168,18 +169,25 @@ CHAINS = {"model, chain": [{"kind": "model", "model": "target", "layers": 1, "dr
 @pytest.mark.parametrize("drafter", CHAINS)
 def test_greedy_chains_on_it_are_ar_on_it(model, drafter):
     """Every model level on the compiled runner (a drafting model too) and every EAGLE head on the compiled head
-    runner, drafting from the features handed down as today (EAGLE-3: the aux states the target's runner captures)."""
+    runner, drafting from the features handed down as today (EAGLE-3: the aux states the target's runner captures),
+    their siblings stacked as the backend stacks them for these runners."""
     from decode_fixtures import build_chain
 
-    target = compiled(model, widths=(1, 16))
+    stacked = copy.deepcopy(model)
+    stack_siblings(stacked, lambda: stacked(input_ids=torch.tensor([[2, 3, 4, 5]]), use_cache=False))
+    target = compiled(stacked, widths=(1, 16))
     with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Backend, "compiled", lambda self, cuda: True)
         patch.setattr(Backend, "_runner_factory",
                       lambda self, m: functools.partial(CompiledRunner, m, (1, 16), 256, True, LIGHT))
         patch.setattr(Backend, "_head_runner_factory",
                       lambda self, head, int8: functools.partial(CompiledHeadRunner, head, (1, 16), 256, LIGHT))
         chain = build_chain([{"kind": "model"}, *CHAINS[drafter]], target, tokenizer=None)
     assert all(isinstance(level.runner, CompiledRunner) for level in chain.levels if isinstance(level, ModelLevel))
+    assert all(isinstance(level.model.model.layers[0].mlp.up_proj, SiblingLinear)
+               for level in chain.levels if isinstance(level, ModelLevel))
     if "eagle" in drafter:
+        assert sum(isinstance(m, SiblingLinear) for m in chain.levels[-1].head.modules()) == 5  # q, k, v; gate, up
         assert isinstance(chain.levels[-1].runner, CompiledHeadRunner), chain.levels[-1].runner
     for prompt in prompts(VOCAB):
         result = chain.generate(prompt, 30)
@@ -207,9 +215,12 @@ def test_a_sampled_chain_on_it_samples_like_the_target():
 
     target = tiny_model(seed=3, vocab=V, layers=2, hidden=32, init=0.3)
     middle = tiny_model(seed=11, vocab=V, layers=2, hidden=32, init=0.3)
+    drafter = noisy_copy(middle, 0.5, seed=5)
+    for m in (target, middle, drafter):  # as the backend runs these runners' models: siblings stacked
+        assert stack_siblings(m, lambda m=m: m(input_ids=torch.tensor([[1, 2]]), use_cache=False)) == 4
     levels = [ModelLevel(name, m, compute=LevelCompute(CompiledRunner(m, (1, 2, 4), 32, backend=LIGHT)), **kw)
               for name, m, kw in (("target", target, {}), ("middle", middle, {"mu": 2}),
-                                  ("drafter", noisy_copy(middle, 0.5, seed=5), {"draft": {"length": 2}}))]
+                                  ("drafter", drafter, {"draft": {"length": 2}}))]
     p = chi_square_pvalue(chain_counts(Chain(levels)), exact_joint(target))
     assert p > 1e-3, f"sampling through the compiled runner differs from the target's (chi-square p={p:.2e})"
 
