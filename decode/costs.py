@@ -284,7 +284,7 @@ def _print_launches(steps: dict[str, Step], device: Any) -> dict[str, dict[str, 
     """Each row's launches of a one-token forward (infra.timing.launches), one line a row; returns them."""
     counts = {name: launches(step, device) for name, step in steps.items()}
     what = ("device kernels and copies" if torch.device(device).type == "cuda"
-            else "operators dispatched (a compiled graph's own kernels not seen on a CPU)")
+            else "operators dispatched and a compiled graph's kernels")
     print(f"\nlaunches of a one-token forward, by torch.profiler: {what}; matrix products among them")
     for name, count in counts.items():
         print(f"{name:<18}{count['kernels']:6d} launches  {count['products']:5d} products")

@@ -44,8 +44,8 @@ PRODUCT = re.compile(r"mm|gemv|linear", re.IGNORECASE)  # aten's (add/b)mm, int4
 def launches(step: Step, device: Any) -> dict[str, int]:
     """What one forward of one new token (`step(1)`, run before it once) launches, by torch.profiler: `kernels`, on
     CUDA its device kernels and copies (CUPTI, inside a replayed CUDA graph too), on a CPU the operators it
-    dispatches, each counted once at its outermost (aten::linear, not also its aten::mm; a compiled graph's own C++
-    kernels are not operators); `products`, how many of those are matrix products."""
+    dispatches and the C++ kernels of a compiled graph (decode.backends.static marks them), each counted once at its
+    outermost (aten::linear, not also its aten::mm); `products`, how many of those are matrix products."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -63,7 +63,8 @@ def launches(step: Step, device: Any) -> dict[str, int]:
 
 
 def _operator(event: Any) -> bool:
-    return event.name.startswith(("aten::", "mkl::"))
+    """An operator, or a kernel inductor generated for a CPU (profiled where its compile asked: cpp_fused_*)."""
+    return event.name.startswith(("aten::", "mkl::")) or "cpp_fused" in event.name
 
 
 def _under_operator(event: Any) -> bool:

@@ -39,6 +39,12 @@ def dynamo_limits() -> dict[str, object]:
             "accumulated_recompile_limit": max(config.accumulated_recompile_limit, 512)}
 
 
+def compile_options(backend: str | Callable) -> dict[str, object] | None:
+    """Inductor's options for the runners: on a CPU its generated C++ kernels are marked for torch.profiler (free
+    unless it records), so that infra.timing.launches counts them there as it counts a GPU's kernels."""
+    return {"cpp.enable_kernel_profile": True} if backend == "inductor" else None
+
+
 class Pieces:
     """What the compiled runners share: a forward cut into pieces of at most max(widths) tokens after the cached ones,
     each padded to the next width and run by `_run` (compiled) or `_replay` (a CUDA graph of it), under the
@@ -101,7 +107,8 @@ class CompiledRunner(Pieces, StaticRunner):
         self.cache.kv = kv_buffer(self.config, self.cache.max_length, self.dtype, self.device)
         self.warm: set[tuple[int, ...]] = set()
         maybe_install_capturing_hooks(self.decoder)  # transformers installs them at a first capture, under a lock
-        self.compiled = torch.compile(decoder_forward, fullgraph=True, dynamic=False, backend=backend)
+        self.compiled = torch.compile(decoder_forward, fullgraph=True, dynamic=False, backend=backend,
+                                      options=compile_options(backend))
         self.warm_up()
 
     def warm_up(self) -> None:
@@ -162,7 +169,8 @@ class CompiledHeadRunner(Pieces, CapturedGraphs):
         self.cache = HeadKV(head.config, max_length + self.widths[-1])
         self.cache.kv = kv_buffer(head.config, self.cache.max_length, self.dtype, self.device)
         self.warm: set[tuple[int, ...]] = set()
-        self.compiled = torch.compile(head_forward, fullgraph=True, dynamic=False, backend=backend)
+        self.compiled = torch.compile(head_forward, fullgraph=True, dynamic=False, backend=backend,
+                                      options=compile_options(backend))
         self.warm_up()
 
     def warm_up(self) -> None:
