@@ -112,3 +112,17 @@ def test_the_compiled_runners_models_run_stacked_products_only_there():
     with torch.inference_mode():
         difference = (prepared.model.lm_head(runner.forward(IDS, None, None)) - reference).abs().max().item()
     assert difference < 1e-4, difference
+
+
+def test_a_stacked_int4pack_model_compiles_as_one_graph_and_computes_the_same():
+    """The W4 level on torch's int4 kernel, stacked, on the compiled runner (fullgraph: a break raises)."""
+    model = int4_model(hidden=128)
+    fused, groups = stacked(model)
+    assert groups == 2 * LAYERS
+    runner = CompiledRunner(fused, (8,), 64, backend=LIGHT)
+    count = launches(lambda k: (runner.reset(), runner.forward(IDS, None, None)), "cpu")
+    assert count["products"] == 4 * LAYERS
+    runner.reset()
+    with torch.inference_mode():
+        difference = (model.lm_head(runner.forward(IDS, None, None)) - logits(model)).abs().max().item()
+    assert difference < 1e-4, difference
