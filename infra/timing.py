@@ -38,7 +38,7 @@ def interleaved_ms(steps: dict[str, Step], ks: list[int], repeats: int,
     return times
 
 
-PRODUCT = re.compile(r"mm|gemv|linear", re.IGNORECASE)  # aten's (add/b)mm, int4pack_mm, mkl linear; gemm/gemv kernels
+PRODUCT = re.compile(r"mm|gemv|linear|matmul", re.IGNORECASE)  # aten's (add/b)mm, int4pack_mm, matmul, linear; gemm
 
 
 def launches(step: Step, device: Any) -> dict[str, int]:

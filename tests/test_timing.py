@@ -1,11 +1,12 @@
 """infra.timing's floors: the bytes a one-token forward streams (counted from the buffers it runs on), the read
-bandwidth, and each row's T(1) against its floor."""
+bandwidth, and each row's T(1) against its floor; and what a forward launches."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from infra.timing import Bandwidth, CountedStep, ReadProbe, floors, level_bytes, read_bandwidth, weight_bytes
+from infra.timing import (Bandwidth, CountedStep, ReadProbe, floors, launches, level_bytes, read_bandwidth,
+                          weight_bytes)
 
 
 def _bytes(*tensors: torch.Tensor) -> int:
@@ -129,3 +130,11 @@ def test_a_timed_forward_past_a_sliding_window_is_cropped_back_exactly(family, t
         with torch.inference_mode():
             full = model(torch.tensor([context + context[-k:]])).logits[0, -k:]
         torch.testing.assert_close(logits, full, atol=1e-4, rtol=1e-4)
+
+
+def test_launches_count_each_operator_once_at_its_outermost():
+    """aten::linear dispatches aten::t and aten::mm (or addmm) inside it: one launch, one product, not three."""
+    x, weight, bias = torch.randn(2, 8), torch.randn(4, 8), torch.randn(4)
+    counted = launches(lambda k: torch.nn.functional.linear(x, weight, bias).relu().sum(), "cpu")
+    assert counted == {"kernels": 3, "products": 1}
+    assert launches(lambda k: (x @ weight.T, x @ weight.T), "cpu")["products"] == 2
