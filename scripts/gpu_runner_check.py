@@ -33,7 +33,7 @@ from decode.engine.chain import Chain  # noqa: E402
 from decode.engine.levels import LevelCompute, ModelLevel, NgramLevel  # noqa: E402
 from decode.engine.runner import HFRunner  # noqa: E402
 from infra.device import synchronized_clock  # noqa: E402
-from infra.timing import read_bandwidth, weight_bytes  # noqa: E402
+from infra.timing import launches, read_bandwidth, weight_bytes  # noqa: E402
 
 FORBIDDEN = ("hydra", "omegaconf", "wandb", "deepspeed", "gptqmodel")
 CONTEXT, WIDTHS = 64, (1, 2, 4, 8, 16)
@@ -94,17 +94,18 @@ def bandwidth(device: torch.device, repeats: int = 11) -> float:
 
 
 def kernel_count(runner) -> int:
-    """CUDA kernels (and copies) of one eager static forward of one token, counted by torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    ids = torch.zeros(1, 1, dtype=torch.long, device=runner.device)
+    """CUDA kernels (and copies) of one eager static forward of one token after CONTEXT (infra.timing.launches)."""
     with torch.inference_mode():
         runner.reset()
         runner.forward(torch.zeros(1, CONTEXT, dtype=torch.long, device=runner.device), None, None)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            runner.forward(ids, None, None)
-            torch.cuda.synchronize(runner.device)
-    return sum(1 for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA)
+    ids = torch.zeros(1, 1, dtype=torch.long, device=runner.device)
+
+    def step(k: int) -> object:
+        runner.crop(CONTEXT)
+        with torch.inference_mode():
+            return runner.forward(ids, None, None)
+
+    return launches(step, runner.device)["kernels"]
 
 
 def launch_floor_ms(device: torch.device, kernels: int, repeats: int) -> float:
