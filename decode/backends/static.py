@@ -25,7 +25,7 @@ from transformers.utils.output_capturing import maybe_install_capturing_hooks
 
 from decode.backends.cuda import cuda_runners
 from decode.backends.cuda.runner import (MAX_LENGTH, WIDTHS, CapturedGraphs, StaticKV, StaticRunner, decoder_forward,
-                                        extend, static_mask)
+                                        extend, kv_buffers, static_mask)
 from decode.engine.errors import DecodeError
 from decode.engine.runner import Runner
 
@@ -104,7 +104,7 @@ class CompiledRunner(Pieces, StaticRunner):
         if not self.widths:
             raise ValueError("the compiled runner needs at least one width")
         self.cache = StaticKV(self.config, self.max_length + self.widths[-1])
-        self.cache.kv = kv_buffer(self.config, self.cache.max_length, self.dtype, self.device)
+        self.cache.buffers = config_buffers(self.config, self.cache.max_length, self.dtype, self.device)
         self.warm: set[tuple[int, ...]] = set()
         maybe_install_capturing_hooks(self.decoder)  # transformers installs them at a first capture, under a lock
         self.compiled = torch.compile(decoder_forward, fullgraph=True, dynamic=False, backend=backend,
@@ -167,7 +167,7 @@ class CompiledHeadRunner(Pieces, CapturedGraphs):
         self.graph_widths = self.widths if graphs and self.device.type == "cuda" else ()
         self._drop_graphs()
         self.cache = HeadKV(head.config, max_length + self.widths[-1])
-        self.cache.kv = kv_buffer(head.config, self.cache.max_length, self.dtype, self.device)
+        self.cache.buffers = config_buffers(head.config, self.cache.max_length, self.dtype, self.device)
         self.warm: set[tuple[int, ...]] = set()
         self.compiled = torch.compile(head_forward, fullgraph=True, dynamic=False, backend=backend,
                                       options=compile_options(backend))
@@ -203,12 +203,13 @@ class CompiledHeadRunner(Pieces, CapturedGraphs):
         return self._call((ids.shape[1], features.shape[-1]), self.head, self.cache, ids, positions, mask, features)
 
 
-def kv_buffer(config, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A StaticKV's buffer [layers, 2, 1, kv_heads, length, head_dim], made before the first forward (a buffer made
-    inside the compiled one would change what its guards see)."""
+def config_buffers(config, length: int, dtype: torch.dtype,
+                   device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A StaticKV's buffers for a model of `config`, made before the first forward (buffers made inside the compiled
+    one would change what its guards see)."""
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return torch.zeros(config.num_hidden_layers, 2, 1, heads, length, dim, dtype=dtype, device=device)
+    return kv_buffers(config.num_hidden_layers, heads, length, dim, dtype, device)
 
 
 def static_runners(model: PreTrainedModel, widths: tuple[int, ...] | None = None,

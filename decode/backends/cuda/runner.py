@@ -71,29 +71,40 @@ def extend(x: torch.Tensor, rows: int, step: int) -> torch.Tensor:
 
 
 class StaticKV(DynamicCache):
-    """Every layer's keys and values in one buffer [layers, 2, 1, kv_heads, max_length, head_dim], allocated at the
-    first write (from the keys' shape). A forward writes its keys at `slots` (a device tensor, so that a graph replays
-    with new ones) and its attention reads the first `span` positions; `length` is the pointer. A DynamicCache for the
-    rest of transformers' cache API (its layers stay empty: the runner always passes positions and a 4D mask)."""
+    """Every layer's keys and values in buffers of their own [1, kv_heads, max_length, head_dim] (`buffers`: a
+    (keys, values) pair a layer), allocated at the first write (from the keys' shape) unless made before. Not one
+    buffer for all: a compiled forward writing a view of its input cannot write it in place, and copied the whole
+    buffer at every layer's write (2.5 s a token for a 135M model on a CPU). A forward writes its keys at `slots` (a
+    device tensor, so that a graph replays with new ones) and its attention reads the first `span` positions; `length`
+    is the pointer. A DynamicCache for the rest of transformers' cache API (its layers stay empty: the runner always
+    passes positions and a 4D mask)."""
 
     def __init__(self, config, max_length: int):
         super().__init__(config=config)
         self.max_length, self.layer_count, self.length = max_length, config.num_hidden_layers, 0
-        self.kv: torch.Tensor | None = None
+        self.buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.slots: torch.Tensor | None = None
         self.span = max_length
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        if self.kv is None:
+        if self.buffers is None:
             _, heads, _, dim = key_states.shape
-            self.kv = key_states.new_zeros(self.layer_count, 2, 1, heads, self.max_length, dim)
-        keys, values = self.kv[layer_idx, 0], self.kv[layer_idx, 1]
+            self.buffers = kv_buffers(self.layer_count, heads, self.max_length, dim, key_states.dtype,
+                                      key_states.device)
+        keys, values = self.buffers[layer_idx]
         keys.index_copy_(2, self.slots, key_states)
         values.index_copy_(2, self.slots, value_states)
         return keys[:, :, : self.span], values[:, :, : self.span]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
+
+
+def kv_buffers(layers: int, heads: int, length: int, dim: int, dtype: torch.dtype,
+               device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A StaticKV's buffers: keys and values [1, heads, length, dim] for each of `layers` layers."""
+    return [tuple(torch.zeros(1, heads, length, dim, dtype=dtype, device=device) for _ in range(2))
+            for _ in range(layers)]
 
 
 def decoder_forward(decoder: torch.nn.Module, cache: StaticKV, ids: torch.Tensor, positions: torch.Tensor,
@@ -189,9 +200,9 @@ class StaticRunner(CapturedGraphs):
 
     @torch.inference_mode()
     def keep(self, index: torch.Tensor) -> None:
-        kv = self.cache.kv
-        if kv is not None:
-            kv[..., : len(index), :] = kv.index_select(4, index.to(kv.device))
+        index = index.to(self.device)
+        for buffer in (b for pair in self.cache.buffers or () for b in pair):
+            buffer[:, :, : len(index)] = buffer.index_select(2, index)
         self.cache.length = len(index)
 
     @torch.inference_mode()
