@@ -48,14 +48,22 @@ def test_stacked_siblings_compute_the_same_model_in_fewer_products(make):
     assert difference < 1e-5, difference
 
 
-def test_int4_siblings_that_do_not_fill_whole_tiles_stay_apart():
-    """A CPU int4 pack tiles 64 rows: k and v of 32 rows each stacked as packed computed another model (logits off
-    by 3); the probe keeps them apart, and gate/up (128 rows each) stacked."""
+def test_int4_siblings_whose_packs_do_not_stack_stay_apart(monkeypatch):
+    """An AVX-512 CPU int4 pack tiles 64 rows: k and v of 32 rows each stacked as packed computed another model
+    (logits off by 3; an AVX2 pack stacks them). Planted on every host, a stack whose rows are out of place: the probe
+    keeps every group apart and the model computes what it did."""
+    import decode.backends.siblings as siblings
+
     model = int4_model(hidden=64)
+    fused, groups = stacked(model)  # as this host's pack allows: gate/up at least (128 rows each)
+    assert groups in (LAYERS, 2 * LAYERS) and products(fused) == 7 * LAYERS + 1 - (groups - LAYERS) * 2 - LAYERS
+    assert (logits(fused) - logits(model)).abs().max().item() < 1e-5
+
+    pack = siblings.Int4Pack
+    monkeypatch.setattr(siblings, "Int4Pack", lambda weight, *rest: pack(weight.roll(1, 0), *rest))
     fused, groups = stacked(model)
-    assert groups == LAYERS and products(fused) == 6 * LAYERS + 1
-    difference = (logits(fused) - logits(model)).abs().max().item()
-    assert difference < 1e-5, difference
+    assert groups == 0 and products(fused) == 7 * LAYERS + 1
+    assert (logits(fused) - logits(model)).abs().max().item() < 1e-5
 
 
 def test_the_state_dict_is_unchanged_and_the_weights_are_not_copied():
