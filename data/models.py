@@ -197,11 +197,41 @@ def architecture_problem(config: PretrainedConfig) -> str | None:
 
 class IncompleteCheckpointError(ModelSourceError):
     """A quantized checkpoint whose tensors do not fill the model its config names; `detail` names the first bad
-    module, without the folder."""
+    module, without the folder. quantize.w4 writes nothing that does not load whole, so such a folder was made
+    elsewhere or changed since: quantizing its source again with quantize.w4 makes one that loads."""
 
     def __init__(self, path: str, detail: str):
-        super().__init__(f"{path}: {detail}; quantize the model again (python -m quantize.w4 quantize.overwrite=true)")
+        super().__init__(f"{path}: {detail}; it was not written whole by quantize.w4: quantize its source model with "
+                         "python -m quantize.w4 quantize.overwrite=true")
         self.detail = detail
+
+
+_EXPERT_APART = re.compile(r"\.experts\.\d+\.")
+
+
+def stores_experts_apart(path: str) -> bool:
+    """Whether a checkpoint folder stores routed experts as one linear each (`...experts.<n>.<linear>`): GPTQModel
+    quantizes them so, while transformers' mixture-of-experts classes hold each layer's experts fused."""
+    from safetensors import safe_open
+
+    for file in Path(path).glob("*.safetensors"):
+        with safe_open(file, "pt") as handle:
+            if any(_EXPERT_APART.search(key) for key in handle.keys()):
+                return True
+    return False
+
+
+def experts_as_linears(cls: type[PreTrainedModel]) -> type[PreTrainedModel]:
+    """`cls` (same name) building its routed experts as one linear per expert, as GPTQModel builds them to quantize
+    and load (its defuser): transformers' GPTQ loading then swaps each for its int4 linear, which a per-expert
+    checkpoint fills. The fused expert tensors of transformers' own classes are no linear GPTQ could replace."""
+    import defuser
+
+    def __init__(self: PreTrainedModel, config: PretrainedConfig, *args: Any, **kwargs: Any) -> None:
+        cls.__init__(self, config, *args, **kwargs)
+        defuser.convert_model(self, cleanup_original=True)
+
+    return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__})
 
 
 def check_loaded_whole(path: str, model: PreTrainedModel, info: dict[str, Any]) -> None:
@@ -233,16 +263,22 @@ def load_model(
     (check_loaded_whole). The whole model goes on the one device (no device map across GPUs: a model that does not
     fit one GPU is not supported yet).
     """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
     device = str(device)
     path = resolve_model_path(spec)
+    loader = AutoModelForCausalLM.from_pretrained
     if (Path(path) / "config.json").is_file():  # refused before any weights load
-        problem = architecture_problem(_from_pretrained(spec, path, AutoConfig.from_pretrained))
+        config = _from_pretrained(spec, path, AutoConfig.from_pretrained)
+        problem = architecture_problem(config)
         if problem:
             raise ModelSourceError(f"{path}: {problem}: not supported; set model.name (or a chain level's model:) to "
                                    "a decoder-only model with attention layers")
+        if getattr(config, "quantization_config", None) and stores_experts_apart(path):
+            loader = experts_as_linears(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]).from_pretrained
     tokenizer = _from_pretrained(spec, path, AutoTokenizer.from_pretrained)
     model, info = _from_pretrained(
-        spec, path, AutoModelForCausalLM.from_pretrained, dtype=getattr(torch, dtype), device_map=device,
+        spec, path, loader, dtype=getattr(torch, dtype), device_map=device,
         output_loading_info=True, **_gptq_loading_kwargs(path, device),
     )
     if getattr(model.config, "quantization_config", None):
@@ -259,6 +295,11 @@ def weights_hash(model: torch.nn.Module) -> str:
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()[:16]
+
+
+def nonfinite_tensors(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The sorted names of the floating-point tensors holding a NaN or an infinity: what no stage may write."""
+    return sorted(name for name, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all()))
 
 
 def same_vocabulary(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> bool:

@@ -10,9 +10,11 @@ cnets.py also compute: `x = fc(cat[embed(token), feature])` with no bias (SGLang
 carry one), one decoder layer whose input norm is the identity, and its output (MLP output + residual)
 is the predicted feature, with no final norm; the logits are the target's LM head on it. The decoder
 layer is the target's own layer class, built from a one-layer copy of the target's config through the
-public transformers API (Llama, Qwen2, Mistral, Gemma families). The embedding and LM head are the
-target's, frozen, held by reference and never saved: `state_dict()` and `parameters()` hold the head's
-own weights only, under vLLM's names (`fc.weight`, `layers.0.*`), which is also what DeepSpeed trains.
+public transformers API (Llama, Qwen2, Mistral, Gemma families); for a mixture-of-experts target (or one
+whose layer is not Llama-style, GPT-NeoX) it is one dense Llama layer of the target's width, the head vLLM
+and SGLang serve for such targets (head_layer). The embedding and LM head are the target's, frozen, held by
+reference and never saved: `state_dict()` and `parameters()` hold the head's own weights only, under vLLM's names
+(`fc.weight`, `layers.0.*`), which is also what DeepSpeed trains.
 
 Draft vocabulary (FR-Spec / EAGLE-3): a head may carry `draft_vocab`, the sorted ids of the N tokens
 it can propose (the most frequent ones in the training replies). Its logits then cover those N tokens
@@ -65,8 +67,54 @@ def _base_model(target: PreTrainedModel) -> nn.Module:
     return getattr(target, target.base_model_prefix, target)
 
 
-def _layer_parts(target: PreTrainedModel) -> tuple[type, type]:
-    """(decoder-layer class, rotary-embedding class) of a target, or a one-line HeadError."""
+LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+INPUT_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("qkv_proj",))  # the attention's input linears (Phi-3: fused)
+
+
+def input_projections(layer: nn.Module) -> tuple[str, ...] | None:
+    """The names of a decoder layer's attention input linears (q/k/v, or Phi-3's fused qkv), or None where the layer
+    is not Llama's: other parts (LAYER_PARTS; GPT-NeoX's `attention` and fused query_key_value), or a cache taken
+    under another name than `past_key_values` (GPT-NeoX's `layer_past`: the head's cache would go unwritten)."""
+    if any(not isinstance(getattr(layer, part, None), nn.Module) for part in LAYER_PARTS):
+        return None
+    if "past_key_values" not in inspect.signature(type(layer).forward).parameters:
+        return None
+    return next((parts for parts in INPUT_PROJECTIONS
+                 if all(isinstance(getattr(layer.self_attn, p, None), nn.Linear) for p in parts)), None)
+
+
+def routes_to_experts(model: nn.Module) -> bool:
+    """Whether a model's decoder layers route tokens through experts (Mixtral, Qwen3-MoE, gpt-oss): a module named
+    `experts` in any layer."""
+    layers = getattr(_base_model(model), "layers", None) or ()
+    return any(name.rsplit(".", 1)[-1] == "experts" for name, _ in nn.ModuleList(layers).named_modules())
+
+
+def dense_config(target_config: Any) -> Any:
+    """A Llama config of the target's width, heads and rotary embedding, its MLP as wide as the target's
+    `intermediate_size` (an expert's, or a dense layer's), rotating whole heads (Llama has no partial rotary): the
+    one dense layer vLLM and SGLang load as a mixture-of-experts target's EAGLE head (EagleLlamaForCausalLM,
+    LlamaForCausalLMEagle3)."""
+    from transformers import LlamaConfig
+
+    c = target_config
+    heads = c.num_attention_heads
+    rope = {k: v for k, v in (getattr(c, "rope_parameters", None) or {}).items() if k != "partial_rotary_factor"}
+    return LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=getattr(c, "num_key_value_heads", heads),
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, hidden_act="silu",
+        max_position_embeddings=c.max_position_embeddings, rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
+        rope_parameters=rope, attention_bias=getattr(c, "attention_bias", False),
+        initializer_range=getattr(c, "initializer_range", 0.02), tie_word_embeddings=False,
+        bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id, pad_token_id=c.pad_token_id,
+        attn_implementation=c._attn_implementation)
+
+
+def head_layer(target: PreTrainedModel) -> tuple[type, type, Any]:
+    """(decoder-layer class, rotary-embedding class, one-layer config) of a target's head, or a one-line HeadError:
+    the target's own layer class on a one-layer copy of its config where that layer is Llama-style; a dense Llama
+    layer of its width (dense_config) where it routes tokens to experts or is built otherwise (GPT-NeoX)."""
     base = _base_model(target)
     layers, rotary = getattr(base, "layers", None), getattr(base, "rotary_emb", None)
     name = type(target).__name__
@@ -75,11 +123,15 @@ def _layer_parts(target: PreTrainedModel) -> tuple[type, type]:
             f"target {name} has no usable decoder-layer class (an EAGLE head needs <base>.layers[0] "
             "and <base>.rotary_emb, as Llama/Qwen2/Mistral/Gemma models have)"
         )
+    if routes_to_experts(target) or input_projections(layers[0]) is None:
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+        return LlamaDecoderLayer, LlamaRotaryEmbedding, head_config(dense_config(target.config))
     layer_cls = type(layers[0])
     params = inspect.signature(layer_cls.__init__).parameters
     if "config" not in params or "layer_idx" not in params:
         raise HeadError(f"target {name}: decoder layer {layer_cls.__name__} cannot be built from (config, layer_idx)")
-    return layer_cls, type(rotary)
+    return layer_cls, type(rotary), head_config(target.config)
 
 
 def head_config(target_config: Any) -> Any:
@@ -107,7 +159,6 @@ class DraftHead(nn.Module):
         self._shared = {"embed": target.get_input_embeddings()}
         self._shared["embed"].requires_grad_(False)
         self.target_name = str(getattr(target.config, "name_or_path", "") or type(target).__name__)
-        self.target_class = type(target).__name__
         if draft_vocab is not None:
             draft_vocab = torch.as_tensor(draft_vocab, dtype=torch.long).unique(sorted=True)
             if draft_vocab.numel() == 0 or draft_vocab[0] < 0 or draft_vocab[-1] >= self.config.vocab_size:
@@ -241,8 +292,7 @@ class EagleHead(DraftHead):
 
     def __init__(self, target: PreTrainedModel, init_std: float | None = None, draft_vocab: torch.Tensor | None = None):
         super().__init__()
-        layer_cls, rotary_cls = _layer_parts(target)
-        self.config = head_config(target.config)
+        layer_cls, rotary_cls, self.config = head_layer(target)
         h = self.config.hidden_size
         self.fc = nn.Linear(2 * h, h, bias=False)
         try:
@@ -328,7 +378,10 @@ class EagleHead(DraftHead):
         LlamaForCausalLM head becomes vLLM's EagleLlamaForCausalLM), the weights' dtype, and polyspec's own
         metadata under `polyspec`, a key vLLM and transformers ignore."""
         config = self.config.to_dict()
-        config.update(architectures=[self.target_class], num_hidden_layers=1,
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        architecture = MODEL_FOR_CAUSAL_LM_MAPPING[type(self.config)].__name__  # the target's, or Llama's (dense)
+        config.update(architectures=[architecture], num_hidden_layers=1,
                       dtype=str(self.fc.weight.dtype).removeprefix("torch."), polyspec=polyspec)
         config.pop("torch_dtype", None)
         return config
@@ -386,7 +439,9 @@ def _read_weights(weights: Path) -> dict[str, torch.Tensor]:
         state = load_file(str(weights))
     except (SafetensorError, OSError) as err:  # truncated, empty or not a safetensors file
         raise HeadError(f"{weights}: unreadable ({_first_line(err)}); retrain or restore the head") from None
-    bad = sorted(name for name, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all()))
+    from data.models import nonfinite_tensors
+
+    bad = nonfinite_tensors(state)
     if bad:
         raise HeadError(f"{weights}: non-finite weights in {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} "
                         "(NaN or inf: a diverged training run?)")

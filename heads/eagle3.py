@@ -4,7 +4,8 @@ Pairing as EAGLE-2's (heads.eagle): `features[:, t]` belongs to position t, `inp
 `logits[:, t]` predicts token t+2. At the first step the features are the verifier's hidden states ENTERING its
 layers `aux_layers` (default (2, N//2, N-3), HF's `output_hidden_states[i]`), side by side [B, T, 3h], and `fc`
 (3h -> h, no bias) fuses them into g; at later steps the features are the head's own previous output, g itself
-(the width tells which, as in vLLM). One decoder layer of the target's own class, its q/k/v widened to 2h:
+(the width tells which, as in vLLM). One decoder layer (heads.eagle.head_layer: the target's own class, or a dense
+Llama one), its q/k/v widened to 2h:
 
     x = cat[input_layernorm(embed(token)), hidden_norm(g)]        (norm_before_residual: false)
     h = g + self_attn(x);  out = h + mlp(post_attention_layernorm(h))
@@ -26,11 +27,9 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from heads.eagle import DraftHead, HeadError, _layer_parts, head_config
+from heads.eagle import DraftHead, HeadError, head_layer, input_projections
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # vLLM's Eagle3LlamaForCausalLM, SGLang's LlamaForCausalLMEagle3
-LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-INPUT_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("qkv_proj",))  # the attention's input linears (Phi-3: fused)
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
@@ -55,8 +54,7 @@ class Eagle3Head(DraftHead):
     def __init__(self, target: PreTrainedModel, init_std: float | None = None, draft_vocab: torch.Tensor | None = None,
                  aux_layers: Sequence[int] | None = None):
         super().__init__()
-        layer_cls, rotary_cls = _layer_parts(target)
-        self.config = head_config(target.config)
+        layer_cls, rotary_cls, self.config = head_layer(target)
         n = target.config.num_hidden_layers
         self.aux_layers = check_aux_layers(aux_layers if aux_layers is not None else default_aux_layers(n), n)
         h = self.config.hidden_size
@@ -167,22 +165,14 @@ def _vocab_of(path: Path, state: dict[str, torch.Tensor], vocab_size: int) -> to
 
 
 def _widened_layer(target: PreTrainedModel, layer_cls: type, config: Any) -> nn.Module:
-    """The target's decoder-layer class built from the head's one-layer config, q/k/v (or a fused qkv) reading 2h
-    inputs."""
-    name = type(target).__name__
+    """The head's decoder layer (head_layer: the target's class, or a dense Llama one) built from the head's one-layer
+    config, q/k/v (or a fused qkv) reading 2h inputs."""
     try:
         layer = layer_cls(config, layer_idx=0)
     except Exception as err:  # a layer class whose constructor needs more than its config
-        raise HeadError(f"target {name}: cannot build {layer_cls.__name__} from its config "
+        raise HeadError(f"target {type(target).__name__}: cannot build {layer_cls.__name__} from its config "
                         f"({err.__class__.__name__}: {err})") from None
-    attention = getattr(layer, "self_attn", None)
-    missing = [part for part in LAYER_PARTS if not isinstance(getattr(layer, part, None), nn.Module)]
-    inputs = next((parts for parts in INPUT_PROJECTIONS
-                   if all(isinstance(getattr(attention, p, None), nn.Linear) for p in parts)), None)
-    missing += ["q_proj, k_proj, v_proj (or a fused qkv_proj)"] if inputs is None else []
-    if missing:
-        raise HeadError(f"target {name}: decoder layer {layer_cls.__name__} lacks {', '.join(missing)} "
-                        "(an EAGLE-3 head needs a Llama-style layer)")
+    attention, inputs = layer.self_attn, input_projections(layer)
     for part in inputs:
         old = getattr(attention, part)
         setattr(attention, part, nn.Linear(2 * old.in_features, old.out_features, bias=old.bias is not None))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import random
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -39,6 +41,33 @@ def cpu_recipe(cpu_workers: int | None) -> None:
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(cpu_workers or os.cpu_count() or 1))
 
 
+@contextmanager
+def transformers_as_defined(src: str) -> Iterator[None]:
+    """Undo, on leaving, what GPTQModel's loader patches process-wide for `src`'s model type: it swaps transformers'
+    mixture-of-experts classes for defused ones and wraps the checkpoint renaming (defuser.replace_fused_blocks).
+    Every later load in this process (the stage's check of what it wrote, a target in the same test process) then
+    builds the classes transformers defines, as decode does in a fresh process (data.models.experts_as_linears)."""
+    import importlib
+
+    from defuser.model_registry import MODEL_CONFIG, PATCH
+    from transformers import AutoConfig
+
+    replaced = MODEL_CONFIG.get(AutoConfig.from_pretrained(src).model_type, {}).get(PATCH.REPLACE_MODULE, [])
+    renaming = "get_checkpoint_conversion_mapping"
+    places = [original.rsplit(".", 1) for original, _ in replaced]
+    places += [("transformers.conversion_mapping", renaming), ("transformers.modeling_utils", renaming)]
+    kept = [(owner, name, owner.__dict__.get(name)) for owner, name in
+            ((importlib.import_module(module), name) for module, name in places)]
+    try:
+        yield
+    finally:
+        for owner, name, value in kept:
+            if value is None:
+                owner.__dict__.pop(name, None)
+            else:
+                setattr(owner, name, value)
+
+
 def gptq_quantize(src: str, dst: Path, q: Quantization, calibration: list[list[int]], device: str = "cpu") -> None:
     """Run GPTQModel on `src` on `device` (its CPU path, or its GPU path on cuda[:N]) and save the checkpoint into
     `dst` (which must not exist yet); the checkpoint format is the same either way."""
@@ -53,7 +82,8 @@ def gptq_quantize(src: str, dst: Path, q: Quantization, calibration: list[list[i
         damp_auto_increment=q.damp_auto_increment, mse=q.mse, true_sequential=q.true_sequential,
         offload_to_disk=False,  # disk offload: much slower here
     )
-    model = GPTQModel.load(src, config, device=device, dtype=getattr(torch, q.calibration.dtype))
-    model.quantize([{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in calibration],
-                   batch_size=q.calibration.batch_size)
-    model.save(str(dst))
+    with transformers_as_defined(src):
+        model = GPTQModel.load(src, config, device=device, dtype=getattr(torch, q.calibration.dtype))
+        model.quantize([{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in calibration],
+                       batch_size=q.calibration.batch_size)
+        model.save(str(dst))

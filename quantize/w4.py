@@ -21,7 +21,8 @@ import torch
 from omegaconf import DictConfig
 from transformers import AutoConfig, PreTrainedModel
 
-from data.models import IncompleteCheckpointError, load_model, load_tokenizer, resolve_model_path, weights_hash
+from data.models import (IncompleteCheckpointError, load_model, load_tokenizer, nonfinite_tensors, resolve_model_path,
+                         weights_hash)
 from data.sharegpt import load_split
 from infra.cli import check_writable, run_main
 from infra.layout import RunLayout
@@ -91,6 +92,16 @@ def provenance(q: Quantization, source_model: str, target: PreTrainedModel) -> d
     return {"source_model": source_model, "source_weights_hash": weights_hash(target), "settings": settings}
 
 
+def check_finite(folder: Path) -> None:
+    """Refuse a checkpoint holding a NaN or an infinity (a scale of a degenerate Hessian), naming the tensor."""
+    from safetensors.torch import load_file
+
+    bad = [name for file in sorted(folder.glob("*.safetensors")) for name in nonfinite_tensors(load_file(file))]
+    if bad:
+        raise QuantizeError(f"GPTQ computed non-finite values in {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}"
+                            ", so nothing is written; raise quantize.damp_percent or quantize.calibration.samples")
+
+
 def quantize_into(tmp: Path, src: str, calibration: list[list[int]], meta: dict[str, Any], q: Quantization,
                   device: torch.device) -> float:
     """GPTQ into `tmp`, its groups re-encoded for the CPU kernels and its metadata written; seconds GPTQ took."""
@@ -98,6 +109,7 @@ def quantize_into(tmp: Path, src: str, calibration: list[list[int]], meta: dict[
     start = time.perf_counter()
     gptq_quantize(src, tmp, q, calibration, str(device))
     quantize_s = time.perf_counter() - start
+    check_finite(tmp)
     fused = fuse_split_projections(tmp, class_linears(src))
     if fused:
         print(f"w4: {len(fused)} fused linears stored whole, as the model class loads them (e.g. {fused[0]})")
@@ -119,7 +131,7 @@ def measured(tmp: Path, src: str, target: PreTrainedModel, held_out: list, setti
         w4, _ = load_model(str(tmp), dtype=settings.model.dtype, device=device)
     except IncompleteCheckpointError as err:  # nothing measured or written from a model missing weights
         raise QuantizeError(f"the W4 model GPTQModel saved does not load back whole, so nothing is written: "
-                            f"{err.detail}") from None
+                            f"{err.detail}; quantize.w4 does not support this model's layout") from None
     metrics = evaluate_w4(target, w4, load_tokenizer(src), held_out, q.eval)
     groups = json.loads((tmp / "config.json").read_text())["quantization_config"]["meta"]["polyspec"]["groups"]
     return metrics | {"device": str(device), "size_mb_target": folder_mb(src),

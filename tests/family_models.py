@@ -32,6 +32,19 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", _GEMMA),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(_GEMMA, num_hidden_layers=4, sliding_window_pattern=2)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    # routed experts: 4 experts, 2 a token; every expert's linears 128 or 256 wide
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        head_dim=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW, num_hidden_layers=3,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], rope_parameters=dict(
+            rope_type="yarn", rope_theta=150000.0, factor=4.0, original_max_position_embeddings=256, beta_fast=32.0,
+            beta_slow=1.0, truncate=False))),
+    # partial rotary (a quarter of each head) and the parallel residual block
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(
+        num_key_value_heads=None, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                       partial_rotary_factor=0.25), use_parallel_residual=True)),
 }
 
 
@@ -44,9 +57,9 @@ def tiny_family_model(family: str, folder: Path, seed: int = 0) -> Path:
 
     config_class, model_class, settings = FAMILIES[family]
     tokenizer = load_tokenizer(TOKENIZER)
-    config = getattr(transformers, config_class)(
-        **{**_COMMON, **settings}, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.eos_token_id)
+    config = getattr(transformers, config_class)(  # a setting of None drops a _COMMON key the class does not take
+        **{k: v for k, v in {**_COMMON, **settings}.items() if v is not None}, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
     torch.manual_seed(seed)
     getattr(transformers, model_class)(config).eval().save_pretrained(folder)
     tokenizer.save_pretrained(folder)

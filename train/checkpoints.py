@@ -29,6 +29,7 @@ class Progress:
     train_seconds: float = 0.0
     curve: list[dict[str, float]] = field(default_factory=list)  # held-out evaluations against tokens seen
     last: dict[str, float] = field(default_factory=dict)  # the last step's training metrics
+    nonfinite_step: int | None = None  # the first step whose loss was NaN or infinite
 
 
 def checkpoint_fingerprint(settings: TrainSettings, world: int) -> dict[str, Any]:

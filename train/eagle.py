@@ -45,10 +45,10 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from data.models import load_model, same_vocabulary, weights_hash
+from data.models import load_model, nonfinite_tensors, same_vocabulary, weights_hash
 from data.settings import ModelSettings
 from data.sharegpt import load_split
-from heads.eagle import FORMAT_VERSION, DraftHead, EagleHead, TrainingRecord, vocabulary_rows
+from heads.eagle import FORMAT_VERSION, DraftHead, EagleHead, TrainingRecord, head_layer, vocabulary_rows
 from heads.eagle3 import Eagle3Head, check_aux_layers, default_aux_layers
 from infra.cli import run_main
 from infra.layout import RunLayout
@@ -207,6 +207,17 @@ def aux_layers(t: EagleTraining, target: PreTrainedModel) -> tuple[int, ...]:
     return check_aux_layers(layers if layers is not None else default_aux_layers(n), n)
 
 
+def check_init(t: EagleTraining, target: PreTrainedModel) -> None:
+    """train.init=target_last_layer needs a head layer of the target's own class, which a mixture-of-experts target's
+    head (a dense Llama layer: heads.eagle.head_layer) is not; refused before the feature store is built."""
+    if t.init != "target_last_layer":
+        return
+    own, last = head_layer(target)[0], type(getattr(target, target.base_model_prefix).layers[-1])
+    if own is not last:
+        raise TrainError(f"train.init=target_last_layer: {type(target).__name__}'s head is a dense {own.__name__}, "
+                         f"not a copy of its {last.__name__}; set train.init=random")
+
+
 def new_head(t: EagleTraining, target: PreTrainedModel, vocab: torch.Tensor | None) -> DraftHead:
     """A fresh head: random (EAGLE's init) or `train.init=target_last_layer`: the decoder layer copied from
     the target's last layer and fc passing the feature half through unchanged. EAGLE-3: random, its LM head the
@@ -259,6 +270,7 @@ class EagleRecipe:
         split = load_split(self.settings.data)  # the data before any model: a bad source is refused in seconds
         self.target, self.tokenizer, feature_model = load_verifiers(self.settings.model, self.t.feature_source,
                                                                     self.layout, device)
+        check_init(self.t, self.target)
         self.hashes = {"target": weights_hash(self.target)}
         if self.t.skip_if_valid and head_is_current(self.settings, self.hashes["target"]):
             return False
@@ -362,6 +374,8 @@ class EagleRecipe:
                   "train/feature_loss": sums["feature_loss"] / micro_batches,
                   "train/ce": sums["ce"] / micro_batches, "train/top1": sums["correct"] / max(1, sums["predicted"]),
                   "train/lr": self.scheduler.get_last_lr()[0], "train/tokens_per_s": sums["tokens"] / elapsed}
+        if p.nonfinite_step is None and not math.isfinite(p.last["train/loss"]):
+            p.nonfinite_step = p.step
         if self.tracker is not None:
             self.tracker.log(p.last, step=p.step)
 
@@ -414,10 +428,22 @@ class EagleRecipe:
 
         metrics: dict[str, Any] = {}
         with deepspeed.zero.GatheredParameters(list(self.head.parameters())):
+            self._check_finite()  # on every rank: each stops alike
             if self.rank == 0:
                 metrics = self._write_head()
         dist.barrier()
         return metrics
+
+    def _check_finite(self) -> None:
+        """Refuse to write a head with a NaN or infinite weight, naming it and the step the loss went non-finite."""
+        bad = nonfinite_tensors(self.head.state_dict())
+        if not bad:
+            return
+        step = self.progress.nonfinite_step
+        when = (f"the training loss went non-finite at step {step}; lower train.lr" if step is not None else
+                "the loss stayed finite, so the loss never reached it (left uninitialised)")
+        raise TrainError(f"the head's weights are not finite ({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}): "
+                         f"{when}; nothing is written")
 
     def _write_head(self) -> dict[str, Any]:
         t, k, progress = self.t, self.t.eval.depth, self.progress

@@ -21,12 +21,13 @@ from decode.engine.runner import HFRunner, Prepared
 from infra.layout import RunLayout
 
 NEW_TOKENS = 100
-SLIDING = {"qwen2", "mistral", "gemma2", "gemma3"}
+SLIDING = {"qwen2", "mistral", "gemma2", "gemma3", "gpt_oss"}
 # Why each family does not run on the native CPU runner (None: it does, where the kernels build).
 NATIVE_PROBLEM = {
     "llama": None, "llama3": None, "qwen2": "sliding-window attention", "qwen3": "architecture 'qwen3'",
     "mistral": "sliding-window attention", "gemma2": "architecture 'gemma2'", "gemma3": "architecture 'gemma3_text'",
-    "phi3": "architecture 'phi3'",
+    "phi3": "architecture 'phi3'", "mixtral": "architecture 'mixtral'", "qwen3_moe": "architecture 'qwen3_moe'",
+    "gpt_oss": "architecture 'gpt_oss'", "gpt_neox": "not a transformers decoder-only model",
 }
 TREE = {"mode": "tree", "depth": 3, "top_k": 3, "total_tokens": 8}
 NOISY = "noisy"  # a folder beside the target's: the target with noise on its weights, a drafter that often agrees

@@ -160,3 +160,33 @@ def test_draft_vocabulary_logits_are_the_full_logits_at_its_tokens_and_survive_s
     assert loaded.draft_vocab.tolist() == [3, 17, 42, 250]
     with pytest.raises(HeadError, match="draft vocabulary"):
         EagleHead(target, draft_vocab=torch.tensor([target.config.vocab_size]))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss", "gpt_neox", "llama"])
+def test_a_head_has_a_dense_llama_layer_where_the_target_has_no_llama_style_one(family, tmp_path):
+    """Mixture-of-experts targets (and GPT-NeoX, whose layer takes its cache as `layer_past`, so a head of its class
+    never wrote its cache) get one dense Llama layer of their width for both heads, the layout vLLM and SGLang serve
+    for them: every weight finite from the start (the experts of a head of the target's class were never
+    initialised), saved as a Llama EAGLE head, loaded back computing the same. Llama keeps its own layer."""
+    from family_models import tiny_family_model
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from data.models import load_model, weights_hash
+    from heads.eagle3 import Eagle3Head, load_head
+
+    target, tokenizer = load_model(str(tiny_family_model(family, tmp_path / "target")))
+    ids, features = head_inputs(target)
+    for cls, architecture in ((EagleHead, "LlamaForCausalLM"), (Eagle3Head, "LlamaForCausalLMEagle3")):
+        torch.manual_seed(0)
+        head = cls.for_target(target)
+        layer = head.layer if cls is EagleHead else head.midlayer
+        assert type(layer) is LlamaDecoderLayer and head.config.hidden_size == target.config.hidden_size
+        assert head.config.intermediate_size == target.config.intermediate_size
+        assert all(torch.isfinite(t).all() for t in head.state_dict().values())
+        head.save_pretrained(tmp_path / cls.method, weights_hash(target), tokenizer)
+        config = json.loads((tmp_path / cls.method / "config.json").read_text())
+        assert config["architectures"] == [architecture] and config["model_type"] == "llama"
+        loaded = load_head(tmp_path / cls.method, target, tokenizer)
+        step = features if cls is EagleHead else torch.cat([features] * 3, -1)
+        with torch.no_grad():
+            assert torch.equal(loaded(ids, step)[1], head(ids, step)[1])

@@ -148,6 +148,31 @@ def test_a_failure_after_quantizing_leaves_nothing_behind(tiny_source, chat_file
     assert not (tmp_path / "w4").exists() and not leftovers(tmp_path)
 
 
+def test_a_checkpoint_with_a_nan_is_refused_naming_the_tensor(tiny_source, chat_file, tmp_path, monkeypatch):
+    """Planted: GPTQ writes a NaN scale. The stage stops in one line naming the tensor, before measuring or writing
+    anything."""
+    from safetensors.torch import load_file, save_file
+
+    import quantize.w4 as w4
+
+    quantize = w4.gptq_quantize
+
+    def with_a_nan(src, dst, *args, **kwargs):
+        quantize(src, dst, *args, **kwargs)
+        file = dst / "model.safetensors"
+        tensors = load_file(file)
+        tensors["model.layers.1.mlp.up_proj.scales"][0, 3] = float("nan")
+        save_file(tensors, file, metadata={"format": "pt"})
+
+    monkeypatch.setattr(w4, "gptq_quantize", with_a_nan)
+    monkeypatch.setattr(w4, "evaluate_w4", lambda *args, **kwargs: pytest.fail("a non-finite model was measured"))
+    with pytest.raises(QuantizeError, match=r"non-finite values in model\.layers\.1\.mlp\.up_proj\.scales, so nothing "
+                                            r"is written") as err:
+        run(w4_of(stage_config(tiny_source, chat_file, tmp_path)))
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "w4").exists() and not leftovers(tmp_path)
+
+
 def test_missing_model_is_a_one_line_cli_error(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "quantize.w4", "~train", "~decode", "~eval", f"run_dir={tmp_path}",

@@ -172,6 +172,26 @@ def test_training_writes_a_loadable_head_folder(tiny_setup, tmp_path):
     EagleHead.from_pretrained(out, target, load_tokenizer(str(tiny_setup / "target")))
 
 
+def test_a_head_whose_loss_went_non_finite_is_not_written(tiny_setup, tmp_path, monkeypatch):
+    """Planted: a weight turns NaN in step 3 (two micro batches a step), and the loss with it. The stage stops in one
+    line naming the tensor and the step, before evaluating or writing the head."""
+    loss, calls = eagle.micro_batch_loss, []
+
+    def diverging(head, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            with torch.no_grad():
+                head.module.fc.weight[0, 0] = float("nan")
+        return loss(head, *args, **kwargs)
+
+    monkeypatch.setattr(eagle, "micro_batch_loss", diverging)
+    with pytest.raises(eagle.TrainError, match=r"^the head's weights are not finite \(fc\.weight\): "
+                                               r"the training loss went non-finite at step 3; lower train\.lr; "
+                                               r"nothing is written$"):
+        eagle.train(settings(tiny_setup, tmp_path))
+    assert not (tmp_path / "eagle").exists()
+
+
 def test_interrupt_then_resume_gives_the_same_weights(tiny_setup, tmp_path, monkeypatch):
     eagle.train(settings(tiny_setup, tmp_path / "straight"))
 
