@@ -1,4 +1,4 @@
-"""The static graph runner (decode.backends.cuda) measured and checked on one device, in one short run (issue 41).
+"""The static graph runner (decode.backends.cuda) measured and checked on one device, in one short run.
 
     python scripts/gpu_runner_check.py --model HF_FOLDER --out DIR [--device cuda|cpu] [--dtype bf16|fp32]
                                        [--max-new 128] [--repeats 50]

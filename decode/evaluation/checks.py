@@ -4,7 +4,7 @@ Theorem 3.3's variance comparison; `evaluate_chains` computes the whole report f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from decode.chains.plan import at_measured_acceptance
 from decode.evaluation import speedup as paired
@@ -199,40 +199,47 @@ def theorem_3_3(greedy: dict[str, list[Record]], sampled: dict[str, list[Record]
     return out
 
 
-def evaluate_chains(decoded: Decoded, reference_fn: ReferenceFn, checks: CheckSettings, near_tie: float,
-                    reference: str = "ar") -> dict[str, Any]:
-    """Everything the report holds, computed from the decoded records: summaries, theory, checks, plans.
+def speedups(records: dict[str, list], summaries: dict[str, dict], name: str, reference: str,
+             confidence: float) -> dict[str, Any]:
+    """A decoded method's speedup over the reference: by tokens, by time, and its interval."""
+    return {"measured_speedup": speedup(records[name], records[reference]),
+            "time_speedup": time_ratio(summaries[name], summaries[reference]),
+            "time_speedup_interval": speedup_interval(records[name], records[reference], confidence)}
 
-    `decoded.plans` maps a configured chain or a searched stack to its plan (decode.chains.plan.plan_chains, plus
-    "chain": the planned chain's name, "decoded": the sides decoded); insertions pair configured chains and stacks
-    with each other and planned chains with planned ones."""
-    records, chains, plans, confidence = decoded.records, decoded.names, decoded.plans, checks.confidence
-    summaries = {name: summarize(recs) for name, recs in records.items()}
-    rows = {name: [record_row(r, ref) for r, ref in zip(recs, records[reference])] for name, recs in records.items()}
-    chain_results = {}
+
+def evaluate_each_chain(records: dict[str, list], summaries: dict[str, dict], rows: dict[str, list],
+                        chains: Iterable[str], reference: str, confidence: float) -> dict[str, dict]:
+    """Each chain's result: its summary against the reference's, its speedups, its predictions' error intervals."""
+    results = {}
     for name in chains:
-        res = chain_result(summaries[name], summaries[reference])
-        res["measured_speedup"] = speedup(records[name], records[reference])
-        res["time_speedup"] = time_ratio(summaries[name], summaries[reference])
-        res["time_speedup_interval"] = speedup_interval(records[name], records[reference], confidence)
-        error_intervals(res, rows[name], confidence)
-        chain_results[name] = res
-    baselines = {name: {"measured_speedup": speedup(records[name], records[reference]),  # e.g. ar_eager
-                        "time_speedup": time_ratio(summaries[name], summaries[reference]),
-                        "time_speedup_interval": speedup_interval(records[name], records[reference], confidence)}
-                 for name in records if name != reference and name not in chains}
+        results[name] = chain_result(summaries[name], summaries[reference]) | speedups(
+            records, summaries, name, reference, confidence)
+        error_intervals(results[name], rows[name], confidence)
+    return results
+
+
+def insertions_of(decoded: Decoded, summaries: dict[str, dict], results: dict[str, dict],
+                  checks: CheckSettings) -> list[dict[str, Any]]:
+    """Every level insertion among the decoded chains (configured chains and stacks paired with each other, planned
+    chains with planned ones), judged by the insertion rule, with both sides' speedups and the measured gain."""
+    chains, plans, records = decoded.names, decoded.plans, decoded.records
     planned = {plan["chain"] for base, plan in plans.items() if plan["chain"] != base}
     groups = [[n for n in chains if n not in planned], [p["chain"] for p in plans.values() if p["chain"] in chains]]
     pairs = {(i["with"], i["without"], i["index"]): i
              for g in groups for i in find_insertions({n: chains[n] for n in g})}
     insertions = [evaluate_insertion(ins, summaries, checks.insertion_rule) for ins in pairs.values()]
     for ins in insertions:
-        ins["speedups"] = {side: {"predicted": chain_results[ins[side]]["predictions"]["paper"].get("speedup"),
-                                  "measured": chain_results[ins[side]]["time_speedup"]} for side in ("without", "with")}
-        # with over without
-        ins["measured_gain"] = speedup_interval(records[ins["with"]], records[ins["without"]], confidence)
+        ins["speedups"] = {side: {"predicted": results[ins[side]]["predictions"]["paper"].get("speedup"),
+                                  "measured": results[ins[side]]["time_speedup"]} for side in ("without", "with")}
+        ins["measured_gain"] = speedup_interval(records[ins["with"]], records[ins["without"]], checks.confidence)
+    return insertions
+
+
+def score_plans(decoded: Decoded, summaries: dict[str, dict], reference: str) -> dict[str, dict]:
+    """The planner's predictions (decoded.plans) against what the chains it chose measured."""
+    records, plans = decoded.records, decoded.plans
     per_token = {name: s["decode_time_s"] / max(s["decode_tokens"], 1) for name, s in summaries.items()}
-    for base, plan in plans.items():  # the planner's predictions against what the chains measured
+    for base, plan in plans.items():
         for side in plan["decoded"]:
             name = base if side == "configured" else plan["chain"]
             costs_alone = at_measured_acceptance(plan[side]["predicted"], plan["calibration"],
@@ -242,14 +249,30 @@ def evaluate_chains(decoded: Decoded, reference_fn: ReferenceFn, checks: CheckSe
                            "error": plan[side]["predicted"]["s_per_token"] / per_token[name] - 1,
                            "measured_L": [level["L_mean"] for level in summaries[name]["levels"][:-1]],
                            "cost_error": costs_alone / per_token[name] - 1}
+    return plans
+
+
+def evaluate_chains(decoded: Decoded, reference_fn: ReferenceFn, checks: CheckSettings, near_tie: float,
+                    reference: str = "ar") -> dict[str, Any]:
+    """Everything the report holds, computed from the decoded records: summaries, theory, checks, plans.
+
+    `decoded.plans` maps a configured chain or a searched stack to its plan (decode.chains.plan.plan_chains, plus
+    "chain": the planned chain's name, "decoded": the sides decoded)."""
+    records, confidence = decoded.records, checks.confidence
+    summaries = {name: summarize(recs) for name, recs in records.items()}
+    rows = {name: [record_row(r, ref) for r, ref in zip(recs, records[reference])] for name, recs in records.items()}
+    results = evaluate_each_chain(records, summaries, rows, decoded.names, reference, confidence)
+    baselines = {name: speedups(records, summaries, name, reference, confidence)  # e.g. ar_eager
+                 for name in records if name != reference and name not in decoded.names}
+    insertions = insertions_of(decoded, summaries, results, checks)
     verdicts = [
         check_lossless(records, reference_fn, near_tie, reference),
         check_insertion(insertions),
-        check_agreement(chain_results, insertions, checks.agreement_tolerance, checks.agreement_prediction),
+        check_agreement(results, insertions, checks.agreement_tolerance, checks.agreement_prediction),
     ]
     return {
-        "summaries": summaries, "chains": chain_results, "baselines": baselines, "insertions": insertions,
-        "plans": plans,
+        "summaries": summaries, "chains": results, "baselines": baselines, "insertions": insertions,
+        "plans": score_plans(decoded, summaries, reference),
         "theorem_3_3": theorem_3_3(records, decoded.sampled),
         "categories": by_category(records, confidence, reference), "checks": [c.as_dict() for c in verdicts],
         "records": rows,

@@ -32,7 +32,7 @@ def _error(prediction: dict[str, Any]) -> str:
 
 
 def _interval(result: dict[str, Any], key: str = "time_speedup_interval") -> str:
-    """'1.01x [0.96, 1.06]: not shown to be faster' (decode.evaluation.speedup), or the point alone (AR against
+    """'<estimate>x [<low>, <high>]: not shown to be faster' (decode.evaluation.speedup), or the point alone (AR against
     itself)."""
     interval = result.get(key)
     return interval["text"] if interval else _f(result.get("time_speedup", 1.0))

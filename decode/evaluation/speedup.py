@@ -51,13 +51,13 @@ class Interval:
         return self.high is not None and self.high < 1
 
     def text(self) -> str:
-        """'1.01x [0.96, 1.06]'."""
+        """'<estimate>x [<low>, <high>]', two decimals each."""
         bounds = (f"[{self.low:.2f}, {self.high:.2f}]" if self.low is not None
                   else f"[no interval: {self.turns} turn(s)]")
         return f"{self.estimate:.2f}x {bounds}"
 
     def verdict(self) -> str:
-        """'1.01x [0.96, 1.06]: not shown to be faster' (or: shown faster, shown slower)."""
+        """'<estimate>x [<low>, <high>]: not shown to be faster' (or: shown faster, shown slower)."""
         word = "shown faster" if self.above_one else "shown slower" if self.below_one else "not shown to be faster"
         return f"{self.text()}: {word}"
 

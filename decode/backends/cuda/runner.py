@@ -73,8 +73,8 @@ def extend(x: torch.Tensor, rows: int, step: int) -> torch.Tensor:
 class StaticKV(DynamicCache):
     """Every layer's keys and values in buffers of their own [1, kv_heads, max_length, head_dim] (`buffers`: a
     (keys, values) pair a layer), allocated at the first write (from the keys' shape) unless made before. Not one
-    buffer for all: a compiled forward writing a view of its input cannot write it in place, and copied the whole
-    buffer at every layer's write (2.5 s a token for a 135M model on a CPU). A forward writes its keys at `slots` (a
+    buffer for all: a compiled forward writing a view of its input cannot write it in place, and copies the whole
+    buffer at every layer's write instead (BENCHMARKS.md). A forward writes its keys at `slots` (a
     device tensor, so that a graph replays with new ones) and its attention reads the first `span` positions; `length`
     is the pointer. A DynamicCache for the rest of transformers' cache API (its layers stay empty: the runner always
     passes positions and a 4D mask)."""
