@@ -17,6 +17,7 @@ import re
 import shutil
 import socket
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlparse
@@ -157,7 +158,7 @@ def _hub_offline_error(spec: str) -> ModelSourceError:
     )
 
 
-# Fastest CPU int4 kernel measured for GPTQ checkpoints (quantize/kernels.py; README): GPTQModel's
+# Fastest CPU int4 kernel measured for GPTQ checkpoints (benchmarks/w4_kernels.py; README): GPTQModel's
 # TorchFusedLinear, which also keeps the rest of the model in the requested dtype (fp32 included).
 GPTQ_CPU_BACKEND = "torch_fused"
 
@@ -221,6 +222,24 @@ def stores_experts_apart(path: str) -> bool:
     return False
 
 
+# Families whose original checkpoints, and so vLLM's loaders, name routed experts otherwise than transformers'
+# classes: (stored, loaded) name pieces, `#` an expert's index. quantize.w4 stores them so; load_model maps them back.
+STORED_EXPERT_NAMES = {"mixtral": (("block_sparse_moe.experts.#.w1.", "mlp.experts.#.gate_proj."),
+                                   ("block_sparse_moe.experts.#.w3.", "mlp.experts.#.up_proj."),
+                                   ("block_sparse_moe.experts.#.w2.", "mlp.experts.#.down_proj."),
+                                   ("block_sparse_moe.gate.", "mlp.gate."))}
+
+
+def expert_renaming(model_type: str, to_stored: bool = False) -> dict[str, str]:
+    """Regex -> replacement over tensor names (transformers' `key_mapping` form): a family's stored expert names to
+    the ones its class loads, or (`to_stored`) back; empty for a family stored under its class's names."""
+    renaming = {}
+    for stored, loaded in STORED_EXPERT_NAMES.get(model_type, ()):
+        source, target = (loaded, stored) if to_stored else (stored, loaded)
+        renaming[re.escape("." + source).replace(r"\#", r"(\d+)")] = "." + target.replace("#", r"\1")
+    return renaming
+
+
 def experts_as_linears(cls: type[PreTrainedModel]) -> type[PreTrainedModel]:
     """`cls` (same name) building its routed experts as one linear per expert, as GPTQModel builds them to quantize
     and load (its defuser): transformers' GPTQ loading then swaps each for its int4 linear, which a per-expert
@@ -275,7 +294,8 @@ def load_model(
             raise ModelSourceError(f"{path}: {problem}: not supported; set model.name (or a chain level's model:) to "
                                    "a decoder-only model with attention layers")
         if getattr(config, "quantization_config", None) and stores_experts_apart(path):
-            loader = experts_as_linears(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]).from_pretrained
+            loader = partial(experts_as_linears(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]).from_pretrained,
+                             key_mapping=expert_renaming(config.model_type) or None)
     tokenizer = _from_pretrained(spec, path, AutoTokenizer.from_pretrained)
     model, info = _from_pretrained(
         spec, path, loader, dtype=getattr(torch, dtype), device_map=device,

@@ -2,8 +2,8 @@
 llama.cpp, CPU).
 
 The published head and the W4 model are meant to be served by engines that compute them natively, so this
-check runs the consumers themselves: vLLM in its own venv (decode/consumers/vllm_venv.py; created on first use), one
-engine per process (decode/consumers/vllm_run.py); llama.cpp's own tools and converter (decode/consumers/llamacpp.py).
+check runs the consumers themselves: vLLM in its own venv (decode/engines/vllm_venv.py; created on first use), one
+engine per process (decode/engines/vllm_run.py); llama.cpp's own tools and converter (decode/engines/llamacpp.py).
 On the default prompts' first turns, greedy, single stream, same threads:
 
   (a) vLLM's output with the head as its EAGLE drafter (method eagle or eagle3) equals its output without
@@ -43,7 +43,8 @@ import hydra
 from omegaconf import DictConfig
 
 from data.models import cache_dir, resolve_model_path
-from decode.consumers import InteropError
+from decode.engines import InteropError, llamacpp
+from decode.publish.bundle import record_measured
 from decode.publish.serving import head_method
 from decode.settings import InteropChecks, InteropSection, InteropSettings, interop_of
 from infra.cli import EXIT_CHECK_FAILED, check_writable, run_main
@@ -183,12 +184,12 @@ def vllm_jobs(section: InteropSection, target: str, head: Path, w4: Path | None,
 
 
 def run_engine(python: Path, venv: Path, name: str, job: dict, threads: int, log: Path) -> dict[str, Any]:
-    """Run one job in the venv (decode/consumers/vllm_run.py), vLLM's output appended to `log`. A failure (vLLM refusing
+    """Run one job in the venv (decode/engines/vllm_run.py), vLLM's output appended to `log`. A failure (vLLM refusing
     a checkpoint, a crash) is returned as the job's `error`, not raised: it is what the checks are for.
 
     One process per engine (a second engine in one process fails in vLLM 0.32's CPU kernel registration), but
     its engine core and worker inside it (VLLM_ENABLE_V1_MULTIPROCESSING=0): one vLLM import per engine, not three."""
-    from decode.consumers.vllm_venv import RUNNER, engine_env
+    from decode.engines.vllm_venv import RUNNER, engine_env
 
     script = RUNNER
     env = engine_env(venv, threads) | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -204,6 +205,77 @@ def run_engine(python: Path, venv: Path, name: str, job: dict, threads: int, log
         return results[name]
     lines = [line for line in log.read_text().splitlines() if line.strip()]
     return {"name": name, "error": f"vLLM exited {done.returncode}: {lines[-1] if lines else ''}"[:300]}
+
+
+# ------------------------------------------------------------------------------------------- llama.cpp
+
+
+def llamacpp_on(settings: InteropSettings) -> bool:
+    """interop.llamacpp (auto | true | false) for the run's target (decode.engines.llamacpp.usable)."""
+    model = settings.decoding.model
+    return llamacpp.usable(settings.section.llamacpp, model.name, model.dtype, "interop.llamacpp")
+
+
+def checked_peer(section: InteropSection, target: Path, name: str, speculation: llamacpp.Speculation,
+                 prompts: list[str]) -> tuple[llamacpp.LlamaPeer, int]:
+    """llama.cpp's AR and `speculation` on decode.interop's prompts (after a warm-up), and on how many of them the
+    two outputs are the same."""
+    ar = llamacpp.LLAMACPP_AR
+    peer = llamacpp.LlamaPeer(llamacpp.ensure_built(), target, section.threads,
+                              {ar: llamacpp.Speculation(), name: speculation}, {})
+    peer.decode_all(prompts[0], section.warmup_tokens, keep=False)
+    for prompt in prompts:
+        peer.decode_all(prompt, section.max_new_tokens)
+    return peer, sum(llamacpp.same_greedy(a, b, peer.new_tokens) for a, b in zip(peer.runs[ar], peer.runs[name]))
+
+
+def peer_runs(peer: llamacpp.LlamaPeer) -> dict[str, list[dict[str, Any]]]:
+    """Every decode of a checked peer, as interop.out records it."""
+    return {name: [vars(o) for o in outs] for name, outs in peer.runs.items()}
+
+
+def w4_draft_check(settings: InteropSettings, w4_folder: Path, prompts: list[str]) -> dict[str, Any] | None:
+    """(c) in llama.cpp (all of it where vLLM cannot run the W4 model): the W4 level as a Q4_0 GGUF drafts for the
+    F32 target, k tokens a step as the bundle's serve command has it (`k` in the result;
+    decode.bench.llamacpp.draft_max); passed when it loads and every output equals llama.cpp's own AR. None where
+    llama.cpp is off (interop.llamacpp)."""
+    if not llamacpp_on(settings):
+        return None
+    target = llamacpp.bundled_target(settings.decoding.model.name)
+    try:
+        draft = llamacpp.w4_gguf(w4_folder, target)
+    except llamacpp.GgufExportError as err:
+        return {"passed": False, "detail": f"llama.cpp: {err}"}
+    k = settings.llamacpp_draft_max
+    peer, same = checked_peer(settings.section, target, "w4", llamacpp.Speculation("draft-simple", draft, k), prompts)
+    acceptance = llamacpp.pooled_acceptance(peer.runs["w4"])
+    accepted = f"{acceptance:.0%} of drafted tokens accepted" if acceptance is not None else "no token drafted"
+    detail = (f"llama.cpp loads {draft.name} as the draft model (k {k}): {same}/{len(prompts)} outputs equal its "
+              f"AR, {accepted}")
+    return {"passed": same == len(prompts), "detail": detail, "acceptance": acceptance, "identical": same, "k": k,
+            "runs": peer_runs(peer)}
+
+
+def eagle3_head_check(settings: InteropSettings, head: Path, target: Path, prompts: list[str],
+                      python: Path) -> dict[str, Any] | None:
+    """(a) and (b) in llama.cpp: the EAGLE-3 head folder, converted by llama.cpp's own converter (run by `python`),
+    drafts k tokens a step for the F32 target (`draft-eagle3`). Returns the outputs equal to llama.cpp's AR and its
+    acceptance length, 1 + k x accepted / drafted (a chain of k drafted every step); None where llama.cpp is off."""
+    if not llamacpp_on(settings):
+        return None
+    section = settings.section
+    out = section.out.with_name("head.eagle3.gguf")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        gguf_head = llamacpp.convert_eagle3(head, target, out, python)
+    except llamacpp.LlamaCppError as err:
+        return {"error": str(err)}
+    k = section.num_speculative_tokens
+    peer, same = checked_peer(section, llamacpp.bundled_target(settings.decoding.model.name), "eagle3",
+                              llamacpp.Speculation("draft-eagle3", gguf_head, k), prompts)
+    acceptance = llamacpp.pooled_acceptance(peer.runs["eagle3"])
+    return {"gguf": str(gguf_head), "identical": same, "prompts": len(prompts), "acceptance": acceptance,
+            "acceptance_length": 1 + k * (acceptance or 0.0), "runs": peer_runs(peer)}
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -389,19 +461,6 @@ def slower_lines(speedups: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
             for engine, methods in speedups.items() for method, s in methods.items() if s["speedup_over_its_ar"] < 1]
 
 
-SERVE_ENTRIES = {("llama.cpp", "draft-simple W4"): "llamacpp", ("llama.cpp", "draft-eagle3"): "llamacpp_eagle3",
-                 ("vLLM", "eagle head"): None}  # (engine, method) -> its key in chain.json's serve (None: serve itself)
-
-
-def _serve_entry(serve: dict[str, Any], engine: str, method: str) -> dict[str, Any] | None:
-    """The entry of chain.json's serve section that serves a measured artifact (None where none does)."""
-    for (name, prefix), key in SERVE_ENTRIES.items():
-        if name == engine and method.startswith(prefix):
-            entry = serve if key is None else serve.get(key)
-            return entry if isinstance(entry, dict) else None
-    return None
-
-
 def bundled_artifacts(levels: list[dict[str, Any]], head: Path, w4: Path | None) -> set[str]:
     """Which of the checked artifacts ("head", "w4") are the bundle's own levels (a head or W4 model passed from
     elsewhere is checked, but its speedups say nothing about what the bundle serves)."""
@@ -411,30 +470,11 @@ def bundled_artifacts(levels: list[dict[str, Any]], head: Path, w4: Path | None)
 
 def record_in_bundle(bundle: Path, speedups: dict[str, dict[str, dict[str, Any]]], interop_out: Path,
                      artifacts: set[str]) -> bool:
-    """chain.json's serve section gains `measured`: each engine's speedups with the bundle's own `artifacts`; an
-    entry whose artifact made its engine slower is marked `recommended: false`, with the one-line reason (rewritten
-    through a temporary file). False where the bundle has no chain.json or none of the artifacts is its own."""
-    from infra.tracking import write_json_atomic
-
-    manifest = bundle / "chain.json"
-    speedups = {engine: own for engine, methods in speedups.items()
-                if (own := {m: s for m, s in methods.items() if s["artifact"] in artifacts})}
-    if not manifest.exists() or not speedups:
-        return False
-    data = json.loads(manifest.read_text())
-    serve = data.setdefault("serve", {})
-    serve["measured"] = {
-        "engines": speedups, "by": f"python -m decode.interop ({interop_out})",
-        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    for engine, methods in speedups.items():
-        for method, measured in methods.items():
-            entry, speedup = _serve_entry(serve, engine, method), measured["speedup_over_its_ar"]
-            if entry is not None and speedup < 1:
-                entry["recommended"] = False
-                entry["why"] = (f"{method} measured {speedup:.2f}x {engine}'s own plain decoding (decode.interop): "
-                                "serve the target without it")
-    write_json_atomic(manifest, data)
-    return True
+    """The speedups of the bundle's own `artifacts` recorded in its chain.json (decode.publish.bundle.record_measured).
+    False where the bundle has no chain.json or none of the artifacts is its own."""
+    own = {engine: kept for engine, methods in speedups.items()
+           if (kept := {m: s for m, s in methods.items() if s["artifact"] in artifacts})}
+    return bool(own) and record_measured(bundle, own, f"python -m decode.interop ({interop_out})")
 
 
 def render(rows: list[dict[str, Any]], found: list[dict[str, Any]], prompts: int) -> str:
@@ -473,7 +513,7 @@ def inputs(settings: InteropSettings) -> tuple[Path, Path | None, dict[str, Any]
 
 def vllm_side(section: InteropSection, python: Path, venv: Path, jobs: dict[str, dict]) -> dict[str, dict]:
     """Every job in its own vLLM engine; the W4 job is not applicable where vLLM's CPU build has no W4 kernel."""
-    from decode.consumers.vllm_venv import w4_kernel_missing
+    from decode.engines.vllm_venv import w4_kernel_missing
 
     log = section.out.with_name("vllm.log")
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -490,8 +530,6 @@ def llamacpp_side(settings: InteropSettings, paths: tuple[Path, Path | None, str
     """llama.cpp's checks (None each where llama.cpp is off): the W4 level as its draft model (what it gains there
     goes into the bundle on every CPU kind; check (c) rests on it where vLLM cannot run the W4 model), and an
     EAGLE-3 head converted by llama.cpp's converter (run by `python`, the vLLM venv's)."""
-    from decode.peers.llamacpp import eagle3_head_check, w4_draft_check
-
     head, w4, target = paths
     found: dict[str, Any] = {"w4": None, "head": None}
     if w4 is not None:
@@ -514,7 +552,7 @@ def report(settings: InteropSettings, found: list[dict[str, Any]], rows: list[di
 
 def run(settings: InteropSettings) -> int:
     from data.models import load_tokenizer
-    from decode.consumers.vllm_venv import ensure_venv
+    from decode.engines.vllm_venv import ensure_venv
     from infra.tracking import write_json_atomic
 
     section = settings.section

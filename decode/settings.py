@@ -330,7 +330,7 @@ def eval_of(cfg: Any) -> EvalSettings:
 
 @dataclass(frozen=True)
 class LlamaCppBench:
-    """decode.bench.llamacpp: llama.cpp beside polyspec (decode.peers.llamacpp)."""
+    """decode.bench.llamacpp: llama.cpp beside polyspec (decode.bench's peer rows)."""
 
     enabled: Any = "auto"
     draft_max: Positive = 4
@@ -453,7 +453,7 @@ def llamacpp_draft_max(cfg: Any, error: type[Exception]) -> int:
 def interop_of(cfg: Any) -> InteropSettings:
     """decode.interop's settings, checked before anything is installed or loaded; the counts and switches are
     refused with the messages users know from the command line."""
-    from decode.consumers import InteropError
+    from decode.engines import InteropError
     from infra.cli import flag
 
     raw = plain(cfg.interop)

@@ -35,8 +35,14 @@ class RunLayout:
 
     @property
     def kernels_report(self) -> Path:
-        """quantize.kernels' comparison of the int4 kernels."""
+        """benchmarks.w4_kernels' comparison of the int4 kernels."""
         return self.run_dir / "w4_kernels.json"
+
+    @property
+    def library_logs(self) -> Path:
+        """The libraries' own output (GPTQModel's, DeepSpeed's), a file per stage (infra.logs); apart from `logs/`,
+        where scripts/gpu.sh keeps each stage's terminal."""
+        return self.run_dir / "library_logs"
 
     def output(self, name: str) -> Path:
         """The folder a stage writes: `w4` (quantize.output) or `eagle` (train.output)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from data.models import expert_renaming
 from quantize.errors import QuantizeError
 
 
@@ -148,6 +150,27 @@ def fuse_split_projections(folder: Path, linears: set[str]) -> list[str]:
     if fused:
         save_tensors(folder, tensors)
     return fused
+
+
+def store_expert_names(folder: Path, model_type: str) -> int:
+    """Rename a family's routed experts to the names its original checkpoints use (data.models.STORED_EXPERT_NAMES:
+    Mixtral's block_sparse_moe.experts.<e>.w1/w2/w3), which vLLM loads and load_model maps back. Returns how many
+    tensors were renamed."""
+    renaming = [(re.compile(pattern), name) for pattern, name in expert_renaming(model_type, to_stored=True).items()]
+    if not renaming:
+        return 0
+    tensors = {f: load_file(f) for f in sorted(folder.glob("*.safetensors"))}
+    renamed = 0
+    for f, ts in tensors.items():
+        stored = {}
+        for key, value in ts.items():
+            new = key
+            for pattern, name in renaming:
+                new = pattern.sub(name, new)
+            stored[new], renamed = value, renamed + (new != key)
+        tensors[f] = stored
+    save_tensors(folder, tensors)
+    return renamed
 
 
 def save_tensors(folder: Path, tensors: dict[Path, dict[str, torch.Tensor]]) -> None:

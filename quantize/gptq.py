@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import IO, Any, Iterator
 
 import torch
+from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from data.sharegpt import Conversation, tokenize_conversation
@@ -68,9 +70,27 @@ def transformers_as_defined(src: str) -> Iterator[None]:
                 setattr(owner, name, value)
 
 
-def gptq_quantize(src: str, dst: Path, q: Quantization, calibration: list[list[int]], device: str = "cpu") -> None:
+@contextmanager
+def layer_progress(model: Any, terminal: IO[str]) -> Iterator[None]:
+    """A progress bar on `terminal` of the decoder layers GPTQModel has quantized, fed by its layer callback (its own
+    bars are part of what infra.logs sends to the log)."""
+    layers = getattr(model.model.config.get_text_config(), "num_hidden_layers", None)
+    done: set[int] = set()
+    with tqdm(total=layers, desc="w4: GPTQ", unit="layer", file=terminal, dynamic_ncols=True) as bar:
+        def layer_complete(layer_idx: int, submodule_finalized: bool) -> None:
+            if layer_idx not in done:
+                done.add(layer_idx)
+                bar.update()
+
+        model.layer_callback = layer_complete
+        yield
+
+
+def gptq_quantize(src: str, dst: Path, q: Quantization, calibration: list[list[int]], device: str = "cpu",
+                  progress: IO[str] | None = None) -> None:
     """Run GPTQModel on `src` on `device` (its CPU path, or its GPU path on cuda[:N]) and save the checkpoint into
-    `dst` (which must not exist yet); the checkpoint format is the same either way."""
+    `dst` (which must not exist yet); the checkpoint format is the same either way. `progress`: where the bar of
+    quantized layers goes (sys.stderr by default)."""
     from gptqmodel import GPTQModel, QuantizeConfig
     from gptqmodel.looper import loop_processor
 
@@ -84,6 +104,7 @@ def gptq_quantize(src: str, dst: Path, q: Quantization, calibration: list[list[i
     )
     with transformers_as_defined(src):
         model = GPTQModel.load(src, config, device=device, dtype=getattr(torch, q.calibration.dtype))
-        model.quantize([{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in calibration],
-                       batch_size=q.calibration.batch_size)
+        with layer_progress(model, progress or sys.stderr):
+            model.quantize([{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in calibration],
+                           batch_size=q.calibration.batch_size)
         model.save(str(dst))

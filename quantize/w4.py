@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-import torch
 from omegaconf import DictConfig
 from transformers import AutoConfig, PreTrainedModel
 
@@ -26,9 +25,10 @@ from data.models import (IncompleteCheckpointError, load_model, load_tokenizer, 
 from data.sharegpt import load_split
 from infra.cli import check_writable, run_main
 from infra.layout import RunLayout
+from infra.logs import chatter_to
 from infra.tracking import replace_dir
 from quantize.checkpoint import (class_linears, existing_is_valid, fuse_split_projections, regroup_checkpoint,
-                                 static_groups, storage_group_size, write_metadata)
+                                 static_groups, storage_group_size, store_expert_names, write_metadata)
 from quantize.errors import QuantizeError
 from quantize.evaluation import evaluate_w4, folder_mb, report
 from quantize.gptq import calibration_samples, cpu_recipe, gptq_quantize
@@ -102,17 +102,28 @@ def check_finite(folder: Path) -> None:
                             ", so nothing is written; raise quantize.damp_percent or quantize.calibration.samples")
 
 
-def quantize_into(tmp: Path, src: str, calibration: list[list[int]], meta: dict[str, Any], q: Quantization,
-                  device: torch.device) -> float:
+def chatter_log(settings: W4Settings) -> Path | None:
+    """Where GPTQModel's own output goes (infra.logs): a file of the run's library_logs, or the terminal (None) with
+    `verbose`."""
+    return None if settings.verbose else settings.run.layout.library_logs / "quantize.w4.log"
+
+
+def quantize_into(tmp: Path, src: str, calibration: list[list[int]], meta: dict[str, Any],
+                  settings: W4Settings) -> float:
     """GPTQ into `tmp`, its groups re-encoded for the CPU kernels and its metadata written; seconds GPTQ took."""
+    q = settings.quantize
     cpu_recipe(q.cpu_workers)
     start = time.perf_counter()
-    gptq_quantize(src, tmp, q, calibration, str(device))
+    with chatter_to(chatter_log(settings)) as terminal:
+        gptq_quantize(src, tmp, q, calibration, str(settings.run.device), terminal)
     quantize_s = time.perf_counter() - start
     check_finite(tmp)
     fused = fuse_split_projections(tmp, class_linears(src))
     if fused:
         print(f"w4: {len(fused)} fused linears stored whole, as the model class loads them (e.g. {fused[0]})")
+    renamed = store_expert_names(tmp, AutoConfig.from_pretrained(src).model_type)
+    if renamed:
+        print(f"w4: {renamed} expert tensors stored under the family's original names, as vLLM loads them")
     groups = regroup_checkpoint(tmp, q.group_size, q.bits)
     groups["static_g_idx"] = static_groups(tmp, groups["stored_group_size"])
     if not q.desc_act and not groups["static_g_idx"]:
@@ -128,7 +139,8 @@ def measured(tmp: Path, src: str, target: PreTrainedModel, held_out: list, setti
     """The W4 model in `tmp` evaluated against the target, with the numbers of how it was made."""
     q, device = settings.quantize, settings.run.device
     try:
-        w4, _ = load_model(str(tmp), dtype=settings.model.dtype, device=device)
+        with chatter_to(chatter_log(settings)):
+            w4, _ = load_model(str(tmp), dtype=settings.model.dtype, device=device)
     except IncompleteCheckpointError as err:  # nothing measured or written from a model missing weights
         raise QuantizeError(f"the W4 model GPTQModel saved does not load back whole, so nothing is written: "
                             f"{err.detail}; quantize.w4 does not support this model's layout") from None
@@ -159,12 +171,14 @@ def run(settings: W4Settings) -> Path:
     calibration = calibration_samples(train, tokenizer, c.samples, c.min_len, c.max_len, settings.run.seed)
     tokens = sum(map(len, calibration))
     print(f"w4: {len(calibration)} calibration samples, {tokens} tokens (mean {tokens / len(calibration):.0f})")
+    if log := chatter_log(settings):
+        print(f"w4: GPTQModel's own output goes to {log} (verbose=true: to the terminal)")
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     tracker = Tracker(settings.run.tracking, "quantize")
     try:
-        quantize_s = quantize_into(tmp, src, calibration, meta, q, device)
+        quantize_s = quantize_into(tmp, src, calibration, meta, settings)
         metrics = measured(tmp, src, target, held_out, settings) | {
             "quantize_s": quantize_s, "calibration_samples": len(calibration), "calibration_tokens": tokens}
         write_json_atomic(tmp / "metrics.json", metrics)

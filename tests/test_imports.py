@@ -1,10 +1,12 @@
 """The packages' imports flow one way: infra <- data <- heads <- quantize, train <- decode apps; inside decode,
-engine <- backends <- apps; train reaches nothing of decode. Read from the source (every import, lazy ones inside
-functions too), so nothing has to be imported to check."""
+engine <- backends <- apps; train reaches nothing of decode; benchmarks/ may import anything, and nothing of the
+product imports it. Read from the source (every import, lazy ones inside functions too), so nothing has to be imported
+to check."""
 from __future__ import annotations
 
 import ast
 import re
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +40,11 @@ MODULES = {module_name(p): p for package in PACKAGES for p in (ROOT / package).r
 GRAPH = {name: project_imports(path) - {name} for name, path in MODULES.items()}
 
 
+def in_engine(name: str) -> bool:
+    """decode.engine and its modules (not decode.engines, the real engines the apps run beside polyspec's)."""
+    return name == "decode.engine" or name.startswith("decode.engine.")
+
+
 def test_no_import_cycles():
     state: dict[str, int] = {}  # 1 = on the current path, 2 = done
 
@@ -58,19 +65,19 @@ def test_no_import_cycles():
 
 def test_engine_imports_no_backend_app_or_cli():
     def allowed(dep):
-        return dep.startswith(("decode.engine", "heads", "data")) or dep.startswith("infra") and dep != "infra.cli"
+        return in_engine(dep) or dep.startswith(("heads", "data")) or dep.startswith("infra") and dep != "infra.cli"
 
     bad = {name: sorted(d for d in deps if not allowed(d))
-           for name, deps in GRAPH.items() if name.startswith("decode.engine")}
+           for name, deps in GRAPH.items() if in_engine(name)}
     assert not {n: d for n, d in bad.items() if d}, bad
-    for name in (n for n in MODULES if n.startswith("decode.engine")):
+    for name in (n for n in MODULES if in_engine(n)):
         assert "hydra" not in MODULES[name].read_text(), f"{name} imports a CLI framework"
 
 
 def test_layers_import_downward_only():
     def rank(m):
         return (0 if m.startswith("infra") else 1 if m.startswith("data") else 2 if m.startswith("heads")
-                else 3 if m.startswith(("quantize", "train", "decode.engine"))
+                else 3 if m.startswith(("quantize", "train")) or in_engine(m)
                 else 4 if m.startswith("decode.backends") else 5)
 
     upward = {f"{n} -> {d}" for n, deps in GRAPH.items() for d in deps if rank(d) > rank(n)}
@@ -89,6 +96,22 @@ def test_train_reaches_nothing_of_decode():
             todo.append(dep)
     reached = sorted(r for m, r in route.items() if m.split(".")[0] == "decode")
     assert not reached, reached
+
+
+def imported_roots(path: Path) -> set[str]:
+    """The top-level names of every absolute import in `path`."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return ({alias.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for alias in n.names}
+            | {n.module.split(".")[0] for n in ast.walk(tree)
+               if isinstance(n, ast.ImportFrom) and n.module and n.level == 0})
+
+
+def test_the_product_stands_apart_from_its_benchmarks():
+    """benchmarks/ measures the product from outside: no product module imports it, and the wheel leaves it out."""
+    importing = sorted(name for name, path in MODULES.items() if "benchmarks" in imported_roots(path))
+    assert not importing, importing
+    found = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    assert not any("benchmarks".startswith(pattern.rstrip("*")) for pattern in found["include"]), found
 
 
 APPS = {name for name, path in MODULES.items() if 'if __name__ == "__main__"' in path.read_text()}

@@ -14,7 +14,7 @@ import pytest
 import torch
 from lossless_fixtures import chi_square_pvalue, greedy_equal, handed_up, self_consistent
 
-from decode.consumers.vllm_venv import w4_kernel_missing
+from decode.engines.vllm_venv import w4_kernel_missing
 from decode.engine.chain import Chain
 from decode.engine.levels import EagleLevel, ModelLevel
 from decode.engine.runner import Prepared, PreparedHead

@@ -50,8 +50,9 @@ from data.settings import ModelSettings
 from data.sharegpt import load_split
 from heads.eagle import FORMAT_VERSION, DraftHead, EagleHead, TrainingRecord, head_layer, vocabulary_rows
 from heads.eagle3 import Eagle3Head, check_aux_layers, default_aux_layers
-from infra.cli import run_main
+from infra.cli import flag, run_main
 from infra.layout import RunLayout
+from infra.logs import chatter_to
 from infra.tracking import Tracker
 from train import store
 from train.checkpoints import Progress, StopFlag, checkpoint_fingerprint, resume_progress, save_checkpoint
@@ -246,10 +247,13 @@ def curve_point(progress: Progress, evaluation: dict[str, float]) -> dict[str, f
 class EagleRecipe:
     """One training run of the head, its state on self: `setup` loads the verifiers, data, feature store, head and
     DeepSpeed engine (or finds the head already current), `train` runs the optimizer steps from where the run stands
-    (held-out evaluations, checkpoints, Ctrl-C), `save` writes the head with its final evaluation (rank 0)."""
+    (held-out evaluations, checkpoints, Ctrl-C), `save` writes the head with its final evaluation (rank 0).
+    DeepSpeed's own output, and GPTQModel's when a W4 verifier loads, go to a file of the run's library_logs
+    (infra.logs), to the terminal with `verbose`."""
 
-    def __init__(self, settings: TrainSettings):
+    def __init__(self, settings: TrainSettings, verbose: bool = False):
         self.settings, self.t, self.layout = settings, settings.train, settings.run.layout
+        self.chatter = None if verbose else self.layout.library_logs / "train.eagle.log"
         method = self.t.method  # each method keeps its own store and checkpoints in the run dir
         self.store_root, self.checkpoints = ((self.layout.feature_store, self.layout.checkpoints) if method == "eagle"
                                              else (self.layout.run_dir / f"{method}_features",
@@ -260,7 +264,10 @@ class EagleRecipe:
     def setup(self) -> bool:
         """Everything the steps need; False (and nothing loaded beyond the target) when train.output is current."""
         device = training_device(self.settings.run.device)
-        self.rank, self.world = init_distributed(device)
+        with chatter_to(self.chatter):
+            self.rank, self.world = init_distributed(device)
+        if self.chatter and self.rank == 0:
+            print(f"train.eagle: DeepSpeed's own output goes to {self.chatter} (verbose=true: to the terminal)")
         self.settings = replace(self.settings, train=fit_to_memory(self.t, device, self.settings.token_cap, self.rank))
         self.t = self.settings.train
         import deepspeed
@@ -268,8 +275,9 @@ class EagleRecipe:
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         torch.manual_seed(self.settings.run.seed)
         split = load_split(self.settings.data)  # the data before any model: a bad source is refused in seconds
-        self.target, self.tokenizer, feature_model = load_verifiers(self.settings.model, self.t.feature_source,
-                                                                    self.layout, device)
+        with chatter_to(self.chatter):
+            self.target, self.tokenizer, feature_model = load_verifiers(self.settings.model, self.t.feature_source,
+                                                                        self.layout, device)
         check_init(self.t, self.target)
         self.hashes = {"target": weights_hash(self.target)}
         if self.t.skip_if_valid and head_is_current(self.settings, self.hashes["target"]):
@@ -284,7 +292,8 @@ class EagleRecipe:
         self.head = new_head(self.t, self.target, draft_vocabulary(self.t.draft_vocab, self.examples, self.tokenizer,
                                                                    self.target.config.vocab_size, self.rank))
         self._verifier_rows(feature_model)
-        self.engine, self.scheduler = self._engine(deepspeed)
+        with chatter_to(self.chatter):
+            self.engine, self.scheduler = self._engine(deepspeed)
         self.progress = resume_progress(self.engine, self.settings, self.checkpoints, self.world, self.total_steps,
                                         self.rank)
         if self.rank == 0:
@@ -482,9 +491,10 @@ def final_metrics(final: dict[str, float], progress: Progress, depth: int, conve
             "draft_vocab": None if head.draft_vocab is None else len(head.draft_vocab), "curve": progress.curve}
 
 
-def train(settings: TrainSettings) -> dict[str, Any]:
-    """Run the stage; returns the final metrics (also in train.output/metrics.json)."""
-    recipe = EagleRecipe(settings)
+def train(settings: TrainSettings, verbose: bool = False) -> dict[str, Any]:
+    """Run the stage; returns the final metrics (also in train.output/metrics.json). `verbose`: the libraries' own
+    output on the terminal, not in the run's library_logs."""
+    recipe = EagleRecipe(settings, verbose)
     if not recipe.setup():
         out = recipe.layout.output("eagle")
         if recipe.rank == 0:
@@ -496,7 +506,7 @@ def train(settings: TrainSettings) -> dict[str, Any]:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run_main(lambda: train(of(cfg)))
+    run_main(lambda: train(of(cfg), flag(cfg, "verbose", False, TrainError)))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Publishing: the gate that picks the chain (only one shown faster than AR, every check passed), its chain.json
-(with the serve commands of decode.publish.serving), and the bundle written all or nothing; stale temp folders
-cleaned, a refused bundle set aside."""
+(with the serve commands of decode.publish.serving, and later what each engine measured with them), and the bundle
+written all or nothing; stale temp folders cleaned, a refused bundle set aside."""
 from __future__ import annotations
 
 import hashlib
@@ -16,7 +16,11 @@ from decode.evaluation import speedup as paired
 from decode.publish import Publication
 from decode.publish.serving import LLAMACPP_W4, llamacpp_eagle3_serve, llamacpp_serve, serve_of
 from infra.layout import RunLayout
-from infra.tracking import atomic_dir
+from infra.tracking import atomic_dir, write_json_atomic
+
+SERVE_ENTRIES = {("llama.cpp", "draft-simple W4"): "llamacpp", ("llama.cpp", "draft-eagle3"): "llamacpp_eagle3",
+                 ("vLLM", "eagle head"): None}  # (engine, method) -> its key in chain.json's serve (None: serve itself)
+
 
 def folder_hash(path: str | Path) -> str:
     """Content hash of a folder: relative paths and bytes of every file, in sorted order (16 hex chars)."""
@@ -58,6 +62,43 @@ def publish_bundle(
                 shutil.copytree(folder, tmp / "levels" / name)
         (tmp / "chain.json").write_text(json.dumps(chain_json, indent=2, sort_keys=True, default=str) + "\n")
     return final
+
+
+def record_measured(bundle: Path, speedups: dict[str, dict[str, dict[str, Any]]], by: str) -> bool:
+    """The bundle's chain.json gains serve.measured: each engine's measured speedups (`by`: what measured them), and
+    an entry whose artifact made its engine slower is marked (mark_slower); rewritten through a temporary file.
+    False where the bundle has no chain.json."""
+    manifest = bundle / "chain.json"
+    if not manifest.exists():
+        return False
+    data = json.loads(manifest.read_text())
+    serve = data.setdefault("serve", {})
+    serve["measured"] = {"engines": speedups, "by": by,
+                         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    mark_slower(serve, speedups)
+    write_json_atomic(manifest, data)
+    return True
+
+
+def mark_slower(serve: dict[str, Any], speedups: dict[str, dict[str, dict[str, Any]]]) -> None:
+    """Each serve entry whose artifact made its engine slower than the engine's own plain decoding gets
+    `recommended: false` and the one-line reason."""
+    for engine, methods in speedups.items():
+        for method, measured in methods.items():
+            entry, speedup = _serve_entry(serve, engine, method), measured["speedup_over_its_ar"]
+            if entry is not None and speedup < 1:
+                entry["recommended"] = False
+                entry["why"] = (f"{method} measured {speedup:.2f}x {engine}'s own plain decoding (decode.interop): "
+                                "serve the target without it")
+
+
+def _serve_entry(serve: dict[str, Any], engine: str, method: str) -> dict[str, Any] | None:
+    """The entry of chain.json's serve section that serves a measured artifact (None where none does)."""
+    for (name, prefix), key in SERVE_ENTRIES.items():
+        if name == engine and method.startswith(prefix):
+            entry = serve if key is None else serve.get(key)
+            return entry if isinstance(entry, dict) else None
+    return None
 
 
 def failed_lines(checks: list[dict[str, Any]]) -> list[str]:

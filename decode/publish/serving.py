@@ -98,8 +98,7 @@ def llamacpp_serve(where: Publication, levels: list[dict[str, Any]]) -> tuple[di
     """chain.json's serve.llamacpp: llama.cpp serving the target with the chain's W4 level as its draft model (a
     Q4_0 GGUF exported exactly, bundled as levels/w4.Q4_0.gguf), and the GGUF to bundle; where that cannot be,
     the one reason and None."""
-    from decode.consumers.llamacpp import SDIST
-    from decode.consumers.llamacpp_gguf import GgufExportError, target_gguf, w4_gguf
+    from decode.engines.llamacpp import SDIST, GgufExportError, target_gguf, w4_gguf
 
     model = where.model
     w4 = next((Path(level["source"]) for level in levels[1:]
@@ -125,8 +124,7 @@ def llamacpp_eagle3_serve(where: Publication, levels: list[dict[str, Any]]) -> d
     server commands for the bundled head (None for any other drafter); where the target is not a bundled GGUF,
     the reason."""
     from data.models import resolve_model_path
-    from decode.consumers.llamacpp import SDIST
-    from decode.consumers.llamacpp_gguf import target_gguf
+    from decode.engines.llamacpp import SDIST, target_gguf
 
     drafter = levels[-1]
     if drafter["config"].get("kind") != "eagle" or "bundled_as" not in drafter:

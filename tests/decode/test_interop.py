@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from decode.consumers import InteropError
+from decode.engines import InteropError
 from decode.publish.serving import TWO_LEVELS, serve_section
 from decode.interop import check_w4_layout
 from decode.settings import InteropChecks
@@ -92,7 +92,7 @@ def test_interop_refuses_bad_input_in_one_line_before_installing_or_loading(tmp_
 
 
 def test_venv_install_order_and_a_failed_step_in_one_line(tmp_path, monkeypatch):
-    import decode.consumers.vllm_venv as venv_mod
+    import decode.engines.vllm_venv as venv_mod
 
     ran = []
 
@@ -186,13 +186,13 @@ def test_acceptance_check_fails_an_engine_that_accepts_nothing():
 
 
 def test_the_w4_kernel_is_missing_only_on_a_cpu_without_avx512(monkeypatch, tmp_path):
-    from decode.consumers import vllm_venv
+    from decode.engines import vllm_venv as vllm
 
     real_open = Path.read_text
     for flags, missing in (("fpu avx2 fma", True), ("fpu avx2 avx512f avx512bw", False)):
         monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: f"processor: 0\nflags\t: {flags}\n"
                             if str(self) == "/proc/cpuinfo" else real_open(self, *a, **k))
-        assert (vllm_venv.w4_kernel_missing() is not None) == missing
+        assert (vllm.w4_kernel_missing() is not None) == missing
 
 
 def test_each_engines_speedups_go_into_the_bundle_and_a_slower_artifact_is_said(tmp_path):
@@ -271,8 +271,8 @@ def test_llamacpp_drafts_with_the_w4_gguf_at_the_length_the_bundle_serves(tmp_pa
     says whether that command pays must run the same length, not vLLM's k (interop.num_speculative_tokens)."""
     from hydra import compose, initialize
 
-    import decode.consumers.llamacpp_gguf as gguf
-    import decode.peers.llamacpp as peers
+    import decode.engines.llamacpp as llamacpp
+    import decode.interop as interop
     from decode.settings import interop_of
 
     with initialize(version_base="1.3", config_path="../../conf"):
@@ -286,9 +286,56 @@ def test_llamacpp_drafts_with_the_w4_gguf_at_the_length_the_bundle_serves(tmp_pa
         drafted.append(speculation.draft_max)
         return type("Peer", (), {"runs": {name: []}})(), len(prompts)
 
-    monkeypatch.setattr(peers, "_enabled", lambda settings: True)
-    monkeypatch.setattr(peers, "_target", lambda model: tmp_path / "target.gguf")
-    monkeypatch.setattr(peers, "_checked_peer", checked_peer)
-    monkeypatch.setattr(gguf, "w4_gguf", lambda folder, target: tmp_path / "w4.Q4_0.gguf")
-    found = peers.w4_draft_check(settings, tmp_path / "w4", ["a prompt"])
+    monkeypatch.setattr(interop, "llamacpp_on", lambda settings: True)
+    monkeypatch.setattr(llamacpp, "bundled_target", lambda model: tmp_path / "target.gguf")
+    monkeypatch.setattr(interop, "checked_peer", checked_peer)
+    monkeypatch.setattr(llamacpp, "w4_gguf", lambda folder, target: tmp_path / "w4.Q4_0.gguf")
+    found = interop.w4_draft_check(settings, tmp_path / "w4", ["a prompt"])
     assert drafted == [6] and found["k"] == 6 and "(k 6)" in found["detail"]
+
+
+@pytest.mark.slow
+def test_real_vllm_serves_a_mixture_of_experts_w4_model_and_its_dense_head(chat_file, tmp_path):
+    """Mixtral, tiny: the W4 model quantize.w4 writes (each expert's linears under Mixtral's original names) loads in
+    vLLM and its argmax follows polyspec's W4 greedy text teacher-forced (a layout read wrong agrees at random); the
+    dense Llama EAGLE-2 head for it drafts in vLLM, and vLLM's output with it is its output without."""
+    import torch
+    from family_models import tiny_family_model
+    from w4_fixtures import stage_config
+
+    from data.models import cache_dir, load_model, weights_hash
+    from decode.engines.vllm_venv import ensure_venv, w4_kernel_missing
+    from decode.interop import agreement, run_engine
+    from heads.eagle import EagleHead
+    from quantize.settings import w4_of
+    from quantize.w4 import run as quantize
+
+    source = tiny_family_model("mixtral", tmp_path / "source")
+    w4_folder = quantize(w4_of(stage_config(source, chat_file, tmp_path / "run")))
+    target, tokenizer = load_model(str(source))
+    torch.manual_seed(0)
+    EagleHead.for_target(target).save_pretrained(tmp_path / "head", weights_hash(target), tokenizer)
+    prompts = [tokenizer.encode(text) for text in ("the cat sat on a mat", "blue dogs ran over green hills")]
+    w4, _ = load_model(str(w4_folder))
+    with torch.no_grad():
+        ours = [w4.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False)[0, len(p):].tolist()
+                for p in prompts]
+    venv = cache_dir() / "vllm-venv"
+    python = ensure_venv(venv)
+    llm = {"model": str(source), "dtype": "float32", "max_model_len": 256, "enforce_eager": True, "seed": 0,
+           "disable_log_stats": False}
+    decode = {"prompts": prompts, "max_tokens": 24}
+    head = {"method": "eagle", "model": str(tmp_path / "head"), "num_speculative_tokens": 3}
+
+    def engine(name: str, job: dict) -> dict:
+        result = run_engine(python, venv, name, job, 2, tmp_path / "vllm.log")
+        assert "error" not in result, result["error"]
+        return result
+
+    assert engine("eagle", {"llm": llm | {"speculative_config": head}, **decode})["tokens"] == engine(
+        "ar", {"llm": llm, **decode})["tokens"]
+    if w4_kernel_missing():
+        pytest.skip(w4_kernel_missing())
+    w4_run = engine("w4", {"llm": llm | {"model": str(w4_folder), "dtype": "bfloat16"},
+                           "teacher_forced": [[p, t] for p, t in zip(prompts, ours)]})
+    assert agreement(w4_run["teacher_forced"]) >= 0.7

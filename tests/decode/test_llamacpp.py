@@ -1,4 +1,4 @@
-"""llama.cpp as a peer (decode/consumers/llamacpp.py, decode/peers/llamacpp.py): the tools' arguments and
+"""llama.cpp as a peer (decode/engines/llamacpp.py, decode/bench.py's peer rows): the tools' arguments and
 reports, the build's all-or-nothing marker, the bench peer's switch; the slow tests build llama.cpp (once, cached) and
 decode."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from decode.consumers import llamacpp
-from decode.consumers.llamacpp import LlamaCppError, Speculation, parse_output
-from decode.peers.llamacpp import bench_peer
+from decode.bench import bench_peer
+from decode.engines import llamacpp
+from decode.engines.llamacpp import LlamaCppError, Speculation, parse_output
 from decode.publish import Publication
 from decode.publish.serving import serve_commands
 from decode.settings import InteropChecks, LlamaCppBench, decoding_of
@@ -158,7 +158,7 @@ def publication(tmp_path, model):
 
 
 def test_a_sweep_is_reported_by_its_fastest_member():
-    from decode.peers.llamacpp import best_of_sweeps, table
+    from decode.bench import best_of_sweeps, peer_table as table
 
     def row(tps):
         return {"median_tokens_per_s": tps, "median_ratio_vs_polyspec_ar": 1.0, "median_ratio_vs_llamacpp_ar": 1.0,
@@ -188,12 +188,11 @@ def test_the_bundle_serves_llamacpp_only_where_it_can(tmp_path):
 
 
 def test_the_bundle_gives_llamacpp_commands_for_an_eagle3_head(tmp_path, monkeypatch):
-    from decode.consumers import llamacpp_gguf
     from decode.publish.serving import llamacpp_eagle3_serve
 
     from data import models
 
-    monkeypatch.setattr(llamacpp_gguf, "target_gguf", lambda name: tmp_path / f"{name}-F32.gguf")
+    monkeypatch.setattr(llamacpp, "target_gguf", lambda name: tmp_path / f"{name}-F32.gguf")
     monkeypatch.setattr(models, "resolve_model_path", lambda name: str(tmp_path / "hf"))
     where = publication(tmp_path, "bundled:smollm2-135m-instruct")
     target = {"config": {"kind": "model", "model": "target"}}
@@ -285,7 +284,7 @@ def test_speculation_drafts_with_an_eagle3_gguf():
 
 
 def test_greedy_outputs_agree_up_to_a_drafting_runs_overshoot():
-    from decode.consumers.llamacpp import LlamaOutput, same_greedy
+    from decode.engines.llamacpp import LlamaOutput, same_greedy
 
     def out(text, n):
         return LlamaOutput(text, n, 10, 0.1, 1.0)
@@ -333,8 +332,7 @@ def test_llamacpp_builds_and_decodes_losslessly_with_the_w4_gguf_as_draft(tmp_pa
     mode all give the same greedy text; llama.cpp reads the prompt as the same tokens polyspec does."""
     from data.models import convert_bundled, load_tokenizer
     from data.sharegpt import chat_prompt_ids
-    from decode.consumers.llamacpp import decode, ensure_built, same_greedy, tokenize
-    from decode.consumers.llamacpp_gguf import target_gguf, w4_gguf
+    from decode.engines.llamacpp import decode, ensure_built, same_greedy, target_gguf, tokenize, w4_gguf
 
     tools = ensure_built()
     hf_folder = convert_bundled("smollm2-135m-instruct")
@@ -361,7 +359,7 @@ def test_the_projects_build_decodes_a_quantized_gguf():
     """The bundled Q4_1 file (Q8_0 embeddings) decoded by the project's build: the quantized matmuls that died with
     SIGILL in ggml's AMX path on Sapphire Rapids under the native build."""
     from data.models import bundled_gguf
-    from decode.consumers.llamacpp import decode, ensure_built
+    from decode.engines.llamacpp import decode, ensure_built
 
     prompt = "<|im_start|>user\nWrite a short poem about the sea.<|im_end|>\n<|im_start|>assistant\n"
     out = decode(ensure_built(), bundled_gguf("smollm2-135m-instruct"), prompt, 16, 2)
@@ -373,8 +371,7 @@ def test_the_target_quantized_by_llama_quantize_decodes(tmp_path):
     """decode.bench's lossy Q8_0 row: llama-quantize makes the file once (beside the F32 one) and it decodes."""
     import shutil
 
-    from decode.consumers.llamacpp import decode, ensure_built, quantized
-    from decode.consumers.llamacpp_gguf import target_gguf
+    from decode.engines.llamacpp import decode, ensure_built, quantized, target_gguf
 
     tools, f32 = ensure_built(), tmp_path / "smollm2-F32.gguf"
     shutil.copy(target_gguf(), f32)

@@ -1,4 +1,4 @@
-"""The W4 level as a Q4_0 GGUF (decode/consumers/llamacpp_gguf.py): exact where GPTQ is symmetric without act order,
+"""The W4 level as a Q4_0 GGUF (decode/engines/llamacpp.py): exact where GPTQ is symmetric without act order,
 refused in one line elsewhere; the written file keeps the target's metadata and norms, its embedding in Q8_0.
 Synthetic GPTQ layers and a tiny target GGUF: no model, no llama.cpp build."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from decode.consumers.llamacpp_gguf import GgufExportError, GptqLinear, export_w4, q4_0_rows, rope_row_order
+from decode.engines.llamacpp import GgufExportError, GptqLinear, export_w4, q4_0_rows, rope_row_order
 from quantize.checkpoint import dequantize
 
 
@@ -147,7 +147,7 @@ def test_target_gguf_holds_the_fp32_target_bit_for_bit():
     from safetensors import safe_open
 
     from data.models import convert_bundled
-    from decode.consumers.llamacpp_gguf import target_gguf
+    from decode.engines.llamacpp import target_gguf
 
     tensors = {t.name: t for t in gguf.GGUFReader(target_gguf()).tensors}
     heads = {"attn_q": 9, "attn_k": 3}

@@ -6,6 +6,8 @@ and Mixtral (whose experts it quantizes one by one) run with the fast tests, the
 (a stage each, ~10 s)."""
 from __future__ import annotations
 
+import functools
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +20,7 @@ from lossless_fixtures import greedy_equal
 from safetensors.torch import load_file, save_file
 from w4_fixtures import stage_config
 
-from data.models import IncompleteCheckpointError, load_model
+from data.models import IncompleteCheckpointError, expert_renaming, load_model
 from decode.engine.errors import DecodeError
 from heads.eagle import routes_to_experts
 from quantize.checkpoint import dequantize
@@ -76,6 +78,13 @@ def stored(folder: Path) -> dict[str, torch.Tensor]:
     return {key: value for f in sorted(folder.glob("*.safetensors")) for key, value in load_file(f).items()}
 
 
+def loaded_names(tensors: dict[str, torch.Tensor], model_type: str) -> dict[str, torch.Tensor]:
+    """The tensors under the names the family's class loads (Mixtral's experts are stored as vLLM loads them)."""
+    renaming = expert_renaming(model_type).items()
+    return {functools.reduce(lambda key, rename: re.sub(*rename, key), renaming, key): value
+            for key, value in tensors.items()}
+
+
 def test_the_w4_model_loads_back_whole_with_the_weights_gptq_computed(quantized):
     """Every linear transformers quantizes on load is filled from the checkpoint, under the name the family's class
     loads: the W4 model computes what the source model computes with each linear's dequantized stored weights (the
@@ -87,7 +96,7 @@ def test_the_w4_model_loads_back_whole_with_the_weights_gptq_computed(quantized)
     reference, _ = load_model(str(quantized.source))
     if routes_to_experts(reference):  # experts as linears, each to take its dequantized weight
         defuser.convert_model(reference, cleanup_original=True)
-    tensors = stored(quantized.w4)
+    tensors = loaded_names(stored(quantized.w4), w4.config.model_type)
     prefixes = sorted(key.removesuffix(".qweight") for key in tensors if key.endswith(".qweight"))
     loaded = sorted(name for name, module in w4.named_modules() if type(module).__name__ == "TorchFusedLinear")
     per_layer = LINEARS_PER_LAYER.get(quantized.family, 7)
@@ -137,10 +146,12 @@ def test_phi3_fused_projections_are_stored_whole(phi3):
 
 def test_routed_experts_are_stored_one_linear_each_and_loaded_so(mixtral):
     """GPTQModel quantizes each expert's gate/up/down as a linear of its own; transformers' Mixtral holds them fused.
-    The checkpoint keeps GPTQModel's layout and load_model builds the experts as linears for it."""
+    The checkpoint stores them one by one under Mixtral's original names (w1 gate, w3 up, w2 down: what vLLM's Mixtral
+    loads) and load_model builds the experts as linears for it."""
     keys = stored(mixtral.w4)
-    assert "model.layers.0.mlp.experts.3.down_proj.qweight" in keys
-    assert not any(key.endswith(("experts.gate_up_proj", "experts.down_proj")) for key in keys)
+    assert "model.layers.0.block_sparse_moe.experts.3.w2.qweight" in keys
+    assert "model.layers.0.block_sparse_moe.gate.weight" in keys
+    assert not any(".mlp." in key or key.endswith(("gate_up_proj", "down_proj")) for key in keys)
     w4, _ = load_model(str(mixtral.w4))
     assert type(w4.get_submodule("model.layers.2.mlp.experts.3.up_proj")).__name__ == "TorchFusedLinear"
 

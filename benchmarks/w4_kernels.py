@@ -1,4 +1,4 @@
-"""`python -m quantize.kernels`: which CPU kernel runs the W4 checkpoint fastest, next to the target.
+"""`python -m benchmarks.w4_kernels`: which CPU kernel runs the W4 checkpoint fastest, next to the target.
 
 Times one forward of `quantize.eval.timing_tokens` new tokens (1 and 8) over a KV cache of
 `quantize.eval.timing_context` tokens for the full-precision target (fp32, bf16) and for the W4 model

@@ -1,8 +1,8 @@
 """llama.cpp's plain decoding of the F32 target alone, in a process of its own: the check that decode.bench's
-llama.cpp phase measures llama.cpp as it runs alone (issue 42's equal terms). Same prompts as the bench (the first turn
-of each category's first questions), same tool (llama-speculative-simple drafting nothing), same threads.
+llama.cpp phase measures llama.cpp as it runs alone, on equal terms. Same prompts as the bench (the first turn of each
+category's first questions), same tool (llama-speculative-simple drafting nothing), same threads.
 
-    python scripts/llamacpp_alone.py [--per-category 1] [--new-tokens 64] [--threads 2]
+    python -m benchmarks.llamacpp_alone [--per-category 1] [--new-tokens 64] [--threads 2]
 
 Prints the median tokens/s over the prompts (as the bench's llamacpp_ar row) and each prompt's. Needs the project's
 llama.cpp build (decode.bench decode.bench.llamacpp.enabled=true builds it once)."""
@@ -14,8 +14,7 @@ import statistics
 from data.models import DEFAULT_MODEL, load_tokenizer
 from data.prompts import load_questions
 from data.sharegpt import chat_prompt_ids
-from decode.consumers.llamacpp import decode, ensure_built
-from decode.consumers.llamacpp_gguf import target_gguf
+from decode.engines.llamacpp import decode, ensure_built, target_gguf
 
 
 def main() -> None:

@@ -5,20 +5,18 @@ stream (all threads, weights far beyond the caches, as a forward reads them). A 
 either; so with its 1-row product at the read bandwidth, its T(k) / T(1) is at least bandwidth / (threads x arithmetic
 rate at k rows): the `bound` column.
 
-    python -m decode.backends.cpu.bench_tiles [--inputs 576] [--rows 1 2 4 8] [--repeats 7] [--stream-mib 256]
+    python -m benchmarks.cpu_tiles [--inputs 576] [--rows 1 2 4 8] [--repeats 7] [--stream-mib 256]
 """
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from decode.backends.cpu.llama import dense_weight, int4_weight, int8_weight, native_kernels, stream_kernel
-from infra.timing import read_bandwidth
+from infra.timing import median_ms, read_bandwidth
 
 RESIDENT_BYTES = 256 * 2**10  # a quarter of Zen 4's L2, a half of Zen 3's: resident with room for the inputs
 
@@ -43,13 +41,11 @@ def kinds(kernels: Any) -> dict[str, tuple[Callable[[int, int], Any], float]]:
 
 def seconds_per_call(kernels: Any, x: torch.Tensor, weights: list[Any], calls: int, repeats: int) -> float:
     """Median over `repeats` of the time of one product, going `calls` times through `weights` in turn."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    def products(_: int) -> None:
         for i in range(calls):
             kernels.packed_mm(x, weights[i % len(weights)])
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times)
+
+    return median_ms({"products": products}, [calls], repeats, warmup=0)["products"][calls] / 1000 / calls
 
 
 def measure(kernels: Any, make: Callable[[int, int], Any], per_weight: float,
@@ -81,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     kernels, why = native_kernels()
     if kernels is None:
-        raise SystemExit(f"bench_tiles: no native kernels here ({why})")
+        raise SystemExit(f"cpu_tiles: no native kernels here ({why})")
     bandwidth = read_bandwidth(stream=stream_kernel())
     threads = torch.get_num_threads()
     print(f"{threads} threads, {kernels.lanes()} lanes, CPU capability {torch.backends.cpu.get_cpu_capability()}, "

@@ -1,6 +1,6 @@
 """One vLLM engine, one job: run by decode.interop with the vLLM venv's python, never imported by polyspec.
 
-    <venv>/bin/python decode/consumers/vllm_run.py jobs.json results.json
+    <venv>/bin/python decode/engines/vllm_run.py jobs.json results.json
 
 It imports only vLLM and the standard library (vLLM pins its own torch and transformers, so it lives in its
 own venv). The job names the `LLM(...)` keyword arguments, the prompts as token ids (tokenized by polyspec,

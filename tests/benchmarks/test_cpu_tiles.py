@@ -1,11 +1,11 @@
-"""decode.backends.cpu.bench_tiles: each product kind's weight runs through the native product at the bytes per weight
+"""benchmarks.cpu_tiles: each product kind's weight runs through the native product at the bytes per weight
 the benchmark sizes its cache-resident copy with, and the benchmark prints one row per kind and row count."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from decode.backends.cpu import bench_tiles
+from benchmarks import cpu_tiles
 from decode.backends.cpu.llama import native_kernels
 
 pytestmark = pytest.mark.skipif(native_kernels()[0] is None, reason="the native kernels do not build here")
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(native_kernels()[0] is None, reason="the native 
 def test_each_kind_weight_is_a_product_of_its_stated_size():
     kernels = native_kernels()[0]
     x = torch.randn(3, 576)
-    for name, (make, per_weight) in bench_tiles.kinds(kernels).items():
+    for name, (make, per_weight) in cpu_tiles.kinds(kernels).items():
         weight = make(96, 576)
         y = kernels.packed_mm(x, weight)
         assert y.shape == (3, 96) and torch.isfinite(y).all(), name
@@ -26,7 +26,7 @@ def test_the_benchmark_prints_a_row_per_kind_and_row_count(capsys, virtual_clock
     """On the test's clock (every timed span one tick), so the rates it prints are the bytes it counted over written
     times, never a busy machine's near-zero; the layout and each kind's ratio to its own first row are what is
     checked."""
-    bench_tiles.main(["--rows", "1", "2", "--repeats", "1", "--stream-mib", "4"])
+    cpu_tiles.main(["--rows", "1", "2", "--repeats", "1", "--stream-mib", "4"])
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
     assert len(rows) == 4 * 2
     for row in rows:
