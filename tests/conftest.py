@@ -15,6 +15,23 @@ import torch
 from clock_fixtures import VirtualClock
 
 
+DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+@pytest.fixture(autouse=True)
+def distributed_env_as_found():
+    """A test training in this process sets torch.distributed's variables (train.eagle.init_distributed) while its
+    one-process group keeps listening on MASTER_PORT; a later test's `python -m train.eagle` inheriting them would try
+    that port and fail (EADDRINUSE). Each test leaves them as it found them."""
+    found = {name: os.environ.get(name) for name in DISTRIBUTED_ENV}
+    yield
+    for name, value in found.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture
 def virtual_clock(monkeypatch) -> VirtualClock:
     """The test's own clock in place of the machine's (clock_fixtures.VirtualClock)."""
