@@ -322,5 +322,17 @@ def nonfinite_tensors(tensors: dict[str, torch.Tensor]) -> list[str]:
     return sorted(name for name, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all()))
 
 
+def first_names(names: list[str], most: int = 3) -> str:
+    """The first `most` names, comma-separated, ` ...` after them where there are more: a one-line error's list."""
+    return ", ".join(names[:most]) + (" ..." if len(names) > most else "")
+
+
+def expert_name(key: str, model_type: str, to_stored: bool = False) -> str:
+    """A tensor's name as the family's class loads it, or (`to_stored`) as quantize.w4 stores it (expert_renaming)."""
+    for pattern, name in expert_renaming(model_type, to_stored).items():
+        key = re.sub(pattern, name, key)
+    return key
+
+
 def same_vocabulary(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> bool:
     return a.get_vocab() == b.get_vocab()

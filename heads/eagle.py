@@ -439,11 +439,11 @@ def _read_weights(weights: Path) -> dict[str, torch.Tensor]:
         state = load_file(str(weights))
     except (SafetensorError, OSError) as err:  # truncated, empty or not a safetensors file
         raise HeadError(f"{weights}: unreadable ({_first_line(err)}); retrain or restore the head") from None
-    from data.models import nonfinite_tensors
+    from data.models import first_names, nonfinite_tensors
 
     bad = nonfinite_tensors(state)
     if bad:
-        raise HeadError(f"{weights}: non-finite weights in {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} "
+        raise HeadError(f"{weights}: non-finite weights in {first_names(bad)} "
                         "(NaN or inf: a diverged training run?)")
     return state
 

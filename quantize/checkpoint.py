@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from data.models import expert_renaming
+from data.models import expert_name, expert_renaming
 from quantize.errors import QuantizeError
 
 
@@ -156,21 +155,12 @@ def store_expert_names(folder: Path, model_type: str) -> int:
     """Rename a family's routed experts to the names its original checkpoints use (data.models.STORED_EXPERT_NAMES:
     Mixtral's block_sparse_moe.experts.<e>.w1/w2/w3), which vLLM loads and load_model maps back. Returns how many
     tensors were renamed."""
-    renaming = [(re.compile(pattern), name) for pattern, name in expert_renaming(model_type, to_stored=True).items()]
-    if not renaming:
+    if not expert_renaming(model_type, to_stored=True):
         return 0
     tensors = {f: load_file(f) for f in sorted(folder.glob("*.safetensors"))}
-    renamed = 0
-    for f, ts in tensors.items():
-        stored = {}
-        for key, value in ts.items():
-            new = key
-            for pattern, name in renaming:
-                new = pattern.sub(name, new)
-            stored[new], renamed = value, renamed + (new != key)
-        tensors[f] = stored
-    save_tensors(folder, tensors)
-    return renamed
+    names = {key: expert_name(key, model_type, to_stored=True) for ts in tensors.values() for key in ts}
+    save_tensors(folder, {f: {names[key]: value for key, value in ts.items()} for f, ts in tensors.items()})
+    return sum(key != name for key, name in names.items())
 
 
 def save_tensors(folder: Path, tensors: dict[Path, dict[str, torch.Tensor]]) -> None:

@@ -20,8 +20,8 @@ import hydra
 from omegaconf import DictConfig
 from transformers import AutoConfig, PreTrainedModel
 
-from data.models import (IncompleteCheckpointError, load_model, load_tokenizer, nonfinite_tensors, resolve_model_path,
-                         weights_hash)
+from data.models import (IncompleteCheckpointError, first_names, load_model, load_tokenizer, nonfinite_tensors,
+                         resolve_model_path, weights_hash)
 from data.sharegpt import load_split
 from infra.cli import check_writable, run_main
 from infra.layout import RunLayout
@@ -98,7 +98,7 @@ def check_finite(folder: Path) -> None:
 
     bad = [name for file in sorted(folder.glob("*.safetensors")) for name in nonfinite_tensors(load_file(file))]
     if bad:
-        raise QuantizeError(f"GPTQ computed non-finite values in {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}"
+        raise QuantizeError(f"GPTQ computed non-finite values in {first_names(bad)}"
                             ", so nothing is written; raise quantize.damp_percent or quantize.calibration.samples")
 
 

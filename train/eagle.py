@@ -45,7 +45,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from data.models import load_model, nonfinite_tensors, same_vocabulary, weights_hash
+from data.models import first_names, load_model, nonfinite_tensors, same_vocabulary, weights_hash
 from data.settings import ModelSettings
 from data.sharegpt import load_split
 from heads.eagle import FORMAT_VERSION, DraftHead, EagleHead, TrainingRecord, head_layer, vocabulary_rows
@@ -450,8 +450,8 @@ class EagleRecipe:
             return
         step = self.progress.nonfinite_step
         when = (f"the training loss went non-finite at step {step}; lower train.lr" if step is not None else
-                "the loss stayed finite, so the loss never reached it (left uninitialised)")
-        raise TrainError(f"the head's weights are not finite ({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}): "
+                "the training loss stayed finite: a tensor it never reached, left uninitialised")
+        raise TrainError(f"the head's weights are not finite ({first_names(bad)}): "
                          f"{when}; nothing is written")
 
     def _write_head(self) -> dict[str, Any]:

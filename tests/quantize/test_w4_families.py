@@ -6,8 +6,6 @@ and Mixtral (whose experts it quantizes one by one) run with the fast tests, the
 (a stage each, ~10 s)."""
 from __future__ import annotations
 
-import functools
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +18,7 @@ from lossless_fixtures import greedy_equal
 from safetensors.torch import load_file, save_file
 from w4_fixtures import stage_config
 
-from data.models import IncompleteCheckpointError, expert_renaming, load_model
+from data.models import IncompleteCheckpointError, expert_name, load_model
 from decode.engine.errors import DecodeError
 from heads.eagle import routes_to_experts
 from quantize.checkpoint import dequantize
@@ -80,9 +78,7 @@ def stored(folder: Path) -> dict[str, torch.Tensor]:
 
 def loaded_names(tensors: dict[str, torch.Tensor], model_type: str) -> dict[str, torch.Tensor]:
     """The tensors under the names the family's class loads (Mixtral's experts are stored as vLLM loads them)."""
-    renaming = expert_renaming(model_type).items()
-    return {functools.reduce(lambda key, rename: re.sub(*rename, key), renaming, key): value
-            for key, value in tensors.items()}
+    return {expert_name(key, model_type): value for key, value in tensors.items()}
 
 
 def test_the_w4_model_loads_back_whole_with_the_weights_gptq_computed(quantized):
