@@ -15,14 +15,14 @@ from decode.settings import decode_section, gemm_choice
 from decode.engine.errors import DecodeError
 from decode.backends.cpu.dense import GEMMS, PackedLinear, gemm_for, pack_weight, _packed_mm
 from decode.backends.cpu.attention import KERNEL_ATTENTION
-from decode.backends.cpu.kernels import avx2_kernel, build_folder
+from decode.backends.cpu.kernels import kernel_ops, build_folder
 
 pytestmark = pytest.mark.cpu_kernels
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    module, why = avx2_kernel()
+    module, why = kernel_ops()
     if module is None:
         pytest.skip(f"the AVX2 kernel cannot run here: {why}")
     return module

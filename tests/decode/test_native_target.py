@@ -92,9 +92,9 @@ def test_the_packed_panels_are_shared_not_copied(model):
 
 def test_an_fp32_packed_weight_is_the_packed_fp32_product_bit_for_bit():
     """One PackedWeight class, either kind: fp32 panels run kernels.cpp's product (bias after the chain)."""
-    from decode.backends.cpu.kernels import avx2_kernel
+    from decode.backends.cpu.kernels import kernel_ops
 
-    fp32, kernels = avx2_kernel()[0], native_kernels()[0]
+    fp32, kernels = kernel_ops()[0], native_kernels()[0]
     weight, bias, x = torch.randn(61, 48), torch.randn(61), torch.randn(9, 48)
     panels = fp32.pack(weight)
     assert torch.equal(kernels.packed_mm(x, kernels.PackedWeight(words=panels, n=61, bias=bias)),

@@ -145,7 +145,7 @@ def test_a_tree_then_its_accepted_path_like_an_hf_cache(w4, one_thread):
 
 def test_the_int4_product_is_the_fp32_product_of_the_dequantized_weight_bit_for_bit(w4):
     """One FMA chain per output over the act-ordered inputs, dequantization exact: the fp32 kernel's bits."""
-    from decode.backends.cpu.kernels import avx2_kernel
+    from decode.backends.cpu.kernels import kernel_ops
 
     module = w4.model.layers[0].mlp.down_proj
     codes, scales, perm = int4_parts(module)
@@ -157,7 +157,7 @@ def test_the_int4_product_is_the_fp32_product_of_the_dequantized_weight_bit_for_
     packed = kernels.PackedWeight(words=words, scales=panel_scales, bounds=bounds, n=codes.shape[0], perm=perm)
     ours = kernels.packed_mm(x, packed)
     weight = (codes.float() - 8) * scales[:, torch.arange(k) // module.group_size]
-    fp32 = avx2_kernel()[0]
+    fp32 = kernel_ops()[0]
     assert torch.equal(ours, fp32.linear(x[:, perm].contiguous(), fp32.pack(weight), weight.shape[0], None))
 
 

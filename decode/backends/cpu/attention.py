@@ -15,7 +15,6 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from decode.backends.cpu.kernels import avx2_kernel
 
 GROUPED_SDPA = "polyspec_grouped_sdpa"
 KERNEL_ATTENTION = "polyspec_attend"
@@ -37,11 +36,11 @@ def grouped_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
 
 def kernel_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """fp32 attention on the AVX2 `attend` kernel (row-exact, grouped heads read in place, see the module
-    docstring); anything it does not cover (other dtypes, dropout, position bias, softcapping, attention
+    """fp32 attention on the `attend` kernel (row-exact, grouped heads read in place, see the module docstring;
+    a static cache's runner passes `key_length`, its valid prefix as a tensor, and only those keys are read);
+    anything it does not cover (other dtypes, dropout, position bias, softcapping, attention
     sinks) goes to `grouped_sdpa_attention`."""
-    kernels = avx2_kernel()[0]
-    if (kernels is None or query.device.type != "cpu" or kwargs.get("dropout") or _special(kwargs)
+    if (query.device.type != "cpu" or kwargs.get("dropout") or _special(kwargs)
             or not query.dtype == key.dtype == value.dtype == torch.float32
             or query.shape[-1] % 8 or query.shape[-1] > 256
             or attention_mask is not None and attention_mask.dtype not in (torch.bool, torch.float32)):
@@ -51,7 +50,7 @@ def kernel_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         is_causal if is_causal is not None else getattr(module, "is_causal", True))
     scaling = kwargs.get("scaling")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return kernels.attend(query, key, value, attention_mask, scale, causal), None
+    return torch.ops.polyspec.attend(query, key, value, attention_mask, scale, causal, kwargs.get("key_length")), None
 
 
 def _special(kwargs: dict) -> bool:

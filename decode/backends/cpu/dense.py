@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from infra.hugepages import in_huge_pages
-from decode.backends.cpu.kernels import avx2_kernel
+from decode.backends.cpu.kernels import kernel_ops
 
 GEMMS = ("auto", "avx2", "onednn")
 
@@ -34,7 +34,7 @@ def gemm_for(dtype: torch.dtype, gemm: str = "auto") -> str | None:
     if gemm not in GEMMS:
         raise ValueError(f"gemm must be one of {', '.join(GEMMS)}, got {gemm!r}")
     if dtype == torch.float32 and gemm != "onednn":
-        kernel, why = avx2_kernel()
+        kernel, why = kernel_ops()
         if kernel is not None:
             return "avx2"
         if gemm == "avx2":
@@ -51,7 +51,7 @@ class Panels(NamedTuple):
 def pack_weight(weight: torch.Tensor, gemm: str) -> Panels | torch.Tensor:
     """W [N, K] in the layout of `gemm` ("avx2" or "onednn", see `gemm_for`)."""
     if gemm == "avx2":
-        return Panels(avx2_kernel()[0].pack(weight.contiguous()), weight.shape[0])
+        return Panels(kernel_ops()[0].pack(weight.contiguous()), weight.shape[0])
     return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
 
@@ -70,7 +70,7 @@ def _packed_mm(x: torch.Tensor, packed: Panels | torch.Tensor, bias: torch.Tenso
     """x @ W.T + b through a packed W, for any leading shape of x."""
     flat = x.reshape(-1, x.shape[-1])
     if isinstance(packed, Panels):
-        out = avx2_kernel()[0].linear(flat, packed.data, packed.rows, bias)
+        out = torch.ops.polyspec.linear(flat, packed.data, packed.rows, bias)
     else:
         out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
     return out.reshape(*x.shape[:-1], out.shape[-1])

@@ -6,9 +6,9 @@ The C++ is headers plus sources, one job each:
   tiles.h              the tile driver every product shares (which tile computes which rows and panels)
   pack.h, pack.cpp     weight packing: fp32 panels, int4 codes (fp32 or int8 activations), int8 rows
   kernels.h, .cpp      the packed fp32 product, attention and the read-bandwidth probe
-  kernels_module.cpp   their Python module (decode.fast): `avx2_kernel`
   quantized_tiles.h    the int4 and int8 tile products and the rows' int8 quantization
   packed_linear.h, .cpp  a PackedWeight of either kind and the product through it
+  ops.cpp              all of them as torch operators, torch.ops.polyspec (`kernel_ops`)
   layers.h             the decoder's per-row layers: RMS norm, rotary, residual add, SiLU gate
   decoder.h, .cpp      the native decoder's forward over the caller's KV cache
   decoder_module.cpp   its Python module: decode.backends.cpu.llama's `native_kernels`"""
@@ -30,7 +30,7 @@ from data.models import cache_dir
 
 HERE = Path(__file__).parent
 HEADERS = tuple(sorted(HERE.glob("*.h")))
-FP32_SOURCES = (HERE / "kernels.cpp", HERE / "pack.cpp")  # what both extensions link
+KERNEL_SOURCES = (HERE / "kernels.cpp", HERE / "pack.cpp", HERE / "packed_linear.cpp")  # what both builds link
 
 
 def build_folder(sources: tuple[Path, ...], flags: list[str]) -> Path:
@@ -52,8 +52,10 @@ def only_builder(build: Path) -> Iterator[None]:
         yield
 
 
-def build_extension(name: str, sources: tuple[Path, ...], flags: list[str]) -> tuple[Any | None, str]:
-    """(the extension module of `sources`, "") or (None, why it did not build: said once on stderr)."""
+def build_extension(name: str, sources: tuple[Path, ...], flags: list[str],
+                    python_module: bool = True) -> tuple[Any | None, str]:
+    """(the extension module of `sources`, "") or (None, why it did not build: said once on stderr); a build that
+    only registers torch operators (`python_module` False) is loaded into the process and gives its library's path."""
     from torch.utils import cpp_extension
 
     build = build_folder(sources, flags)
@@ -61,7 +63,8 @@ def build_extension(name: str, sources: tuple[Path, ...], flags: list[str]) -> t
     try:
         with only_builder(build):
             module = cpp_extension.load(f"{name}_{build.name}", [str(s) for s in sources], extra_cflags=flags,
-                                        extra_ldflags=["-fopenmp"], build_directory=str(build))
+                                        extra_ldflags=["-fopenmp"], build_directory=str(build),
+                                        is_python_module=python_module)
     except Exception as err:  # no compiler, no ninja, no Python headers: the caller falls back, said once
         why = (str(err).strip().splitlines() or [type(err).__name__])[-1]
         print(f"decode: the {name} kernels did not build ({why[:200]}); using the fallback", file=sys.stderr)
@@ -72,11 +75,45 @@ def build_extension(name: str, sources: tuple[Path, ...], flags: list[str]) -> t
     return module, ""
 
 
+def has_avx512_vnni() -> bool:
+    """Whether torch runs AVX-512 here (not forced down to AVX2) and the CPU has its BW and VNNI parts."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and {"avx512bw", "avx512_vnni"} <= set(flags)
+
+
+def build_flags() -> list[str]:
+    """AVX-512 where the CPU has its BW and VNNI parts, else AVX2; gcc must be told -fopenmp: without it ATen's
+    parallel_for compiles to a serial loop in an extension."""
+    wide = ["-mavx512f", "-mavx512bw", "-mavx512vnni"] if has_avx512_vnni() else []
+    return ["-O3", "-mavx2", "-mfma", "-fopenmp", *wide]
+
+
 @functools.cache
-def avx2_kernel() -> tuple[Any | None, str]:
-    """(kernels.cpp built for this machine: `pack`, the packed fp32 product and `attend`, "") or (None, why not).
-    gcc must be told -fopenmp: without it ATen's parallel_for compiles to a serial loop in an extension."""
+def kernel_ops() -> tuple[Any | None, str]:
+    """(torch.ops.polyspec: the kernels as torch operators, built for this machine, "") or (None, why not)."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None, f"the CPU lacks AVX2+FMA ({torch.backends.cpu.get_cpu_capability()})"
-    return build_extension("polyspec_kernels", (*FP32_SOURCES, HERE / "kernels_module.cpp"),
-                           ["-O3", "-mavx2", "-mfma", "-fopenmp"])
+    library, why = build_extension("polyspec_ops", (*KERNEL_SOURCES, HERE / "ops.cpp"), build_flags(),
+                                   python_module=False)
+    if library is None:
+        return None, why
+    _register_fakes()
+    return torch.ops.polyspec, ""
+
+
+def _register_fakes() -> None:
+    """The operators' output shapes without running them, for tracing (torch.compile)."""
+    def linear(x, panels, n, bias=None):
+        return x.new_empty(x.shape[0], n)
+
+    def packed_linear(x, words, n, scales=None, bounds=None, perm=None, bias=None):
+        return x.new_empty(*x.shape[:-1], n)
+
+    def attend(q, k, v, mask, scale, causal, length=None):
+        return q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+
+    for name, fake in (("linear", linear), ("packed_linear", packed_linear), ("attend", attend)):
+        torch.library.register_fake(f"polyspec::{name}", fake)

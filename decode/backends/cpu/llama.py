@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import sys
 import weakref
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -33,7 +32,7 @@ from transformers import PretrainedConfig
 from decode.backends.cpu.dense import PackedLinear, pack_weight
 from decode.backends.cpu.fusion import StackedProduct
 from infra.hugepages import in_huge_pages
-from decode.backends.cpu.kernels import FP32_SOURCES, HERE, avx2_kernel, build_extension
+from decode.backends.cpu.kernels import HERE, KERNEL_SOURCES, build_extension, build_flags, kernel_ops
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
 STATIC_ROPE = ("default", "linear", "llama3")  # rotary tables that depend on the position only
@@ -45,14 +44,6 @@ ACTIVATIONS = ("int8", "fp32")
 _NATIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _has_avx512_vnni() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
-    return torch.backends.cpu.get_cpu_capability() == "AVX512" and {"avx512bw", "avx512_vnni"} <= set(flags)
-
-
 @functools.cache
 def native_kernels() -> tuple[Any | None, str]:
     """(the native decoder's extension for this machine, "") or (None, why not): decoder.cpp and what it runs on
@@ -60,20 +51,17 @@ def native_kernels() -> tuple[Any | None, str]:
     parts, else AVX2."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None, f"the CPU lacks AVX2+FMA ({torch.backends.cpu.get_cpu_capability()})"
-    wide = ["-mavx512f", "-mavx512bw", "-mavx512vnni"] if _has_avx512_vnni() else []
-    sources = (*FP32_SOURCES, HERE / "packed_linear.cpp", HERE / "decoder.cpp", HERE / "decoder_module.cpp")
-    return build_extension("polyspec_decoder", sources,
-                           ["-O3", "-mavx2", "-mfma", "-fopenmp", *wide])
+    return build_extension("polyspec_decoder", (*KERNEL_SOURCES, HERE / "decoder.cpp", HERE / "decoder_module.cpp"),
+                           build_flags())
 
 
 def stream_kernel() -> tuple[Callable[[torch.Tensor], float] | None, str]:
-    """(the read-bandwidth probe `stream_sum` of the widest build here, its name) for infra.timing.read_bandwidth, or
-    (None, why not): the native decoder's build (AVX-512 where the CPU has it), else decode.fast's AVX2 one."""
-    for kernels, build in ((native_kernels()[0], "native"), (avx2_kernel()[0], "avx2")):
-        if kernels is not None:
-            width = "avx512" if build == "native" and kernels.lanes() == 16 else "avx2"
-            return kernels.stream_sum, f"stream_sum {width}"
-    return None, avx2_kernel()[1]
+    """(the read-bandwidth probe `stream_sum` of this machine's kernel build, its name) for
+    infra.timing.read_bandwidth, or (None, why not)."""
+    ops, why = kernel_ops()
+    if ops is None:
+        return None, why
+    return ops.stream_sum, f"stream_sum {'avx512' if ops.lanes() == 16 else 'avx2'}"
 
 
 def _module(model: torch.nn.Module, layer: int, name: str) -> torch.nn.Module:
