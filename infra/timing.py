@@ -59,12 +59,14 @@ def launches(step: Step, device: Any) -> dict[str, int]:
         names = [e.name for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     else:
         names = [e.name for e in events if _operator(e) and not _under_operator(e)]
-    return {"kernels": len(names), "products": sum(1 for name in names if PRODUCT.search(name))}
+    products = [name for name in names if PRODUCT.search(name) and "cpp_fused" not in name]  # inductor's own loops
+    return {"kernels": len(names), "products": len(products)}
 
 
 def _operator(event: Any) -> bool:
-    """An operator, or a kernel inductor generated for a CPU (profiled where its compile asked: cpp_fused_*)."""
-    return event.name.startswith(("aten::", "mkl::")) or "cpp_fused" in event.name
+    """An operator (aten's, MKL's, the project's kernels'), or a kernel inductor generated for a CPU (profiled where
+    its compile asked: cpp_fused_*)."""
+    return event.name.startswith(("aten::", "mkl::", "polyspec::")) or "cpp_fused" in event.name
 
 
 def _under_operator(event: Any) -> bool:

@@ -42,7 +42,8 @@ class Backend:
     `native_w4` the same for a GPTQ W4 model, on `activations` (int8, fp32). Off the CPU all three are moot.
     `w4_kernel`: what runs a GPTQ W4 model's linears (see `int4pack`). `runner`: auto (CUDA: the compiled static
     runners, decode.backends.static; a CPU: as above), static (the compiled static runners on every device, as on
-    CUDA: nothing packed, nothing native, so that a CPU runs the GPU's code path) or eager (nothing compiled: on CUDA
+    CUDA, nothing native: a CPU runs the GPU's code path, its packed linears and attention on the project's kernels
+    as torch operators) or eager (nothing compiled: on CUDA
     the hand-captured static runner, heads on their own forward). The compiled runners' models and heads run their
     sibling linears (q/k/v, gate/up) as one product each (decode.backends.siblings)."""
 
@@ -89,6 +90,10 @@ class Backend:
     def prepare(self, model: PreTrainedModel) -> Prepared:
         """`model` made fast on its device (CPU: linears packed in place; the packed copies are an inference-time
         cache) and how it runs. ValueError where `native_*=on` cannot run it."""
+        if self.gemm and on_cpu(model) and self.compiled(cuda=False):  # W4: the project's int4 tiles, compiled
+            from decode.backends.cpu.kernel_linear import int4_on_kernels
+
+            int4_on_kernels(model, self.activations)
         if self.gemm and on_cpu(model):
             from decode.backends.cpu import pack
 

@@ -23,6 +23,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.utils.output_capturing import maybe_install_capturing_hooks
 
+from decode.backends.cpu.attention import KERNEL_ATTENTION
 from decode.backends.cuda import cuda_runners
 from decode.backends.cuda.runner import (MAX_LENGTH, WIDTHS, CapturedGraphs, StaticKV, StaticRunner, decoder_forward,
                                         extend, kv_buffers, static_mask)
@@ -39,10 +40,13 @@ def dynamo_limits() -> dict[str, object]:
             "accumulated_recompile_limit": max(config.accumulated_recompile_limit, 512)}
 
 
-def compile_options(backend: str | Callable) -> dict[str, object] | None:
+def compile_options(backend: str | Callable, device: torch.device) -> dict[str, object] | None:
     """Inductor's options for the runners: on a CPU its generated C++ kernels are marked for torch.profiler (free
-    unless it records), so that infra.timing.launches counts them there as it counts a GPU's kernels."""
-    return {"cpp.enable_kernel_profile": True} if backend == "inductor" else None
+    unless it records), so that infra.timing.launches counts them there as it counts a GPU's kernels, and the graph
+    is called from C++ (inductor's C++ wrapper: no Python between a forward's kernels and operators)."""
+    if backend != "inductor":
+        return None
+    return {"cpp.enable_kernel_profile": True, "cpp_wrapper": device.type == "cpu"}
 
 
 class Pieces:
@@ -108,7 +112,8 @@ class CompiledRunner(Pieces, StaticRunner):
         self.warm: set[tuple[int, ...]] = set()
         maybe_install_capturing_hooks(self.decoder)  # transformers installs them at a first capture, under a lock
         self.compiled = torch.compile(decoder_forward, fullgraph=True, dynamic=False, backend=backend,
-                                      options=compile_options(backend))
+                                      options=compile_options(backend, self.device))
+        self.reads_prefix = self.config._attn_implementation == KERNEL_ATTENTION
         self.warm_up()
 
     def warm_up(self) -> None:
@@ -134,7 +139,8 @@ class CompiledRunner(Pieces, StaticRunner):
 
     def _run(self, ids, positions, mask, slots) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.cache.slots = slots
-        return self._call((ids.shape[1],), self.decoder, self.cache, ids, positions, mask, self.layers)
+        valid = slots[-1:] + 1 if self.reads_prefix else None  # the kernel attention reads only the keys written
+        return self._call((ids.shape[1],), self.decoder, self.cache, ids, positions, mask, self.layers, valid)
 
 
 class HeadKV(StaticKV):
@@ -170,7 +176,7 @@ class CompiledHeadRunner(Pieces, CapturedGraphs):
         self.cache.buffers = config_buffers(head.config, self.cache.max_length, self.dtype, self.device)
         self.warm: set[tuple[int, ...]] = set()
         self.compiled = torch.compile(head_forward, fullgraph=True, dynamic=False, backend=backend,
-                                      options=compile_options(backend))
+                                      options=compile_options(backend, self.device))
         self.warm_up()
 
     def warm_up(self) -> None:

@@ -245,7 +245,7 @@ def test_the_backend_setting_puts_every_model_level_on_it(model):
         return backend_of(section, torch.device("cpu"))
 
     chosen = backend("static")
-    assert (chosen.runner, chosen.gemm, chosen.native_fp32) == ("static", None, "off")
+    assert (chosen.runner, chosen.gemm, chosen.native_fp32) == ("static", "auto", "off")  # packed: the kernels
     assert chosen.prepare(model).new_runner.func is CompiledRunner  # made, it would compile every width
     assert chosen.drafting(chosen.prepare(model)).prepare(model).new_runner.func is CompiledRunner
     assert chosen.prepare_head(EagleHead(model).eval()).new_runner.func is CompiledHeadRunner

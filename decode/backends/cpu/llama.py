@@ -205,7 +205,7 @@ def _w4_weight(kernels: Any, modules: list[torch.nn.Module], activations: str) -
     return int4_weight(kernels, (codes, scales, perm), modules[0].group_size, activations, bias)
 
 
-def _w4_siblings(kernels: Any, modules: list[torch.nn.Module], activations: str) -> list[Any]:
+def w4_siblings(kernels: Any, modules: list[torch.nn.Module], activations: str) -> list[Any]:
     """One fused weight when the siblings share their act order and group size, else one weight each."""
     for m in modules:
         _inference_layout(m)
@@ -276,8 +276,8 @@ def layer_weights(kernels: Any, layer: torch.nn.Module, activations: str | None,
     if activations is None:
         return (_dense_siblings(kernels, qkv), _shared_weight(kernels, a.o_proj), _dense_siblings(kernels, gate_up),
                 _shared_weight(kernels, m.down_proj))
-    return (_w4_siblings(kernels, qkv, activations), _w4_weight(kernels, [a.o_proj], activations),
-            _w4_siblings(kernels, gate_up, activations), _w4_weight(kernels, [m.down_proj], activations))
+    return (w4_siblings(kernels, qkv, activations), _w4_weight(kernels, [a.o_proj], activations),
+            w4_siblings(kernels, gate_up, activations), _w4_weight(kernels, [m.down_proj], activations))
 
 
 def native_model(model: torch.nn.Module, activations: str = "int8") -> tuple[Any, int]:

@@ -27,7 +27,8 @@ WARMUP = 2  # eager forwards on a side stream before a capture
 def unsupported(model: PreTrainedModel) -> str | None:
     """Why the static runner cannot run `model`, or None: it masks every layer alike (full attention only), its graphs
     need forwards without host syncs (no dynamic rotary scaling) and it leaves quantized kernels to HF's forward, but
-    for torch's own int4 kernel (decode.backends.int4pack: one aten call a linear, no host sync)."""
+    for torch's own int4 kernel (decode.backends.int4pack: one aten call a linear, no host sync) and the project's CPU
+    int4 tiles (decode.backends.cpu.kernel_linear: one operator a linear)."""
     config = model.config
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
     if kinds != {"full_attention"}:
@@ -37,9 +38,17 @@ def unsupported(model: PreTrainedModel) -> str | None:
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if isinstance(rope, dict) and ("dynamic" in str(rope.get("rope_type")) or rope.get("rope_type") == "longrope"):
         return f"{rope['rope_type']} rotary scaling (computed from the sequence)"
-    if getattr(config, "quantization_config", None) is not None and not is_int4pack(model):
+    if getattr(config, "quantization_config", None) is not None and not (is_int4pack(model) or on_kernels(model)):
         return "quantized weights (their kernels' graph capture is unchecked)"
     return None
+
+
+def on_kernels(model: torch.nn.Module) -> bool:
+    """Whether every quantized linear of `model` runs the project's CPU int4 tiles (KernelLinear)."""
+    from decode.backends.cpu.kernel_linear import KernelLinear, is_cpu_int4
+
+    modules = list(model.modules())
+    return any(isinstance(m, KernelLinear) for m in modules) and not any(is_cpu_int4(m) for m in modules)
 
 
 def span_for(needed: int, max_length: int) -> int:
@@ -108,11 +117,14 @@ def kv_buffers(layers: int, heads: int, length: int, dim: int, dtype: torch.dtyp
 
 
 def decoder_forward(decoder: torch.nn.Module, cache: StaticKV, ids: torch.Tensor, positions: torch.Tensor,
-                    mask: torch.Tensor, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    mask: torch.Tensor, layers: tuple[int, ...],
+                    key_length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A decoder's forward on a StaticKV (its slots and span set): the last hidden states, and those entering
-    `layers` side by side (None for no layers). One function: the compiled runner compiles what this one runs."""
+    `layers` side by side (None for no layers). One function: the compiled runner compiles what this one runs.
+    `key_length`: how many of the cache's keys are written (a tensor), for an attention that reads only those."""
+    extra = {} if key_length is None else {"key_length": key_length}
     out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
-                  output_hidden_states=bool(layers))
+                  output_hidden_states=bool(layers), **extra)
     aux = torch.cat([out.hidden_states[i] for i in layers], dim=-1) if layers else None
     return out.last_hidden_state, aux
 
