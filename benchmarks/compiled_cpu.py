@@ -1,9 +1,10 @@
 """The compiled static runner on a CPU (decode.backend=static: transformers' forward compiled, its linears and
-attention on the project's kernels as torch operators) against the native runner (the hand-written C++ decoder), the
-same packed weights, side by side in one process: each one's forward of k new tokens after a real context, medians of
-interleaved repeats, and the ratio. Compiling every width is part of making the runner (its time is printed).
+attention on the project's kernels as torch operators) against the native runner (the hand-written C++ decoder), for
+the default target and, given its folder, a W4 copy (int8 activations): each model loaded twice, the same packed
+weights, timed side by side in one process: a level's forward of k new tokens after a real context (LM head
+included), medians of interleaved repeats, and the ratio. The compile of the widths asked is timed apart.
 
-    python -m benchmarks.compiled_cpu [--context 256] [--ks 1 2 4 8] [--repeats 30] [--threads 2]"""
+    python -m benchmarks.compiled_cpu [--w4 RUN_DIR/w4] [--widths 1 2 4 8 16] [--ks 1 4 8] [--repeats 30]"""
 from __future__ import annotations
 
 import argparse
@@ -13,33 +14,45 @@ import torch
 
 from data.models import DEFAULT_MODEL, load_model
 from decode.backends import Backend
-from decode.engine.levels import ModelLevel
+from decode.backends.static import CompiledRunner
+from decode.engine.levels import LevelCompute, ModelLevel
 from infra.timing import interleaved_ms, level_forward, medians
+
+
+def pair(spec: str, native: Backend, widths: tuple[int, ...]) -> tuple[ModelLevel, ModelLevel, float]:
+    """(a native level, a compiled one, seconds to compile its widths) of the model `spec`, loaded once for each."""
+    native_level = ModelLevel("native", native.prepare(load_model(spec)[0]))
+    compiled = Backend("avx2", activations=native.activations, runner="static").prepare(
+        load_model(spec)[0])
+    started = time.perf_counter()
+    runner = CompiledRunner(compiled.model, widths)
+    return native_level, ModelLevel("compiled", compiled, compute=LevelCompute(runner)), time.perf_counter() - started
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--w4", help="a W4 folder quantize.w4 wrote (RUN_DIR/w4)")
+    parser.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--ks", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--context", type=int, default=256)
-    parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(DEFAULT_MODEL, "float32", "cpu")
-    native = Backend("avx2", native_fp32="on").prepare(model)
-    started = time.perf_counter()
-    compiled = Backend("avx2", runner="static").prepare(model)
-    level = ModelLevel("compiled", compiled)
-    compile_s = time.perf_counter() - started
+    tokenizer = load_model(DEFAULT_MODEL, "float32", "cpu")[1]
     context = tokenizer(" ".join(["The quick brown fox jumps over the lazy dog."] * 64)).input_ids[: args.context]
-    steps = {"native": level_forward(ModelLevel("native", native), context),
-             "compiled": level_forward(level, context)}
-    times = medians(interleaved_ms(steps, args.ks, args.repeats))
-    print(f"{DEFAULT_MODEL} fp32, {args.threads} threads, context {len(context)}, {args.repeats} repeats; "
-          f"compiled runner made (every width compiled) in {compile_s:.0f} s")
-    for k in args.ks:
-        print(f"k={k:2d}: native {times['native'][k]:6.2f} ms, compiled {times['compiled'][k]:6.2f} ms, "
-              f"compiled / native {times['compiled'][k] / times['native'][k]:.2f}x")
+    models = {"target": (DEFAULT_MODEL, Backend("avx2", native_fp32="on"))}
+    if args.w4:
+        models["w4 (int8 activations)"] = (args.w4, Backend("avx2", native_w4="on"))
+    print(f"{args.threads} threads, context {len(context)}, {args.repeats} repeats, widths {args.widths}")
+    for name, (spec, native) in models.items():
+        native_level, compiled_level, compile_s = pair(spec, native, tuple(args.widths))
+        steps = {"native": level_forward(native_level, context), "compiled": level_forward(compiled_level, context)}
+        times = medians(interleaved_ms(steps, args.ks, args.repeats))
+        print(f"{name}: compiled every width in {compile_s:.0f} s")
+        for k in args.ks:
+            print(f"  k={k:2d}: native {times['native'][k]:6.2f} ms, compiled {times['compiled'][k]:6.2f} ms, "
+                  f"compiled / native {times['compiled'][k] / times['native'][k]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -139,8 +139,8 @@ class CompiledRunner(Pieces, StaticRunner):
 
     def _run(self, ids, positions, mask, slots) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.cache.slots = slots
-        valid = slots[-1:] + 1 if self.reads_prefix else None  # the kernel attention reads only the keys written
-        return self._call((ids.shape[1],), self.decoder, self.cache, ids, positions, mask, self.layers, valid)
+        self.cache.key_length = slots[-1:] + 1 if self.reads_prefix else None
+        return self._call((ids.shape[1],), self.decoder, self.cache, ids, positions, mask, self.layers)
 
 
 class HeadKV(StaticKV):

@@ -13,7 +13,7 @@ from test_native_w4 import text, w4, w4_folder  # noqa: F401
 from torch._dynamo.testing import CompileCounter
 
 from decode.backends.cpu import pack
-from decode.backends.cpu.kernel_linear import KernelLinear, int4_on_kernels, is_cpu_int4, op_packers
+from decode.backends.cpu.kernel_linear import KernelLinear, int4_on_kernels, is_cpu_int4
 from decode.backends.cpu.llama import native_kernels, w4_siblings
 from decode.backends.cuda.runner import unsupported
 from decode.backends.static import CompiledRunner

@@ -93,6 +93,7 @@ class StaticKV(DynamicCache):
         self.max_length, self.layer_count, self.length = max_length, config.num_hidden_layers, 0
         self.buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.slots: torch.Tensor | None = None
+        self.key_length: torch.Tensor | None = None  # [1]: the keys written, for an attention that reads only those
         self.span = max_length
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -117,12 +118,12 @@ def kv_buffers(layers: int, heads: int, length: int, dim: int, dtype: torch.dtyp
 
 
 def decoder_forward(decoder: torch.nn.Module, cache: StaticKV, ids: torch.Tensor, positions: torch.Tensor,
-                    mask: torch.Tensor, layers: tuple[int, ...],
-                    key_length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    mask: torch.Tensor, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A decoder's forward on a StaticKV (its slots and span set): the last hidden states, and those entering
     `layers` side by side (None for no layers). One function: the compiled runner compiles what this one runs.
-    `key_length`: how many of the cache's keys are written (a tensor), for an attention that reads only those."""
-    extra = {} if key_length is None else {"key_length": key_length}
+    A cache that knows how many of its keys are written (`key_length`) tells the attention, which may read only
+    those."""
+    extra = {} if cache.key_length is None else {"key_length": cache.key_length}
     out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
                   output_hidden_states=bool(layers), **extra)
     aux = torch.cat([out.hidden_states[i] for i in layers], dim=-1) if layers else None
