@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from data.settings import DataSettings, ModelSettings, data_of, model_of
+from infra.cli import flag
 from decode.backends import Backend, BackendFieldError
 from decode.backends.cpu.dense import GEMMS
 from decode.engine.chain import check_new_tokens
@@ -61,7 +62,8 @@ class DecodeSection:
 class Decoding:
     """What every decode app shares: the target (`model`, as data's door reads it, on `device`), how models run
     (`backend`; nothing packed without decode.fast), how tokens are drawn, the run's folders, the named chains as
-    specs, and decode.*'s own keys (`section`: fast, threads, the chain to run, draft_defaults)."""
+    specs, and decode.*'s own keys (`section`: fast, threads, the chain to run, draft_defaults); `verbose`: the
+    libraries' own output (GPTQModel's as a W4 level loads) on the terminal, not in the run's library_logs."""
 
     model: ModelSettings
     device: torch.device
@@ -71,6 +73,11 @@ class Decoding:
     sampling: Sampling
     chains: dict[str, ChainSpec]
     section: DecodeSection
+    verbose: bool = False
+
+    def chatter_log(self) -> Path | None:
+        """Where the libraries' own output goes (infra.logs.chatter_to): the run's library_logs, or the terminal."""
+        return None if self.verbose else self.layout.library_logs / "decode.log"
 
     def spec(self, name: str) -> ChainSpec:
         """decode.chains[name], or the one-line DecodeError naming the chains there are."""
@@ -144,7 +151,8 @@ def decoding_of(cfg: Any) -> Decoding:
             except SpecError as err:
                 raise DecodeError(str(err)) from None
     return Decoding(model=model_of(cfg), device=device, layout=layout_of(cfg), run_name=str(cfg.get("run_name", "")),
-                    backend=backend_of(d, device), sampling=sampling_of(d), chains=chains, section=d)
+                    backend=backend_of(d, device), sampling=sampling_of(d), chains=chains, section=d,
+                    verbose=flag(cfg, "verbose", False, DecodeError))
 
 
 @dataclass(frozen=True)
@@ -455,7 +463,6 @@ def interop_of(cfg: Any) -> InteropSettings:
     """decode.interop's settings, checked before anything is installed or loaded; the counts and switches are
     refused with the messages users know from the command line."""
     from decode.engines import InteropError
-    from infra.cli import flag
 
     raw = plain(cfg.interop)
     for key in ("acceptance", "w4"):

@@ -27,6 +27,7 @@ from decode.engine.levels import EagleLevel, Level, LevelCompute, ModelLevel, Ng
 from decode.engine.runner import Prepared, as_prepared
 from decode.engine.sampling import GREEDY, Sampling
 from decode.engine.spec import ChainSpec, LevelSpec
+from infra.logs import chatter_to
 from heads.eagle import DraftHead, EagleHead, vocabulary_rows
 from heads.eagle3 import Eagle3Head, load_head
 from infra.layout import RunLayout
@@ -83,16 +84,18 @@ def reference_decoders(decoding: Decoding, target: Prepared, eos: Any, sampling:
 
 def builder_for(decoding: Decoding, target: Prepared, tokenizer: PreTrainedTokenizerBase) -> ChainBuilder:
     """A builder for the run: its artifacts, model dtype and backend."""
-    return ChainBuilder(target, tokenizer, decoding.layout, LevelSettings(decoding.model.dtype, decoding.backend))
+    return ChainBuilder(target, tokenizer, decoding.layout,
+                        LevelSettings(decoding.model.dtype, decoding.backend, decoding.chatter_log()))
 
 
 @dataclass(frozen=True)
 class LevelSettings:
     """How the levels a builder loads run: `dtype` their default dtype, `backend` how they run (the target is
-    prepared already: load_target)."""
+    prepared already: load_target); `chatter`: where a loading library's own output goes (infra.logs.chatter_to)."""
 
     dtype: str = "float32"
     backend: Backend = Backend()
+    chatter: Path | None = None
 
 
 class ChainBuilder:
@@ -105,6 +108,7 @@ class ChainBuilder:
         target = as_prepared(target)
         self.prepared_target, self.target, self.tokenizer = target, target.model, tokenizer
         self.dtype, self.backend = settings.dtype, settings.backend.drafting(target)
+        self.chatter = settings.chatter
         self.artifacts = artifacts or RunLayout(Path("."))
         self._loaded: dict[tuple, Any] = {}
 
@@ -127,7 +131,8 @@ class ChainBuilder:
 
     def _load(self, level: LevelSpec) -> Any:
         if level.kind == "model":
-            model = level_model(level, self.target, self.tokenizer, self.artifacts, self.dtype, self.backend.load)
+            with chatter_to(self.chatter):  # GPTQModel's banners and tables as a W4 level loads
+                model = level_model(level, self.target, self.tokenizer, self.artifacts, self.dtype, self.backend.load)
             if level.lm_head is not None:
                 _int8_lm_head(level, model, self.target)
             if model is self.target:

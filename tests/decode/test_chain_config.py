@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from decode_fixtures import tiny_model
+from test_native_w4 import w4_folder  # noqa: F401
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from tokenizers import Tokenizer
@@ -193,3 +194,23 @@ def test_generate_cli_reports_bad_input_in_one_line():
                          timeout=300)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1] == 'error: no prompt: python -m decode.generate prompt="your question"'
+
+
+def test_a_w4_level_loads_with_gptqmodels_output_in_the_log(w4_folder, tiny_source, tmp_path, capfd):  # noqa: F811
+    """GPTQModel prints its kernel choice and format conversions at every load: in the run's library log, not on the
+    terminal, unless the run is verbose (no log)."""
+    from data.models import load_model
+    from decode.backends import Backend
+    from decode.chains.build import ChainBuilder, LevelSettings
+    from decode.engine.spec import ChainSpec
+
+    target, tokenizer = load_model(str(tiny_source))
+    spec = ChainSpec.parse([{"kind": "model"}, {"kind": "model", "name": "w4", "model": str(w4_folder),
+                                                        "draft": {"mode": "chain", "length": 2}}])
+    log = tmp_path / "library_logs" / "decode.log"
+    capfd.readouterr()
+    ChainBuilder(target, tokenizer, settings=LevelSettings(backend=Backend(), chatter=log)).build(spec)
+    terminal = "".join(capfd.readouterr())
+    assert "Kernel: selected" in log.read_text() and "Kernel: selected" not in terminal, terminal[-2000:]
+    ChainBuilder(target, tokenizer, settings=LevelSettings(backend=Backend())).build(spec)
+    assert "Kernel: selected" in "".join(capfd.readouterr())

@@ -72,3 +72,4 @@ def test_a_greedy_chain_on_the_compiled_w4_runner_is_ar_on_it(w4):  # noqa: F811
     chain = Chain([ModelLevel("w4", prepared), NgramLevel("n", draft={"length": 5})])
     assert chain.generate(prompt, 24).tokens == autoregressive(prepared, prompt, 24).tokens
     assert counter.frame_count == 4  # one graph per width, traced whole: no graph break on the operators
+
