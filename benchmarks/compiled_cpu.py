@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from data.models import DEFAULT_MODEL, load_model
+from data.models import DEFAULT_MODEL, load_model, load_tokenizer
 from decode.backends import Backend
 from decode.backends.static import CompiledRunner
 from decode.engine.levels import LevelCompute, ModelLevel
@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    tokenizer = load_model(DEFAULT_MODEL, "float32", "cpu")[1]
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
     context = tokenizer(" ".join(["The quick brown fox jumps over the lazy dog."] * 64)).input_ids[: args.context]
     models = {"target": (DEFAULT_MODEL, Backend("avx2", native_fp32="on"))}
     if args.w4:
