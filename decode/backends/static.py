@@ -17,6 +17,7 @@ and skip the graph (or copy the buffer), while the hand capture already replays 
 H200 for the eager forward)."""
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -40,13 +41,32 @@ def dynamo_limits() -> dict[str, object]:
             "accumulated_recompile_limit": max(config.accumulated_recompile_limit, 512)}
 
 
-def compile_options(backend: str | Callable, device: torch.device) -> dict[str, object] | None:
-    """Inductor's options for the runners: on a CPU its generated C++ kernels are marked for torch.profiler (free
-    unless it records), so that infra.timing.launches counts them there as it counts a GPU's kernels, and the graph
-    is called from C++ (inductor's C++ wrapper: no Python between a forward's kernels and operators)."""
-    if backend != "inductor":
-        return None
-    return {"cpp.enable_kernel_profile": True, "cpp_wrapper": device.type == "cpu"}
+def compile_options(backend: str | Callable, device: torch.device) -> dict[str, object]:
+    """torch.compile's options for the runners. Guards on the module's own parameters, buffers and attributes are
+    skipped (`compiled_for` gives each module entries of its own, so nothing else can match them): a forward's
+    inputs are all that changes, and the module's hundreds of tensors were checked at every call. On a CPU,
+    inductor's graph is called from C++ (its C++ wrapper: no Python between a forward's kernels), which calls the
+    project's operators through their C shims."""
+    options: dict[str, object] = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+    if backend == "inductor" and device.type == "cpu":
+        from decode.backends.cpu.kernels import c_shims
+        options |= {"cpp_wrapper": True, "aot_inductor.custom_ops_to_c_shims": c_shims()}
+    return options
+
+
+COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module: {(forward, backend): its compiled form}
+
+
+def compiled_for(module: torch.nn.Module, forward: Callable, backend: str | Callable,
+                 device: torch.device) -> Callable:
+    """`forward` compiled for calls on `module`, shared by every runner of it (only the first compiles a width):
+    its compiled entries are its own (isolate_recompiles), so that a runner of another module, whose guards on its
+    module are skipped alike, can never run this one's graphs."""
+    per_module = COMPILED.setdefault(module, {})
+    if (forward, backend) not in per_module:
+        per_module[forward, backend] = torch.compile(forward, fullgraph=True, dynamic=False, backend=backend,
+                                                     options=compile_options(backend, device), isolate_recompiles=True)
+    return per_module[forward, backend]
 
 
 class Pieces:
@@ -111,8 +131,7 @@ class CompiledRunner(Pieces, StaticRunner):
         self.cache.buffers = config_buffers(self.config, self.cache.max_length, self.dtype, self.device)
         self.warm: set[tuple[int, ...]] = set()
         maybe_install_capturing_hooks(self.decoder)  # transformers installs them at a first capture, under a lock
-        self.compiled = torch.compile(decoder_forward, fullgraph=True, dynamic=False, backend=backend,
-                                      options=compile_options(backend, self.device))
+        self.compiled = compiled_for(self.decoder, decoder_forward, backend, self.device)
         self.reads_prefix = self.config._attn_implementation == KERNEL_ATTENTION
         self.warm_up()
 
@@ -175,8 +194,7 @@ class CompiledHeadRunner(Pieces, CapturedGraphs):
         self.cache = HeadKV(head.config, max_length + self.widths[-1])
         self.cache.buffers = config_buffers(head.config, self.cache.max_length, self.dtype, self.device)
         self.warm: set[tuple[int, ...]] = set()
-        self.compiled = torch.compile(head_forward, fullgraph=True, dynamic=False, backend=backend,
-                                      options=compile_options(backend, self.device))
+        self.compiled = compiled_for(head, head_forward, backend, self.device)
         self.warm_up()
 
     def warm_up(self) -> None:

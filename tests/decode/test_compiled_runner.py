@@ -223,6 +223,21 @@ def test_a_stand_in_copied_before_the_target_runs_leaves_its_graphs_valid():
     runner.forward(torch.tensor([[1]]), None, None)  # warm: a changed guard raises here
 
 
+def test_a_runner_never_runs_another_modules_graphs(model):
+    """The runners skip guards on their module (its tensors and attributes): a second model of the same shapes but
+    another function (here one layer's activation) would pass every guard left, so its runner must hold compiled
+    entries of its own, and runs its own function; a second runner of the same model shares the first one's."""
+    other = copy.deepcopy(model)
+    other.model.layers[0].mlp.act_fn = torch.nn.GELU()
+    counter = CompileCounter()
+    first = CompiledRunner(model, (1, 4), 256, backend=counter)
+    CompiledRunner(model, (1, 4), 256, backend=counter)
+    assert counter.frame_count == 2  # one graph a width, for both runners of `model`
+    mine, theirs = sequence(CompiledRunner(other, (1, 4), 256, backend=counter)), sequence(first)
+    assert max_difference(mine, sequence(StaticRunner(other))) < 1e-5
+    assert max_difference(mine, theirs) > 1e-3
+
+
 @pytest.mark.slow
 def test_a_sampled_chain_on_it_samples_like_the_target():
     from test_sampling_distribution import VOCAB as V, chain_counts, chi_square_pvalue, exact_joint

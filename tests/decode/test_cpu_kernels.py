@@ -222,3 +222,27 @@ def test_a_build_killed_a_moment_ago_does_not_stall_the_next(tmp_path, monkeypat
               f"print(build_extension('empty', (Path({str(source)!r}),), ['-O0'])[0] is not None)")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.stdout.split() == ["True"], done.stderr[-2000:]
+
+
+def test_a_compiled_graph_calls_the_operators_through_their_c_shims(kernel):
+    """inductor's C++ wrapper, under the runners' options, calls the operators' C shims directly (not boxed through
+    the dispatcher by name, the cost they remove), and each shim computes what its operator does, bit for bit."""
+    from torch._inductor.utils import run_and_get_cpp_code
+
+    from decode.backends.static import compile_options
+
+    gen = torch.Generator().manual_seed(0)
+    x, weight, bias = torch.randn(3, 40, generator=gen), torch.randn(20, 40, generator=gen), torch.randn(20)
+    q, k, v = (torch.randn(1, 2, rows, 16, generator=gen) for rows in (3, 9, 9))
+
+    def forward(x, panels, q, k, v, length):
+        attended = kernel.attend(q, k, v, None, 0.25, True, length)
+        return kernel.linear(x * 2, panels, 20, bias), attended + 1
+
+    inputs = (x, kernel.pack(weight), q, k, v, torch.tensor([7]))
+    compiled = torch.compile(forward, fullgraph=True, options=compile_options("inductor", torch.device("cpu")))
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        outputs, code = run_and_get_cpp_code(compiled, *inputs)
+    assert "aoti_torch_cpu_linear(" in code and "aoti_torch_cpu_attend(" in code, code[-2000:]
+    assert "aoti_torch_call_dispatcher" not in code
+    assert all(torch.equal(a, b) for a, b in zip(outputs, forward(*inputs), strict=True))

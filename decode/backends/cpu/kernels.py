@@ -15,9 +15,11 @@ The C++ is headers plus sources, one job each:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import functools
 import hashlib
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -100,8 +102,27 @@ def kernel_ops() -> tuple[Any | None, str]:
                                    python_module=False)
     if library is None:
         return None, why
+    ctypes.CDLL(library, mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)  # its C shims visible to inductor's compiled wrappers
     _register_fakes()
     return torch.ops.polyspec, ""
+
+
+C_SHIMS = {  # operator: the C function ops.cpp gives inductor's C++ wrapper to call it by
+    "linear": "aoti_torch_cpu_linear(AtenTensorHandle, AtenTensorHandle, int64_t, AtenTensorHandle*, "
+              "AtenTensorHandle*)",
+    "packed_linear": "aoti_torch_cpu_packed_linear(AtenTensorHandle, AtenTensorHandle, int64_t, AtenTensorHandle*, "
+                     "AtenTensorHandle*, AtenTensorHandle*, AtenTensorHandle*, AtenTensorHandle*)",
+    "attend": "aoti_torch_cpu_attend(AtenTensorHandle, AtenTensorHandle, AtenTensorHandle, AtenTensorHandle*, double, "
+              "int32_t, AtenTensorHandle*, AtenTensorHandle*)",
+}
+
+
+def c_shims() -> dict[Any, list[str]]:
+    """inductor's `aot_inductor.custom_ops_to_c_shims` for the built operators (none when they did not build)."""
+    ops, _ = kernel_ops()
+    if ops is None:
+        return {}
+    return {getattr(ops, name).default: [f"AOTITorchError {shim}"] for name, shim in C_SHIMS.items()}
 
 
 def _register_fakes() -> None:

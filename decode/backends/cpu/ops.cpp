@@ -1,6 +1,9 @@
 // The project's CPU kernels as torch operators (polyspec::*), registered with the dispatcher: eager code calls them as
 // torch.ops.polyspec.*, and a compiled forward (inductor, its C++ wrapper included) as opaque kernels, with no Python
 // between operators. Their fake (shape-only) versions are decode/backends/cpu/kernels.py's.
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
+#include <ATen/record_function.h>
 #include <torch/library.h>
 
 #include "kernels.h"
@@ -65,3 +68,45 @@ TORCH_LIBRARY_IMPL(polyspec, CompositeExplicitAutograd, m) {
 }
 
 }  // namespace polyspec
+
+// The operators a compiled forward calls, as C functions named the way inductor's C++ wrapper names a shim
+// (aoti_torch_cpu_<op>; declared to it by kernels.py's `c_shims`): the wrapper then calls each directly, where it
+// would otherwise box every argument and look the operator up by name on each call. Each records itself under the
+// operator's name, as the dispatcher would, for torch.profiler (infra.timing.launches).
+extern "C" {
+using torch::aot_inductor::new_tensor_handle;
+using torch::aot_inductor::resolve_tensor_dispatch_flags;
+
+AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_linear(AtenTensorHandle x, AtenTensorHandle panels, int64_t n,
+                                                       AtenTensorHandle* bias, AtenTensorHandle* ret) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    RECORD_FUNCTION("polyspec::linear", c10::ArrayRef<const c10::IValue>{});
+    *ret = new_tensor_handle(polyspec::linear(resolve_tensor_dispatch_flags(x), resolve_tensor_dispatch_flags(panels),
+                                              n, resolve_tensor_dispatch_flags(bias)));
+  });
+}
+
+AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_packed_linear(AtenTensorHandle x, AtenTensorHandle words, int64_t n,
+                                                              AtenTensorHandle* scales, AtenTensorHandle* bounds,
+                                                              AtenTensorHandle* perm, AtenTensorHandle* bias,
+                                                              AtenTensorHandle* ret) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    RECORD_FUNCTION("polyspec::packed_linear", c10::ArrayRef<const c10::IValue>{});
+    *ret = new_tensor_handle(polyspec::packed_linear_op(
+        resolve_tensor_dispatch_flags(x), resolve_tensor_dispatch_flags(words), n,
+        resolve_tensor_dispatch_flags(scales), resolve_tensor_dispatch_flags(bounds),
+        resolve_tensor_dispatch_flags(perm), resolve_tensor_dispatch_flags(bias)));
+  });
+}
+
+AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_attend(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v,
+                                                       AtenTensorHandle* mask, double scale, int32_t causal,
+                                                       AtenTensorHandle* length, AtenTensorHandle* ret) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    RECORD_FUNCTION("polyspec::attend", c10::ArrayRef<const c10::IValue>{});
+    *ret = new_tensor_handle(polyspec::attend_op(
+        resolve_tensor_dispatch_flags(q), resolve_tensor_dispatch_flags(k), resolve_tensor_dispatch_flags(v),
+        resolve_tensor_dispatch_flags(mask), scale, causal != 0, resolve_tensor_dispatch_flags(length)));
+  });
+}
+}
