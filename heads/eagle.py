@@ -259,7 +259,7 @@ class DraftHead(nn.Module):
         path = Path(path)
         if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
             raise HeadError(f"{path}: not an EAGLE head folder (needs config.json and model.safetensors)")
-        meta = _read_metadata(path)
+        meta = read_metadata(path)
         method = meta.get("method") or "eagle"
         if method != cls.method:
             raise HeadError(f"{path}: an {method} head, not an {cls.method} one (a chain level or vLLM must use "
@@ -397,7 +397,7 @@ def _first_line(err: BaseException) -> str:
     return f"{err.__class__.__name__}: {(str(err).splitlines() or [''])[0]}"
 
 
-def _read_metadata(path: Path) -> dict:
+def read_metadata(path: Path) -> dict:
     """The `polyspec` section of a head's config.json; a one-line HeadError for anything else (an old-format head
     included)."""
     try:

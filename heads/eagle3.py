@@ -181,9 +181,9 @@ def _widened_layer(target: PreTrainedModel, layer_cls: type, config: Any) -> nn.
 
 def load_head(path: str | Path, target: PreTrainedModel, tokenizer: Any = None, method: str | None = None) -> DraftHead:
     """A saved head of either method, read from its config.json (`method`, if given, must match it)."""
-    from heads.eagle import EagleHead, _read_metadata
+    from heads.eagle import EagleHead, read_metadata
 
-    saved = _read_metadata(Path(path)).get("method") or "eagle"
+    saved = read_metadata(Path(path)).get("method") or "eagle"
     cls = {"eagle": EagleHead, "eagle3": Eagle3Head}.get(method or saved)
     if cls is None:
         raise HeadError(f"{path}: unknown head method {method or saved!r} (eagle or eagle3)")

@@ -224,3 +224,22 @@ def test_the_history_check_finds_each_kind(tmp_path):
     found = sorted(f.split(" names ")[1] for f in history_in_comments([planted]))
     assert found == ["a date: '2026-11-26'", "a measured time or rate: '1.27x'", "a measured time or rate: '14.6 ms'",
                      "a measured time or rate: '2.5 s'", "an issue number: 'issue 41'"]
+
+
+# A leading underscore says "only this module uses it": another module importing it makes a private name public
+# without saying so.
+def private_imports(paths: list[Path]) -> list[str]:
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in SOURCES:
+                found += [f"{path.name}:{node.lineno} imports {node.module}.{alias.name}" for alias in node.names
+                          if alias.name.startswith("_") and not alias.name.startswith("__")]
+    return found
+
+
+def test_no_module_imports_another_modules_private_name(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("from decode.backends.cpu.dense import PackedLinear, _hidden\nfrom os import _exit\n")
+    assert private_imports([planted]) == ["planted.py:1 imports decode.backends.cpu.dense._hidden"]
+    assert private_imports(sorted(p for folder in SOURCES for p in (ROOT / folder).rglob("*.py"))) == []

@@ -17,6 +17,7 @@ and skip the graph (or copy the buffer), while the hand capture already replays 
 H200 for the eager forward)."""
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Callable
 
@@ -24,6 +25,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.utils.output_capturing import maybe_install_capturing_hooks
 
+from data.models import cache_dir
 from decode.backends.cpu.attention import KERNEL_ATTENTION
 from decode.backends.cuda import cuda_runners
 from decode.backends.cuda.runner import (MAX_LENGTH, WIDTHS, CapturedGraphs, StaticKV, StaticRunner, decoder_forward,
@@ -61,7 +63,9 @@ def compiled_for(module: torch.nn.Module, forward: Callable, backend: str | Call
                  device: torch.device) -> Callable:
     """`forward` compiled for calls on `module`, shared by every runner of it (only the first compiles a width):
     its compiled entries are its own (isolate_recompiles), so that a runner of another module, whose guards on its
-    module are skipped alike, can never run this one's graphs."""
+    module are skipped alike, can never run this one's graphs. Inductor's compiled code is cached on disk under the
+    project's cache dir (unless its own TORCHINDUCTOR_CACHE_DIR says where): a later process loads it."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
     per_module = COMPILED.setdefault(module, {})
     if (forward, backend) not in per_module:
         per_module[forward, backend] = torch.compile(forward, fullgraph=True, dynamic=False, backend=backend,

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from decode.settings import decode_section, gemm_choice
 from decode.engine.errors import DecodeError
-from decode.backends.cpu.dense import GEMMS, PackedLinear, gemm_for, pack_weight, _packed_mm
+from decode.backends.cpu.dense import GEMMS, PackedLinear, gemm_for, pack_weight, packed_mm
 from decode.backends.cpu.attention import KERNEL_ATTENTION
 from decode.backends.cpu.kernels import kernel_ops, build_folder
 
@@ -39,13 +39,13 @@ def test_avx2_product_matches_float64_and_rows_do_not_depend_on_batch(kernel, k,
     weight, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
     panels = pack_weight(weight, "avx2")
     x = torch.randn(13, k, generator=gen)
-    full = _packed_mm(x, panels, bias)
+    full = packed_mm(x, panels, bias)
     exact = (x.double() @ weight.double().T + bias.double()).float()
     assert full.shape == (13, n) and torch.allclose(full, exact, rtol=1e-5, atol=1e-5 * k ** 0.5)
     for m in range(1, 13):  # every tail of the 4-row tile, the 5-6 row tile, alone and in batches
-        assert torch.equal(_packed_mm(x[:m], panels, bias), full[:m])
-        assert torch.equal(_packed_mm(x[m - 1:m], panels, bias), full[m - 1:m])
-    assert torch.equal(_packed_mm(x.view(1, 13, k), panels, bias), full.view(1, 13, n))  # leading dims kept
+        assert torch.equal(packed_mm(x[:m], panels, bias), full[:m])
+        assert torch.equal(packed_mm(x[m - 1:m], panels, bias), full[m - 1:m])
+    assert torch.equal(packed_mm(x.view(1, 13, k), panels, bias), full.view(1, 13, n))  # leading dims kept
 
 
 def test_avx2_product_is_bit_identical_across_thread_counts(kernel):
@@ -56,7 +56,7 @@ def test_avx2_product_is_bit_identical_across_thread_counts(kernel):
         outs = []
         for n in (1, 2, 3):
             torch.set_num_threads(n)
-            outs.append(_packed_mm(x, panels, None))
+            outs.append(packed_mm(x, panels, None))
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(outs[0], o) for o in outs[1:])

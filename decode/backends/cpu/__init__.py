@@ -9,7 +9,7 @@ from transformers import PreTrainedModel
 from decode.backends.cpu import attention
 from decode.backends.cpu.dense import PackedLinear, gemm_for, in_huge_page_panels, packed_with
 from decode.backends.cpu.fusion import StackedProduct, fuse_siblings
-from decode.backends.cpu.int4 import _is_cpu_int4, _pack_int4, is_lean_int4
+from decode.backends.cpu.int4 import repackable_int4, pack_int4, is_lean_int4
 
 
 def _children(model: nn.Module):
@@ -25,8 +25,8 @@ def pack(model: nn.Module, gemm: str = "auto") -> int:
     in huge pages (infra.hugepages)."""
     count = 0
     for parent, name, child in _children(model):
-        if _is_cpu_int4(child):
-            _pack_int4(child)
+        if repackable_int4(child):
+            pack_int4(child)
             count += 1
         elif (type(child) is nn.Linear and child.weight.device.type == "cpu"
               and gemm_for(child.weight.dtype, gemm) is not None):

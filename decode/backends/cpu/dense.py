@@ -66,7 +66,7 @@ def packed_with(model: nn.Module) -> str | None:
     return next((m.gemm for m in model.modules() if isinstance(m, PackedLinear)), None)
 
 
-def _packed_mm(x: torch.Tensor, packed: Panels | torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def packed_mm(x: torch.Tensor, packed: Panels | torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W.T + b through a packed W, for any leading shape of x."""
     flat = x.reshape(-1, x.shape[-1])
     if isinstance(packed, Panels):
@@ -95,7 +95,7 @@ class PackedLinear(nn.Module):
         if self.sibling is not None:
             out = self.sibling[0].output(self.sibling[1], x)
             return out if out is not None else nn.functional.linear(x, self.weight, self.bias)
-        return _packed_mm(x, self.packed, None if self.bias is None else self.bias.detach())
+        return packed_mm(x, self.packed, None if self.bias is None else self.bias.detach())
 
     def streamed_bytes(self) -> int:
         """The bytes a forward reads: the avx2 panels (padded to whole panels) or, oneDNN's being opaque, the weight's

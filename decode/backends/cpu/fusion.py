@@ -7,8 +7,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from decode.backends.cpu.dense import PackedLinear, _packed_mm, pack_weight
-from decode.backends.cpu.int4 import _int4_mm, is_lean_int4
+from decode.backends.cpu.dense import PackedLinear, packed_mm, pack_weight
+from decode.backends.cpu.int4 import int4_mm, is_lean_int4
 from decode.backends.siblings import SiblingGroup, sibling_runs
 
 
@@ -29,7 +29,7 @@ class StackedProduct:
         self.packed, self.bias = packed, bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return _packed_mm(x, self.packed, self.bias)
+        return packed_mm(x, self.packed, self.bias)
 
 
 def _fused_run(members: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -47,7 +47,7 @@ def _fused_run(members: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tenso
     scales_and_zeros = torch.cat([m.scales_and_zeros for m in members], dim=1)
     bias = None if all(m.bias is None for m in members) else torch.cat(
         [m.bias if m.bias is not None else m.scales_and_zeros.new_zeros(m.out_features) for m in members])
-    return lambda x: _int4_mm(x, first.gather_index, qweight, first.group_size, scales_and_zeros, bias)
+    return lambda x: int4_mm(x, first.gather_index, qweight, first.group_size, scales_and_zeros, bias)
 
 
 def fuse_siblings(model: nn.Module) -> int:

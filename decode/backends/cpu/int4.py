@@ -14,10 +14,10 @@ def _int4_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     out = sibling[0].output(sibling[1], x) if sibling is not None else None
     if out is not None:
         return out
-    return _int4_mm(x, self.gather_index, self.qweight, self.group_size, self.scales_and_zeros, self.bias)
+    return int4_mm(x, self.gather_index, self.qweight, self.group_size, self.scales_and_zeros, self.bias)
 
 
-def _int4_mm(x: torch.Tensor, gather_index: torch.Tensor, qweight: torch.Tensor, group_size: int,
+def int4_mm(x: torch.Tensor, gather_index: torch.Tensor, qweight: torch.Tensor, group_size: int,
              scales_and_zeros: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).index_select(1, gather_index)
     out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, qweight, group_size, scales_and_zeros)
@@ -26,7 +26,7 @@ def _int4_mm(x: torch.Tensor, gather_index: torch.Tensor, qweight: torch.Tensor,
     return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _is_cpu_int4(module: nn.Module) -> bool:
+def repackable_int4(module: nn.Module) -> bool:
     """A GPTQModel TorchFusedLinear on the CPU, in eval mode, not yet used for training."""
     mode = getattr(module, "linear_mode", "absent")
     return (type(module).__name__ == "TorchFusedLinear" and hasattr(module, "transform") and not module.training
@@ -34,7 +34,7 @@ def _is_cpu_int4(module: nn.Module) -> bool:
             and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
 
 
-def _pack_int4(module: nn.Module) -> None:
+def pack_int4(module: nn.Module) -> None:
     """Repack once as the module's own first inference forward would (int4pack layout, act-order index),
     then bind the lean forward to the instance; its tensors and state_dict keys stay where they were."""
     if module.linear_mode is None:
