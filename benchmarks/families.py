@@ -18,6 +18,7 @@ import transformers
 
 from data.models import DEFAULT_MODEL, load_model, load_tokenizer
 from decode.backends import Backend
+from decode.backends.cuda.runner import unsupported
 from decode.backends.static import CompiledRunner
 from decode.engine.levels import LevelCompute, ModelLevel
 from infra.timing import interleaved_ms, level_forward, medians
@@ -55,14 +56,18 @@ def routed_bytes(model: torch.nn.Module) -> float:
 
 
 def levels(family: str, widths: tuple[int, ...]) -> dict[str, ModelLevel]:
-    """The family's model as `auto` runs it today and on the compiled runner, `widths` compiled (two copies:
-    preparing packs in place)."""
+    """The family's model as `auto` runs it today and, unless it refuses the model, on the compiled runner, `widths`
+    compiled (two copies: preparing packs in place)."""
     model = family_model(family)
     today = Backend("avx2").prepare(copy.deepcopy(model))
+    rows = {f"{family}, {type(today.new_runner()).__name__}": ModelLevel("today", today)}
+    why = unsupported(model)
+    if why is not None:
+        print(f"  {family}: the compiled runner refuses it ({why})")
+        return rows
     compiled = Backend("avx2", runner="static").prepare(model)
     runner = CompiledRunner(compiled.model, widths)
-    return {f"{family}, {type(today.new_runner()).__name__}": ModelLevel("today", today),
-            f"{family}, compiled": ModelLevel("compiled", compiled, compute=LevelCompute(runner))}
+    return rows | {f"{family}, compiled": ModelLevel("compiled", compiled, compute=LevelCompute(runner))}
 
 
 def report(times: dict[str, dict[int, float]], sizes: dict[str, float], base: str) -> None:

@@ -18,6 +18,7 @@ H200 for the eager forward)."""
 from __future__ import annotations
 
 import os
+import types
 import weakref
 from typing import Callable
 
@@ -61,15 +62,18 @@ COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module: {(f
 
 def compiled_for(module: torch.nn.Module, forward: Callable, backend: str | Callable,
                  device: torch.device) -> Callable:
-    """`forward` compiled for calls on `module`, shared by every runner of it (only the first compiles a width):
-    its compiled entries are its own (isolate_recompiles), so that a runner of another module, whose guards on its
-    module are skipped alike, can never run this one's graphs. Inductor's compiled code is cached on disk under the
-    project's cache dir (unless its own TORCHINDUCTOR_CACHE_DIR says where): a later process loads it."""
+    """`forward` compiled for calls on `module`, shared by every runner of it (only the first compiles a width). Its
+    compiled entries are its own: dynamo keeps them on a function's code object, and this is a copy of `forward`
+    with a code object of its own, so that a runner of another module, whose guards on its module are skipped alike,
+    can never run this one's graphs. Inductor's compiled code is cached on disk under the project's cache dir (unless
+    its own TORCHINDUCTOR_CACHE_DIR says where): a later process loads it."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
     per_module = COMPILED.setdefault(module, {})
     if (forward, backend) not in per_module:
-        per_module[forward, backend] = torch.compile(forward, fullgraph=True, dynamic=False, backend=backend,
-                                                     options=compile_options(backend, device), isolate_recompiles=True)
+        own = types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__,
+                                 forward.__defaults__, forward.__closure__)
+        per_module[forward, backend] = torch.compile(own, fullgraph=True, dynamic=False, backend=backend,
+                                                     options=compile_options(backend, device))
     return per_module[forward, backend]
 
 
