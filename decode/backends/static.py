@@ -105,8 +105,9 @@ class Pieces:
         slots = torch.arange(cached, cached + rows, device=self.device)
         # fresh inference tensors of plain strides at every call (guards check dispatch keys and strides)
         ids, positions = (x.clone(memory_format=torch.contiguous_format) for x in (ids, positions))
-        inputs = (extend(ids, rows, 0), extend(positions, rows, 1),
-                  static_mask(mask, cached, width, self.cache.max_length, self.dtype, rows).to(self.device), slots)
+        positions = extend(positions, rows, 1)
+        mask = static_mask(mask, cached, width, self.cache.max_length, self.dtype, rows).to(self.device)
+        inputs = (extend(ids, rows, 0), positions, self._masks(mask, positions, cached), slots)
         if features is not None:  # padded with zeros, whose outputs are dropped
             inputs += (torch.cat([features, features.new_zeros(1, rows - width, features.shape[-1])], dim=1),)
         out = self._replay(inputs) if rows in self.graph_widths else self._run(*inputs)
@@ -135,7 +136,7 @@ class CompiledRunner(Pieces, StaticRunner):
         super().__init__(model, widths, max_length, graphs)
         if not self.widths:
             raise ValueError("the compiled runner needs at least one width")
-        self.cache = StaticKV(self.config, self.max_length + self.widths[-1])
+        self.use_cache(StaticKV(self.config, self.max_length + self.widths[-1]))
         self.cache.buffers = config_buffers(self.config, self.cache.max_length, self.dtype, self.device)
         self.warm: set[tuple[int, ...]] = set()
         maybe_install_capturing_hooks(self.decoder)  # transformers installs them at a first capture, under a lock
@@ -224,6 +225,11 @@ class CompiledHeadRunner(Pieces, CapturedGraphs):
 
     def crop(self, length: int) -> None:
         self.cache.length = min(self.cache.length, length)
+
+    @staticmethod
+    def _masks(mask: torch.Tensor, positions: torch.Tensor, cached: int) -> torch.Tensor:
+        """A head's one layer attends over every key it holds: its mask as made."""
+        return mask
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, features: torch.Tensor, mask: torch.Tensor | None,

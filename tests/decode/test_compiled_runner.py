@@ -30,7 +30,7 @@ from decode.chains.baselines import autoregressive
 from decode.engine.chain import Chain
 from decode.engine.errors import DecodeError
 from decode.engine.levels import LevelCompute, ModelLevel, NgramLevel
-from decode.engine.runner import Prepared
+from decode.engine.runner import HFRunner, Prepared
 from decode.settings import backend_of, decode_section
 from heads.eagle import EagleHead
 from heads.eagle3 import Eagle3Head
@@ -221,6 +221,15 @@ def test_a_stand_in_copied_before_the_target_runs_leaves_its_graphs_valid():
     runner = CompiledRunner(target, (1,), 64, backend=LIGHT)
     CompiledRunner(stand_in, (1,), 64, backend=LIGHT)
     runner.forward(torch.tensor([[1]]), None, None)  # warm: a changed guard raises here
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma2"])
+def test_the_compiled_forward_masks_sliding_windows_as_hf_runner_does(family):
+    from test_static_runner import windowed_model
+
+    model = windowed_model(family)
+    difference = max_difference(sequence(CompiledRunner(model, (1, 4), 64, backend=LIGHT)), sequence(HFRunner(model)))
+    assert difference < 1e-5, f"the compiled forward differs from HFRunner's by {difference:.3g}"
 
 
 def test_a_runner_never_runs_another_modules_graphs(model):

@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -158,6 +157,38 @@ def test_a_sampled_chain_through_it_samples_like_the_target():
     assert p > 1e-3, f"sampling through the static runner differs from the target's (chi-square p={p:.2e})"
 
 
+def windowed_model(family: str) -> torch.nn.Module:
+    """A tiny random model whose sliding window (3) `sequence` passes: Mistral's (every layer, no layer types),
+    Qwen2's (its second layer slides, the first attends fully: layer types) or Gemma 2's (alternating, softcapped)."""
+    import transformers
+
+    shapes = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, sliding_window=3, initializer_range=0.3)
+    torch.manual_seed(0)
+    if family == "mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(**shapes)).eval()
+    if family == "gemma2":
+        config = transformers.Gemma2Config(**shapes, head_dim=8, query_pre_attn_scalar=8, final_logit_softcapping=30.0,
+                                           attn_logit_softcapping=50.0)
+        return transformers.Gemma2ForCausalLM(config).eval()
+    config = transformers.Qwen2Config(**shapes, use_sliding_window=True, max_window_layers=1)
+    return transformers.Qwen2ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma2"])
+def test_sliding_windows_mask_by_position_as_hf_runner_does(family):
+    """Past the window, through rollbacks and a tree's keep (whose nodes sit at their depth's positions, not their
+    slots'), padded or not: the static runner's layer masks are HFRunner's."""
+    model = windowed_model(family)
+    assert unsupported(model) is None
+    reference = sequence(HFRunner(model))
+    for widths in (None, ()):
+        assert max_difference(sequence(StaticRunner(model, widths)), reference) < 1e-5
+    unwindowed = copy.deepcopy(model)  # planted: the window ignored changes what the runner computes
+    unwindowed.config.sliding_window = 1000
+    assert max_difference(sequence(StaticRunner(unwindowed)), reference) > 1e-3
+
+
 def test_limits_are_one_line_errors(model):
     runner = StaticRunner(model, max_length=8)
     runner.forward(torch.tensor([[1, 2, 3, 4, 5]]), None, None)
@@ -172,8 +203,10 @@ def test_models_it_cannot_run_get_hf_runner_with_a_reason(model, capsys):
     dynamic.config.rope_parameters = {**dynamic.config.rope_parameters, "rope_type": "dynamic", "factor": 2.0}
     assert isinstance(cuda_runners(dynamic)(), HFRunner)
     assert "(static runner: dynamic rotary scaling (computed from the sequence))" in capsys.readouterr().err
-    sliding = SimpleNamespace(config=SimpleNamespace(layer_types=["sliding_attention", "full_attention"]))
-    assert unsupported(sliding) == "layer types ['full_attention', 'sliding_attention']: only full attention"
+    chunked = copy.deepcopy(model)
+    chunked.config.layer_types, chunked.config.attention_chunk_size = ["chunked_attention", "full_attention"], 8
+    assert unsupported(chunked) == ("layer types ['chunked_attention', 'full_attention']: only full and sliding-window "
+                                    "attention")
     assert isinstance(cuda_runners(model)(), StaticRunner)
     assert isinstance(backends.Backend().prepare(model).new_runner(), HFRunner)  # on the CPU, as before
 

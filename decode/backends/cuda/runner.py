@@ -17,6 +17,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from decode.backends.int4pack import is_int4pack
 from decode.engine.errors import DecodeError
+from decode.engine.runner import attention_windows
 
 WIDTHS = (1, 2, 4, 8, 16)  # token widths captured as graphs: a token, chain drafts and verifications, small trees
 MAX_LENGTH = 4096  # positions the cache holds by default (at most the model's context)
@@ -25,16 +26,14 @@ WARMUP = 2  # eager forwards on a side stream before a capture
 
 
 def unsupported(model: PreTrainedModel) -> str | None:
-    """Why the static runner cannot run `model`, or None: it masks every layer alike (full attention only), its graphs
+    """Why the static runner cannot run `model`, or None: it masks full and sliding-window layers only, its graphs
     need forwards without host syncs (no dynamic rotary scaling) and it leaves quantized kernels to HF's forward, but
     for torch's own int4 kernel (decode.backends.int4pack: one aten call a linear, no host sync) and the project's CPU
     int4 tiles (decode.backends.cpu.kernel_linear: one operator a linear)."""
     config = model.config
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if kinds != {"full_attention"}:
-        return f"layer types {sorted(kinds)}: only full attention"
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        return "sliding-window attention"
+    if kinds != {"full_attention"} and attention_windows(config) is None:
+        return f"layer types {sorted(kinds)}: only full and sliding-window attention"
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if isinstance(rope, dict) and ("dynamic" in str(rope.get("rope_type")) or rope.get("rope_type") == "longrope"):
         return f"{rope['rope_type']} rotary scaling (computed from the sequence)"
@@ -71,6 +70,17 @@ def static_mask(mask: torch.Tensor | None, cached: int, width: int, span: int, d
     return full
 
 
+def layer_masks(mask: torch.Tensor, windows: dict[str, int | None], queries: torch.Tensor,
+                keys: torch.Tensor) -> torch.Tensor:
+    """`mask` [1, 1, rows, span] for each layer type of `windows` (attention_windows: {type: window or None}),
+    stacked [types, 1, rows, span]: a sliding layer's query at position p sees keys at positions in (p - window, p],
+    by position (a tree's node at its depth's), as HFRunner's mask. `queries` [rows] and `keys` [span]: positions."""
+    distance = queries[:, None] - keys[None, :]
+    fill = torch.finfo(mask.dtype).min
+    return torch.cat([mask if window is None else mask.masked_fill(distance >= window, fill)
+                      for window in windows.values()])
+
+
 def extend(x: torch.Tensor, rows: int, step: int) -> torch.Tensor:
     """x [1, w] padded to [1, rows]: its last value plus `step` per padding position (ids: 0, positions: 1)."""
     extra = rows - x.shape[1]
@@ -95,6 +105,7 @@ class StaticKV(DynamicCache):
         self.slots: torch.Tensor | None = None
         self.key_length: torch.Tensor | None = None  # [1]: the keys written, for an attention that reads only those
         self.span = max_length
+        self.mask_types: tuple[str, ...] | None = None  # what each mask of a stack is for (sliding-window models)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if self.buffers is None:
@@ -122,9 +133,10 @@ def decoder_forward(decoder: torch.nn.Module, cache: StaticKV, ids: torch.Tensor
     """A decoder's forward on a StaticKV (its slots and span set): the last hidden states, and those entering
     `layers` side by side (None for no layers). One function: the compiled runner compiles what this one runs.
     A cache that knows how many of its keys are written (`key_length`) tells the attention, which may read only
-    those."""
+    those; one whose layers differ in window (`mask_types`) takes a stack of masks, one a type."""
     extra = {} if cache.key_length is None else {"key_length": cache.key_length}
-    out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+    masks = mask if cache.mask_types is None else dict(zip(cache.mask_types, mask.split(1), strict=True))
+    out = decoder(input_ids=ids, attention_mask=masks, position_ids=positions, past_key_values=cache, use_cache=True,
                   output_hidden_states=bool(layers), **extra)
     aux = torch.cat([out.hidden_states[i] for i in layers], dim=-1) if layers else None
     return out.last_hidden_state, aux
@@ -193,10 +205,20 @@ class StaticRunner(CapturedGraphs):
             raise ValueError(f"graph widths {list(widths)} must be between 1 and max_length {self.max_length}")
         self.widths = tuple(sorted(widths))
         self.graph_widths = self.widths if graphs and self.device.type == "cuda" else ()
-        self.cache = StaticKV(self.config, self.max_length)
+        self.windows = attention_windows(self.config)
+        self.use_cache(StaticKV(self.config, self.max_length))
         self.layers: tuple[int, ...] = ()
         self.captured: torch.Tensor | None = None
         self._drop_graphs()
+
+    def use_cache(self, cache: StaticKV) -> None:
+        """Run on `cache`; with sliding windows, the positions of the keys at each of its slots are kept beside it
+        (a tree's keep reorders them), and its masks come one a layer type where the config names layer types."""
+        self.cache = cache
+        if self.windows is not None:
+            typed = getattr(self.config.get_text_config(decoder=True), "layer_types", None)
+            cache.mask_types = tuple(self.windows) if typed else None
+            self.key_positions = torch.zeros(cache.max_length, dtype=torch.long, device=self.device)
 
     def reset(self) -> None:
         self.cache.length = 0
@@ -216,6 +238,8 @@ class StaticRunner(CapturedGraphs):
         index = index.to(self.device)
         for buffer in (b for pair in self.cache.buffers or () for b in pair):
             buffer[:, :, : len(index)] = buffer.index_select(2, index)
+        if self.windows is not None:
+            self.key_positions[: len(index)] = self.key_positions[index]
         self.cache.length = len(index)
 
     @torch.inference_mode()
@@ -227,14 +251,22 @@ class StaticRunner(CapturedGraphs):
         rows = next((w for w in self.widths if w >= width and cached + w <= self.max_length), width)
         span = span_for(cached + rows, self.max_length)
         slots = torch.arange(cached, cached + rows, device=self.device)
-        positions = slots[None, :width] if positions is None else positions
-        inputs = (extend(ids, rows, 0), extend(positions, rows, 1),
-                  static_mask(mask, cached, width, span, self.dtype, rows).to(self.device), slots)
+        positions = extend(slots[None, :width] if positions is None else positions, rows, 1)
+        mask = self._masks(static_mask(mask, cached, width, span, self.dtype, rows).to(self.device), positions, cached)
+        inputs = (extend(ids, rows, 0), positions, mask, slots)
         hidden, aux = self._replay(inputs) if rows in self.graph_widths else self._run(*inputs)
         self.cache.length = cached + width
         if self.layers:
             self.captured = aux[:, :width]
         return hidden[:, :width]
+
+    def _masks(self, mask: torch.Tensor, positions: torch.Tensor, cached: int) -> torch.Tensor:
+        """`mask` [1, 1, rows, span] as the forward takes it: for a sliding-window model a stack, one a layer type
+        (`layer_masks`), the positions of this forward's keys (`positions` [1, rows], padding included) recorded."""
+        if self.windows is None:
+            return mask
+        self.key_positions[cached: cached + positions.shape[1]] = positions[0]
+        return layer_masks(mask, self.windows, positions[0], self.key_positions[: mask.shape[-1]])
 
     def _run(self, ids, positions, mask, slots) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder's forward (eagerly, or recorded into a graph): last hidden states and the captured ones."""
