@@ -80,6 +80,23 @@ def attention_windows(config: Any) -> dict[str, int | None] | None:
     return {kind: args.get("sliding_window") for kind, args in zip(types, kwargs)}
 
 
+def names_layer_types(config: Any) -> bool:
+    """Whether the config names its layers' types: its decoder then takes one mask a type ({layer type: mask}),
+    else one mask for every layer (Mistral's)."""
+    return bool(getattr(config.get_text_config(decoder=True), "layer_types", None))
+
+
+def window_masks(mask: torch.Tensor, windows: dict[str, int | None], queries: torch.Tensor,
+                 keys: torch.Tensor) -> dict[str, torch.Tensor]:
+    """{layer type: `mask` with its window applied} for `windows` (attention_windows'): a query at position p sees
+    keys at positions p - window < q <= p, by position (a tree's node at its depth's). `queries` and `keys`: the
+    positions of the mask's rows and columns."""
+    distance = queries[:, None] - keys[None, :]
+    fill = torch.finfo(mask.dtype).min
+    return {kind: mask if window is None else mask.masked_fill(distance >= window, fill)
+            for kind, window in windows.items()}
+
+
 class HFRunner:
     """A transformers causal LM's decoder on a DynamicCache: crop = rollback, keep = index-select (a tree's path).
 
@@ -93,7 +110,7 @@ class HFRunner:
         self.layers: tuple[int, ...] = ()
         self.captured: torch.Tensor | None = None
         self.windows = attention_windows(self.config)
-        self.typed = bool(getattr(self.config.get_text_config(decoder=True), "layer_types", None))
+        self.typed = names_layer_types(self.config)
         self.reset()
 
     def reset(self) -> None:
@@ -135,9 +152,7 @@ class HFRunner:
         self.positions = torch.cat([self.positions, queries])
         if mask is None:
             mask = causal_mask(length, past, self.dtype, self.device)
-        distance = queries[:, None] - self.positions[None, :]
-        masks = {kind: mask if window is None else mask.masked_fill(distance >= window, torch.finfo(mask.dtype).min)
-                 for kind, window in self.windows.items()}
+        masks = window_masks(mask, self.windows, queries, self.positions)
         return masks if self.typed else masks["sliding_attention"]
 
 

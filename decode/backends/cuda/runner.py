@@ -17,7 +17,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from decode.backends.int4pack import is_int4pack
 from decode.engine.errors import DecodeError
-from decode.engine.runner import attention_windows
+from decode.engine.runner import attention_windows, names_layer_types, window_masks
 
 WIDTHS = (1, 2, 4, 8, 16)  # token widths captured as graphs: a token, chain drafts and verifications, small trees
 MAX_LENGTH = 4096  # positions the cache holds by default (at most the model's context)
@@ -68,17 +68,6 @@ def static_mask(mask: torch.Tensor | None, cached: int, width: int, span: int, d
     if mask is not None:
         full[..., :width, : cached + width] = mask
     return full
-
-
-def layer_masks(mask: torch.Tensor, windows: dict[str, int | None], queries: torch.Tensor,
-                keys: torch.Tensor) -> torch.Tensor:
-    """`mask` [1, 1, rows, span] for each layer type of `windows` (attention_windows: {type: window or None}),
-    stacked [types, 1, rows, span]: a sliding layer's query at position p sees keys at positions in (p - window, p],
-    by position (a tree's node at its depth's), as HFRunner's mask. `queries` [rows] and `keys` [span]: positions."""
-    distance = queries[:, None] - keys[None, :]
-    fill = torch.finfo(mask.dtype).min
-    return torch.cat([mask if window is None else mask.masked_fill(distance >= window, fill)
-                      for window in windows.values()])
 
 
 def extend(x: torch.Tensor, rows: int, step: int) -> torch.Tensor:
@@ -216,8 +205,7 @@ class StaticRunner(CapturedGraphs):
         (a tree's keep reorders them), and its masks come one a layer type where the config names layer types."""
         self.cache = cache
         if self.windows is not None:
-            typed = getattr(self.config.get_text_config(decoder=True), "layer_types", None)
-            cache.mask_types = tuple(self.windows) if typed else None
+            cache.mask_types = tuple(self.windows) if names_layer_types(self.config) else None
             self.key_positions = torch.zeros(cache.max_length, dtype=torch.long, device=self.device)
 
     def reset(self) -> None:
@@ -261,12 +249,14 @@ class StaticRunner(CapturedGraphs):
         return hidden[:, :width]
 
     def _masks(self, mask: torch.Tensor, positions: torch.Tensor, cached: int) -> torch.Tensor:
-        """`mask` [1, 1, rows, span] as the forward takes it: for a sliding-window model a stack, one a layer type
-        (`layer_masks`), the positions of this forward's keys (`positions` [1, rows], padding included) recorded."""
+        """`mask` [1, 1, rows, span] as the forward takes it: for a sliding-window model a stack [types, 1, rows,
+        span], one a layer type (HFRunner's masks, `window_masks`), the positions of this forward's keys
+        (`positions` [1, rows], padding included) recorded."""
         if self.windows is None:
             return mask
         self.key_positions[cached: cached + positions.shape[1]] = positions[0]
-        return layer_masks(mask, self.windows, positions[0], self.key_positions[: mask.shape[-1]])
+        masks = window_masks(mask, self.windows, positions[0], self.key_positions[: mask.shape[-1]])
+        return torch.cat(list(masks.values()))
 
     def _run(self, ids, positions, mask, slots) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder's forward (eagerly, or recorded into a graph): last hidden states and the captured ones."""
