@@ -124,6 +124,63 @@ def test_attend_matches_sdpa_for_every_mask_and_rows_depend_on_neither_batch_nor
     assert all(torch.equal(out, by_threads[0]) for out in by_threads[1:])
 
 
+def test_attend_softcaps_scores_before_the_mask_and_keeps_rows_exact(kernel):
+    """Gemma 2's scores, cap * tanh(s / cap), then the mask: the kernel's equal float64's and differ from uncapped
+    ones (capping ignored is caught); a row alone gives the same bits."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 4, 5, 16, generator=gen) * 4, torch.randn(1, 2, 23, 16, generator=gen) * 4,
+               torch.randn(1, 2, 23, 16, generator=gen))
+    allowed = torch.ones(5, 23, dtype=torch.bool).tril(18)
+    cap, scale = 5.0, 16 ** -0.5
+    scores = torch.einsum("bhtd,bhld->bhtl", q.double(), k.repeat_interleave(2, 1).double()) * scale
+    capped = (cap * torch.tanh(scores / cap)).masked_fill(~allowed, float("-inf"))
+    reference = (torch.softmax(capped, -1) @ v.repeat_interleave(2, 1).double()).transpose(1, 2).float()
+    out = torch.ops.polyspec.attend(q, k, v, allowed[None, None], scale, False, None, cap)
+    assert torch.allclose(out, reference, atol=2e-6)
+    uncapped = torch.ops.polyspec.attend(q, k, v, allowed[None, None], scale, False, None)
+    assert (uncapped - reference).abs().max() > 1e-2
+    alone = torch.ops.polyspec.attend(q[:, :, 2:3], k, v, allowed[None, None, 2:3], scale, False, None, cap)
+    assert torch.equal(alone, out[:, 2:3])
+
+
+def test_a_packed_softcapped_model_attends_on_the_kernel_row_exact(kernel):
+    """Gemma 2 (eager attention for its softcapping) packed on the AVX2 product attends on the kernel: its logits are
+    the eager model's (and not those of the model with softcapping ignored), a k-token forward gives the bits of k
+    one-token forwards, and unpack gives eager attention back."""
+    import transformers
+    from transformers import DynamicCache
+
+    from decode.backends.cpu import unpack
+    from decode_fixtures import packed
+
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       query_pre_attn_scalar=16, attn_logit_softcapping=2.0,
+                                       final_logit_softcapping=30.0, sliding_window=6, initializer_range=0.3)
+    eager = transformers.Gemma2ForCausalLM(config).eval()
+    assert eager.config._attn_implementation == "eager"
+    model = packed(eager, "avx2")
+    assert model.config._attn_implementation == KERNEL_ATTENTION
+    uncapped = copy.deepcopy(eager)
+    for layer in uncapped.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    ids = torch.randint(0, 300, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        reference, logits = eager(ids).logits, model(ids).logits
+        assert torch.allclose(logits, reference, atol=1e-4)
+        assert (uncapped(ids).logits - reference).abs().max() > 1e-2
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :12], past_key_values=cache)
+        together = model(ids[:, 12:], past_key_values=cache).logits
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :12], past_key_values=cache)
+        one_by_one = torch.cat([model(ids[:, i:i + 1], past_key_values=cache).logits for i in range(12, 20)], 1)
+    assert torch.equal(together, one_by_one)
+    unpack(model)
+    assert model.config._attn_implementation == "eager"
+
+
 def test_packed_model_verifies_with_the_bits_of_one_token_forwards(kernel):
     """The whole forward is row-exact on the AVX2 kernels: k new tokens (causal, and a tree with a sibling the
     path skips) give the logits of feeding the path one token at a time, bit for bit."""
@@ -226,7 +283,8 @@ def test_a_build_killed_a_moment_ago_does_not_stall_the_next(tmp_path, monkeypat
 
 def test_a_compiled_graph_calls_the_operators_through_their_c_shims(kernel):
     """inductor's C++ wrapper, under the runners' options, calls the operators' C shims directly (not boxed through
-    the dispatcher by name, the cost they remove), and each shim computes what its operator does, bit for bit."""
+    the dispatcher by name, the cost they remove), and each shim computes what its operator does, bit for bit
+    (every argument passed: attention softcapped)."""
     from torch._inductor.utils import run_and_get_cpp_code
 
     from decode.backends.static import compile_options
@@ -236,7 +294,7 @@ def test_a_compiled_graph_calls_the_operators_through_their_c_shims(kernel):
     q, k, v = (torch.randn(1, 2, rows, 16, generator=gen) for rows in (3, 9, 9))
 
     def forward(x, panels, q, k, v, length):
-        attended = kernel.attend(q, k, v, None, 0.25, True, length)
+        attended = kernel.attend(q, k, v, None, 0.25, True, length, 3.0)
         return kernel.linear(x * 2, panels, 20, bias), attended + 1
 
     inputs = (x, kernel.pack(weight), q, k, v, torch.tensor([7]))

@@ -34,10 +34,10 @@ def pack(model: nn.Module, gemm: str = "auto") -> int:
             count += 1
     if count and isinstance(model, PreTrainedModel):
         fuse_siblings(model)
-        if model.config._attn_implementation == "sdpa":
+        implementation = attention.packed_attention(model.config, packed_with(model))
+        if implementation is not None:
             attention.register()
-            model.set_attn_implementation(attention.KERNEL_ATTENTION if packed_with(model) == "avx2"
-                                          else attention.GROUPED_SDPA)
+            model.set_attn_implementation(implementation)
     if count:  # a model packed before keeps its panels where they lie
         _to_huge_pages(model)
     return count
@@ -55,12 +55,12 @@ def _to_huge_pages(model: nn.Module) -> None:
 
 
 def unpack(model: nn.Module) -> int:
-    """Undo `pack`: plain nn.Linear forwards, HF's sdpa attention again (e.g. before training or
+    """Undo `pack`: plain nn.Linear forwards, transformers' own attention again (e.g. before training or
     moving to another device)."""
     count = 0
     if isinstance(model, PreTrainedModel) and model.config._attn_implementation in (attention.GROUPED_SDPA,
                                                                                      attention.KERNEL_ATTENTION):
-        model.set_attn_implementation("sdpa")
+        model.set_attn_implementation(attention.unpacked_attention(model.config))
     for parent, name, child in _children(model):
         if isinstance(child, PackedLinear):
             setattr(parent, name, child.to_linear())

@@ -195,10 +195,10 @@ static inline __m256 mask8(const QueryRow& r, int64_t j0, int64_t mask_stride) {
 }
 
 // Scores of `n` rows against keys [0, max span) of one K/V head into s [n, ld] (ld >= the span rounded up to 8),
-// chunk by chunk (a chunk's keys are read once for all rows), then each row's softmax numerators in place (-inf
-// scores giving exactly 0).
+// chunk by chunk (a chunk's keys are read once for all rows), softcapped where `softcap` > 0 (Gemma 2: before the
+// mask), then each row's softmax numerators in place (-inf scores giving exactly 0).
 static void numerators(const QueryRow* rows, int64_t n, const float* k, int64_t stride, int64_t DV, float scale,
-                       int64_t mask_stride, float* s, int64_t ld) {
+                       float softcap, int64_t mask_stride, float* s, int64_t ld) {
   const __m256 vscale = _mm256_set1_ps(scale);
   int64_t most = 0;
   for (int64_t i = 0; i < n; ++i) most = std::max(most, rows[i].span);
@@ -209,7 +209,9 @@ static void numerators(const QueryRow* rows, int64_t n, const float* k, int64_t 
     for (int64_t i = 0; i < n; ++i) {
       if (j0 >= rows[i].span) continue;
       const __m256 dot = dots8(rows[i].q, k, stride, j0, rows[i].span - 1, DV);
-      const __m256 score = _mm256_add_ps(_mm256_mul_ps(dot, vscale), mask8(rows[i], j0, mask_stride));
+      const __m256 scaled = _mm256_mul_ps(dot, vscale);
+      const __m256 score = _mm256_add_ps(softcap > 0.f ? softcap8(scaled, softcap) : scaled,
+                                         mask8(rows[i], j0, mask_stride));
       _mm256_storeu_ps(s + i * ld + j0, score);
       best[i] = _mm256_max_ps(best[i], score);
     }
@@ -300,16 +302,17 @@ void attend_views(const Attention& a, double scale, bool causal) {
                     a.out + ((b * T + t) * a.Hq + h) * a.D, (causal && !has_mask) ? L - T + t + 1 : L};
       }
       numerators(block, n, kd + b * a.k.batch + kh * a.k.head, a.k.row, a.D / 8, static_cast<float>(scale),
-                 a.mask.column, s.data(), ld);
+                 a.softcap, a.mask.column, s.data(), ld);
       weighted_rows(block, n, vd + b * a.v.batch + kh * a.v.head, a.v.row, ld, a.D, s.data());
     }
   });
 }
 
 // q [B, Hq, T, D], k/v [B, Hkv, L, D] (unit stride in D), mask: none, bool (true = attend) or additive float,
-// broadcastable to [B, Hq, T, L]; causal (used without a mask). Returns [B, T, Hq, D] (attend_views).
+// broadcastable to [B, Hq, T, L]; causal (used without a mask); softcap > 0: scores capped at +-softcap (tanh).
+// Returns [B, T, Hq, D] (attend_views).
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                     const c10::optional<torch::Tensor>& mask, double scale, bool causal) {
+                     const c10::optional<torch::Tensor>& mask, double scale, bool causal, double softcap) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attend: 4-D q, k, v");
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1), L = k.size(2);
   TORCH_CHECK(q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat,
@@ -323,7 +326,8 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
               {},
               false,
               out.data_ptr<float>(),
-              B, Hq, Hkv, T, L, D};
+              B, Hq, Hkv, T, L, D,
+              static_cast<float>(softcap)};
   torch::Tensor expanded;
   set_mask(a, mask, expanded);
   attend_views(a, scale, causal);

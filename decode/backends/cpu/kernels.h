@@ -33,6 +33,7 @@ struct Attention {
   bool mask_is_bool;
   float* out;
   int64_t B, Hq, Hkv, T, L, D;
+  float softcap = 0.f;  // > 0: every score s becomes softcap * tanh(s / softcap) before the mask (Gemma 2)
 };
 
 // The shapes `attend_views` can take (it trusts them): head dims a multiple of 8 up to 256, query heads a multiple of
@@ -44,6 +45,6 @@ void check_heads(int64_t head_dim, int64_t heads, int64_t kv_heads);
 void set_mask(Attention& a, const c10::optional<torch::Tensor>& mask, torch::Tensor& expanded);
 void attend_views(const Attention& a, double scale, bool causal);
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                     const c10::optional<torch::Tensor>& mask, double scale, bool causal);
+                     const c10::optional<torch::Tensor>& mask, double scale, bool causal, double softcap = 0.0);
 
 }  // namespace polyspec

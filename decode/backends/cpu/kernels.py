@@ -113,7 +113,7 @@ C_SHIMS = {  # operator: the C function ops.cpp gives inductor's C++ wrapper to 
     "packed_linear": "aoti_torch_cpu_packed_linear(AtenTensorHandle, AtenTensorHandle, int64_t, AtenTensorHandle*, "
                      "AtenTensorHandle*, AtenTensorHandle*, AtenTensorHandle*, AtenTensorHandle*)",
     "attend": "aoti_torch_cpu_attend(AtenTensorHandle, AtenTensorHandle, AtenTensorHandle, AtenTensorHandle*, double, "
-              "int32_t, AtenTensorHandle*, AtenTensorHandle*)",
+              "int32_t, AtenTensorHandle*, double, AtenTensorHandle*)",
 }
 
 

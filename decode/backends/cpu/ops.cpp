@@ -27,12 +27,12 @@ static torch::Tensor packed_linear_op(const torch::Tensor& x, const torch::Tenso
 // here and never by the compiled graph, so that it is never a guard), the mask's columns cut alike.
 static torch::Tensor attend_op(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const c10::optional<torch::Tensor>& mask, double scale, bool causal,
-                               const c10::optional<torch::Tensor>& length) {
-  if (!length) return attend(q, k, v, mask, scale, causal);
+                               const c10::optional<torch::Tensor>& length, double softcap) {
+  if (!length) return attend(q, k, v, mask, scale, causal, softcap);
   const int64_t keys = length->item<int64_t>();
   TORCH_CHECK(keys > 0 && keys <= k.size(2), "attend: length within the keys");
   c10::optional<torch::Tensor> cut = mask ? c10::optional<torch::Tensor>(mask->narrow(-1, 0, keys)) : c10::nullopt;
-  return attend(q, k.narrow(2, 0, keys), v.narrow(2, 0, keys), cut, scale, causal);
+  return attend(q, k.narrow(2, 0, keys), v.narrow(2, 0, keys), cut, scale, causal, softcap);
 }
 
 static std::tuple<torch::Tensor, torch::Tensor> pair(const std::vector<torch::Tensor>& parts) {
@@ -43,7 +43,8 @@ TORCH_LIBRARY(polyspec, m) {
   m.def("linear(Tensor x, Tensor panels, int n, Tensor? bias=None) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor words, int n, Tensor? scales=None, Tensor? bounds=None, Tensor? perm=None, "
         "Tensor? bias=None) -> Tensor");
-  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool causal, Tensor? length=None) -> Tensor");
+  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool causal, Tensor? length=None, "
+        "float softcap=0.0) -> Tensor");
   m.def("pack(Tensor weight) -> Tensor");
   m.def("pack_int4(Tensor codes, Tensor scales) -> (Tensor, Tensor)");
   m.def("pack_int4_a8(Tensor codes, Tensor scales) -> (Tensor, Tensor)");
@@ -101,12 +102,13 @@ AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_packed_linear(AtenTensorHandle x
 
 AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_attend(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v,
                                                        AtenTensorHandle* mask, double scale, int32_t causal,
-                                                       AtenTensorHandle* length, AtenTensorHandle* ret) {
+                                                       AtenTensorHandle* length, double softcap,
+                                                       AtenTensorHandle* ret) {
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
     RECORD_FUNCTION("polyspec::attend", c10::ArrayRef<const c10::IValue>{});
     *ret = new_tensor_handle(polyspec::attend_op(
         resolve_tensor_dispatch_flags(q), resolve_tensor_dispatch_flags(k), resolve_tensor_dispatch_flags(v),
-        resolve_tensor_dispatch_flags(mask), scale, causal != 0, resolve_tensor_dispatch_flags(length)));
+        resolve_tensor_dispatch_flags(mask), scale, causal != 0, resolve_tensor_dispatch_flags(length), softcap));
   });
 }
 }

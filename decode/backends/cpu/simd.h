@@ -146,4 +146,15 @@ static inline __m256 exp8(__m256 x) {
   return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(n)), keep);
 }
 
+// cap * tanh(x / cap) for 8 floats (a softcapped attention score): tanh|y| = (1 - e) / (1 + e), e = exp(-2|y|), the
+// sign put back; exact enough for a score (absolute error ~cap * 1e-7) and a function of each lane alone.
+static inline __m256 softcap8(__m256 x, float cap) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 y = _mm256_mul_ps(x, _mm256_set1_ps(1.0f / cap));
+  const __m256 e = exp8(_mm256_mul_ps(_mm256_andnot_ps(sign, y), _mm256_set1_ps(-2.0f)));
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+  return _mm256_mul_ps(_mm256_or_ps(t, _mm256_and_ps(sign, y)), _mm256_set1_ps(cap));
+}
+
 }  // namespace polyspec
