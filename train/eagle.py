@@ -288,7 +288,8 @@ class EagleRecipe:
         self.total_steps = self._total_steps()
         self.aux_layers = aux_layers(self.t, self.target)
         settings = store.StoreSettings(self.store_root, self.t.store_dtype, self.t.store_batch, self.aux_layers)
-        self.features = store.build_or_load(source, [e.input_ids for e in self.examples], settings, share)
+        self.features = store.build_or_load(store.computing_in(source, self.t.store_compute),
+                                            [e.input_ids for e in self.examples], settings, share)
         self.head = new_head(self.t, self.target, draft_vocabulary(self.t.draft_vocab, self.examples, self.tokenizer,
                                                                    self.target.config.vocab_size, self.rank))
         self._verifier_rows(feature_model)

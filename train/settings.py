@@ -21,6 +21,7 @@ LossTokens = Literal["replies", "all"]
 ZeroStage = Literal[0, 1, 2, 3]
 Precision = Literal["fp32", "bf16"]
 StoreDtype = Literal["float32", "bfloat16"]
+StoreCompute = Literal["model", "bfloat16"]
 Init = Literal["random", "target_last_layer"]
 RUN_CONTROL_KEYS = ("resume", "skip_if_valid")  # how a run is driven, not what it trains
 
@@ -85,6 +86,7 @@ class EagleTraining:
     noise: float
     store_dtype: StoreDtype
     store_batch: int
+    store_compute: StoreCompute
     draft_vocab: int | None
     unroll: int
     init: Init
@@ -141,6 +143,7 @@ def validate(t: Any) -> None:
         raise TrainError(f"train.zero_stage={t.zero_stage}: DeepSpeed ZeRO stage must be one of 0, 1, 2, 3")
     choose("precision", t.precision, Precision)
     choose("store_dtype", t.store_dtype, StoreDtype)
+    choose("store_compute", t.store_compute, StoreCompute)
     choose("replies", t.replies, Replies)
     choose("loss_tokens", t.loss_tokens, LossTokens)
     choose("init", t.init, Init)

@@ -17,6 +17,7 @@ its argmax over the full vocabulary, which is stored. Each example is a dict of 
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import shutil
@@ -94,6 +95,14 @@ class StoreSettings:
     dtype: str = "bfloat16"
     batch: int = 8
     aux_layers: tuple[int, ...] = ()
+
+
+def computing_in(source: FeatureSource, compute: str) -> FeatureSource:
+    """The model that computes the store (`train.store_compute`): the feature model itself ("model", or a model already
+    in bfloat16), or a bfloat16 copy of it, whose store is keyed apart (its features are another function's)."""
+    if compute == "model" or source.model.dtype == torch.bfloat16:
+        return source
+    return FeatureSource(copy.deepcopy(source.model).to(torch.bfloat16), f"{source.weights_hash}|bfloat16")
 
 
 def build_or_load(source: FeatureSource, sequences: list[torch.Tensor], settings: StoreSettings,

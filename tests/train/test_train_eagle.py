@@ -332,6 +332,24 @@ def test_loss_on_all_tokens_reuses_the_store_and_counts_every_real_position(tiny
     assert all(not every[b, n:].any() for b, n in enumerate(lengths))
 
 
+def test_a_store_computed_in_bfloat16_is_keyed_apart_and_near_the_exact_one(tiny_setup, tmp_path):
+    """train.store_compute=bfloat16: a bf16 copy of the feature model computes the store (the model itself stays
+    float32), under a key of its own (the exact store is not read for it); its features are the exact ones within
+    bf16's error, and not equal to them."""
+    target = LlamaForCausalLM.from_pretrained(tiny_setup / "target")
+    seqs = [torch.randint(0, 1000, (9 + i,), generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    source, settings = FeatureSource(target, "h"), StoreSettings(tmp_path, "float32", 4)
+    assert eagle.store.computing_in(source, "model") is source
+    in_bf16 = eagle.store.computing_in(source, "bfloat16")
+    assert in_bf16.model.dtype == torch.bfloat16 and target.dtype == torch.float32
+    exact = eagle.store.build_or_load(source, seqs, settings)
+    approximate = eagle.store.build_or_load(in_bf16, seqs, settings)
+    assert len(list(tmp_path.iterdir())) == 1  # the exact store was removed, not read: another key
+    for e, a in zip(exact, approximate, strict=True):
+        error = (e["features"] - a["features"]).norm(dim=-1) / e["features"].norm(dim=-1)
+        assert 0 < error.max() < 0.05
+
+
 def test_interrupted_store_build_keeps_finished_shards(tiny_setup, tmp_path, monkeypatch):
     target = LlamaForCausalLM.from_pretrained(tiny_setup / "target")
     seqs = [torch.randint(0, 1000, (5 + i % 7,), generator=torch.Generator().manual_seed(i)) for i in range(150)]
