@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from infra.tracking import write_json_atomic
 from train.distributed import Share
@@ -36,16 +36,43 @@ def replies_key(feature_hash: str, prompts: list[list[int]], max_new_tokens: int
 
 
 @torch.inference_mode()
-def greedy_replies(model: PreTrainedModel, tokenizer, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """The model's greedy continuation of each prompt of one batch (left padding), each cut after its first EOS."""
+def greedy_with_features(model: PreTrainedModel, tokenizer: Any, prompts: list[list[int]],
+                         max_new_tokens: int) -> list[tuple[list[int], torch.Tensor]]:
+    """Each prompt's greedy reply, cut after its first EOS, with the model's last hidden states over prompt + reply
+    (what the feature store holds, taken from the forwards that wrote the reply). One left-padded batch: a prefill,
+    then a token a step; a row leaves the batch (its cache rows with it) once its last token has been fed."""
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    base, lm_head = getattr(model, model.base_model_prefix), model.get_output_embeddings()
     width = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    out = model.generate(input_ids=ids.to(model.device), attention_mask=attn.to(model.device),
-                         max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, eos_token_id=eos)
-    return [row[: row.index(eos) + 1] if eos in row else row for row in out[:, width:].tolist()]
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
+    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    cache = DynamicCache(config=model.config)
+    hidden = base(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+                  past_key_values=cache, use_cache=True).last_hidden_state
+    features = [[hidden[i, width - len(p):]] for i, p in enumerate(prompts)]
+    replies: list[list[int]] = [[] for _ in prompts]
+    rows = list(range(len(prompts)))  # the prompts still in the batch, in its order
+    while rows:
+        tokens = lm_head(hidden[:, -1]).argmax(-1)
+        for row, token in zip(rows, tokens.tolist()):
+            replies[row].append(token)
+        attn = torch.cat([attn, attn.new_ones(len(rows), 1)], 1)
+        hidden = base(input_ids=tokens[:, None], attention_mask=attn, position_ids=attn.sum(-1, keepdim=True) - 1,
+                      past_key_values=cache, use_cache=True).last_hidden_state
+        for row, state in zip(rows, hidden):
+            features[row].append(state)
+        going = [j for j, row in enumerate(rows) if replies[row][-1] != eos and len(replies[row]) < max_new_tokens]
+        if going and len(going) < len(rows):
+            cache.batch_select_indices(torch.tensor(going, dtype=torch.long, device=model.device))
+        attn, hidden, rows = attn[going], hidden[going], [rows[j] for j in going]
+    return [(reply, torch.cat(parts)) for reply, parts in zip(replies, features)]
+
+
+def greedy_replies(model: PreTrainedModel, tokenizer: Any, prompts: list[list[int]],
+                   max_new_tokens: int) -> list[list[int]]:
+    """The model's greedy continuation of each prompt of one batch, each cut after its first EOS."""
+    return [reply for reply, _ in greedy_with_features(model, tokenizer, prompts, max_new_tokens)]
 
 
 def regenerate(source: FeatureSource, tokenizer: Any, prompts: list[list[int]], settings: Any, root: Path,

@@ -259,6 +259,32 @@ def test_feature_source_w4_trains_on_the_w4_models_features(tiny_setup, tmp_path
     assert metrics["train/loss"] != pytest.approx(target_metrics["train/loss"], rel=1e-3)
 
 
+def test_greedy_replies_are_generates_and_carry_the_stores_features():
+    """train.replies' batched greedy loop: each row's reply is transformers' greedy `generate` of its prompt alone
+    (cut after EOS; here a token the model writes, so rows leave the batch at different steps), and its features are
+    the model's last hidden states over prompt + reply, as the feature store computes them."""
+    from types import SimpleNamespace
+
+    from train.replies import greedy_with_features
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=500, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.5)).eval()
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (3, 7, 5, 9)]
+    written = greedy_with_features(model, SimpleNamespace(eos_token_id=None, pad_token_id=0), prompts, 12)
+    eos = written[0][0][3]
+    out = greedy_with_features(model, SimpleNamespace(eos_token_id=eos, pad_token_id=0), prompts, 12)
+    assert len(out[0][0]) == 4 and max(len(reply) for reply, _ in out) == 12
+    for prompt, (reply, features) in zip(prompts, out, strict=True):
+        with torch.no_grad():
+            reference = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=eos,
+                                       pad_token_id=0)[0, len(prompt):].tolist()
+            full = model.model(input_ids=torch.tensor([prompt + reply])).last_hidden_state[0]
+        assert reply == (reference[: reference.index(eos) + 1] if eos in reference else reference)
+        torch.testing.assert_close(features, full, rtol=1e-4, atol=1e-4)
+
+
 def test_verifier_replies_are_its_own_greedy_answers_generated_once(tiny_setup, tmp_path, monkeypatch):
     """train.replies=verifier: each example is a first user turn plus the feature model's greedy reply
     (batched left-padded generation = the prompt alone), cached by key and reused without generating."""
