@@ -59,7 +59,7 @@ from train.checkpoints import Progress, StopFlag, checkpoint_fingerprint, resume
 from train.distributed import Share, backend_for, collective_device, training_device
 from train.errors import TrainError, TrainingInterrupted
 from train.evaluation import EvalSequence, evaluate_head, evaluate_on_rank0, prepare_eval, unroll
-from train.examples import draft_vocabulary, load_examples, pad, step_micro_batches
+from train.examples import Example, draft_vocabulary, load_examples, pad, step_micro_batches
 from train.fit import fit_to_memory
 from train.plot import learning_curve_png
 from train.settings import RUN_CONTROL_KEYS, EagleTraining, TrainSettings, of
@@ -101,6 +101,14 @@ def load_verifiers(model: ModelSettings, feature_source: str, layout: RunLayout,
         raise TrainError(f"{w4_path}: the W4 model's vocabulary or hidden size differs from the target "
                          f"{model.name}")
     return target, tokenizer, w4
+
+
+def written_features(examples: list[Example], t: EagleTraining, aux_layers: tuple[int, ...]) -> list | None:
+    """The store's features as the verifier's replies brought them (train.replies=verifier, one rank), where the
+    store wants just those: the feature model's own last hidden states, no aux layers."""
+    features = [e.features for e in examples]
+    usable = t.store_compute == "model" and not aux_layers and all(f is not None for f in features)
+    return features if usable else None
 
 
 def micro_batch_loss(head: Any, feats: torch.Tensor, ids: torch.Tensor, loss_mask: torch.Tensor,
@@ -289,7 +297,9 @@ class EagleRecipe:
         self.aux_layers = aux_layers(self.t, self.target)
         settings = store.StoreSettings(self.store_root, self.t.store_dtype, self.t.store_batch, self.aux_layers)
         self.features = store.build_or_load(store.computing_in(source, self.t.store_compute),
-                                            [e.input_ids for e in self.examples], settings, share)
+                                            [e.input_ids for e in self.examples], settings, share,
+                                            written_features(self.examples, self.t, self.aux_layers))
+        self.examples = [replace(e, features=None) for e in self.examples]  # the store holds them now
         self.head = new_head(self.t, self.target, draft_vocabulary(self.t.draft_vocab, self.examples, self.tokenizer,
                                                                    self.target.config.vocab_size, self.rank))
         self._verifier_rows(feature_model)

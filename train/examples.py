@@ -21,6 +21,7 @@ class Example:
     id: str
     input_ids: torch.Tensor  # [L] long
     loss_mask: torch.Tensor  # [L] bool: assistant tokens
+    features: torch.Tensor | None = None  # [L, h]: the feature store's, where the verifier's replies brought them
 
 
 def load_examples(settings: TrainSettings, tokenizer: Any, source: FeatureSource, share: Share = Share(),
@@ -68,10 +69,11 @@ def verifier_examples(settings: TrainSettings, conversations: list[Any], tokeniz
     answers = replies.regenerate(source, tokenizer, [ids for _, ids in pairs], settings.train.regenerate,
                                  settings.run.layout.feature_store, share)
     examples = []
-    for (conv_id, prompt), reply in zip(pairs, answers):
+    for n, ((conv_id, prompt), reply) in enumerate(zip(pairs, answers.tokens)):
         reply = reply[: max_len - len(prompt)]
+        features = None if answers.features is None else answers.features[n][: len(prompt) + len(reply)]
         examples.append(Example(conv_id, torch.tensor(prompt + reply),
-                                torch.tensor([False] * len(prompt) + [True] * len(reply))))
+                                torch.tensor([False] * len(prompt) + [True] * len(reply)), features))
     return examples
 
 

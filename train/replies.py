@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -75,8 +76,17 @@ def greedy_replies(model: PreTrainedModel, tokenizer: Any, prompts: list[list[in
     return [reply for reply, _ in greedy_with_features(model, tokenizer, prompts, max_new_tokens)]
 
 
+@dataclass(frozen=True)
+class Replies:
+    """The feature model's reply to each prompt, and where this process generated them all, the last hidden states
+    over each prompt + reply (the feature store's; None when read from the cache or shared among ranks)."""
+
+    tokens: list[list[int]]
+    features: list[torch.Tensor] | None = None
+
+
 def regenerate(source: FeatureSource, tokenizer: Any, prompts: list[list[int]], settings: Any, root: Path,
-               share: Share = Share()) -> list[list[int]]:
+               share: Share = Share()) -> Replies:
     """The feature model's greedy reply to each prompt (token ids, up to `settings.max_new_tokens`, `settings.batch`
     prompts a forward), from the cache under `root` or generated, each rank generating its share."""
     model, max_new_tokens, batch = source.model, settings.max_new_tokens, settings.batch
@@ -86,14 +96,15 @@ def regenerate(source: FeatureSource, tokenizer: Any, prompts: list[list[int]], 
     if path.is_file():
         if rank == 0:
             print(f"replies: reusing {path}")
-        return json.loads(path.read_text())["replies"]
+        return Replies(json.loads(path.read_text())["replies"])
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch: less padding
     batches = [order[s: s + batch] for s in range(0, len(order), batch)]
-    mine = {}
+    mine, features = {}, {}
     for group in tqdm(batches[rank::world], desc=f"replies by the verifier (<= {max_new_tokens} tokens each)",
                       disable=rank != 0):
-        for i, reply in zip(group, greedy_replies(model, tokenizer, [prompts[i] for i in group], max_new_tokens)):
-            mine[i] = reply
+        written = greedy_with_features(model, tokenizer, [prompts[i] for i in group], max_new_tokens)
+        for i, (reply, states) in zip(group, written):
+            mine[i], features[i] = reply, states.cpu()
     if world > 1:
         parts: list[dict] = [{} for _ in range(world)]
         dist.all_gather_object(parts, mine)
@@ -104,4 +115,4 @@ def regenerate(source: FeatureSource, tokenizer: Any, prompts: list[list[int]], 
         print(f"replies: {sum(map(len, replies)):,} tokens written to {path}")
     if world > 1:
         dist.barrier()
-    return replies
+    return Replies(replies, [features[i] for i in range(len(prompts))] if world == 1 else None)

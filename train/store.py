@@ -106,14 +106,15 @@ def computing_in(source: FeatureSource, compute: str) -> FeatureSource:
 
 
 def build_or_load(source: FeatureSource, sequences: list[torch.Tensor], settings: StoreSettings,
-                  share: Share = Share()) -> list[dict[str, torch.Tensor]]:
+                  share: Share = Share(), known: list[torch.Tensor] | None = None) -> list[dict[str, torch.Tensor]]:
     """Per-sequence {"features": [len, h]} in the settings' dtype (with aux layers also "aux" [len, 3h] and
-    "argmax" [len]), from the store under its root (built first if missing, each rank computing its share)."""
+    "argmax" [len]), from the store under its root (built first if missing, each rank computing its share, or from
+    `known`: each sequence's features, already computed by the source's model, with no aux layers)."""
     aux_layers = tuple(settings.aux_layers)
     key = store_key(source.weights_hash, sequences, settings.dtype, aux_layers)
     folder = settings.root / key
     if not (folder / "meta.json").is_file():
-        _build(source.model, sequences, key, replace(settings, aux_layers=aux_layers), share)
+        _build(source.model, sequences, key, replace(settings, aux_layers=aux_layers), share, known)
     elif share.rank == 0:
         meta = json.loads((folder / "meta.json").read_text())
         print(f"feature store: reusing {folder} (built at {meta.get('tokens_per_s', 0):,.0f} tokens/s on "
@@ -122,7 +123,7 @@ def build_or_load(source: FeatureSource, sequences: list[torch.Tensor], settings
 
 
 def _build(model: PreTrainedModel, sequences: list[torch.Tensor], key: str, settings: StoreSettings,
-           share: Share) -> None:
+           share: Share, known: list[torch.Tensor] | None) -> None:
     root, dtype, batch, aux_layers = settings.root, STORE_DTYPES[settings.dtype], settings.batch, settings.aux_layers
     rank, world = share.rank, share.world
     partial = root / f"{key}.partial"
@@ -135,7 +136,8 @@ def _build(model: PreTrainedModel, sequences: list[torch.Tensor], key: str, sett
                 print(f"feature store: removing {stale} (built for other weights, data or settings)")
                 shutil.rmtree(stale, ignore_errors=True)
         print(f"feature store: {len(sequences):,} conversations, {tokens:,} tokens x {width} x {dtype} = "
-              f"{tokens * width * dtype.itemsize / 2**20:,.1f} MiB in {root / key}")
+              f"{tokens * width * dtype.itemsize / 2**20:,.1f} MiB in {root / key}"
+              f"{' (the features of the forwards that wrote the replies)' if known is not None else ''}")
     partial.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     mine = [s for n, s in enumerate(shards) if n % world == rank]
@@ -145,7 +147,10 @@ def _build(model: PreTrainedModel, sequences: list[torch.Tensor], key: str, sett
         part = sequences[start:start + SHARD_EXAMPLES]
         shard = partial / f"shard-{start // SHARD_EXAMPLES:05d}.safetensors"
         if not shard.is_file():  # shards finished by an interrupted build are kept
-            computed = _features(model, part, batch, aux_layers) if aux_layers else _features(model, part, batch)
+            if known is not None:
+                computed = [{"features": f} for f in known[start:start + SHARD_EXAMPLES]]
+            else:
+                computed = _features(model, part, batch, aux_layers) if aux_layers else _features(model, part, batch)
             tensors = {k: torch.cat([c[k] for c in computed]) for k in computed[0]}
             tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
             tmp = shard.with_name(f".{shard.name}.tmp")

@@ -303,12 +303,33 @@ def test_verifier_replies_are_its_own_greedy_answers_generated_once(tiny_setup, 
     metrics = eagle.train(settings(tiny_setup, tmp_path, "train.replies=verifier", "train.regenerate.max_new_tokens=6",
                                   "train.regenerate.batch=3", "train.epochs=1"))
     assert torch.isfinite(torch.tensor(metrics["train/loss"]))
-    monkeypatch.setattr(train_examples.replies, "greedy_replies",
+    monkeypatch.setattr(train_examples.replies, "greedy_with_features",
                         lambda *a: pytest.fail("cached replies were regenerated"))
     again, _ = train_examples.load_examples(verifier_replies, tokenizer, FeatureSource(target, weights_hash(target)))
     assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(examples, again))
     with pytest.raises(pytest.fail.Exception, match="regenerated"):  # another model: another key, never the old file
         train_examples.load_examples(verifier_replies, tokenizer, FeatureSource(tiny_llama(7), "other-weights"))
+
+
+def test_a_store_written_by_the_replies_forwards_holds_the_verifiers_features(tiny_setup, tmp_path, capsys):
+    """train.replies=verifier on one rank: the store is written from the forwards that wrote the replies (no second
+    pass over them) and holds what the store's own pass computes, the feature model's last hidden states."""
+    common = ("train.replies=verifier", "train.regenerate.max_new_tokens=6", "train.regenerate.batch=3",
+              "train.store_dtype=float32")
+    eagle.train(settings(tiny_setup, tmp_path, *common, "train.epochs=1"))
+    assert "(the features of the forwards that wrote the replies)" in capsys.readouterr().out
+    target = LlamaForCausalLM.from_pretrained(tiny_setup / "target").eval()
+    source = FeatureSource(target, weights_hash(target))
+    examples, _ = train_examples.load_examples(settings(tiny_setup, tmp_path, *common),
+                                               load_tokenizer(str(tiny_setup / "target")), source)
+    assert all(e.features is None for e in examples)  # read from the replies' cache: the store has them
+    stored = eagle.store.build_or_load(source, [e.input_ids for e in examples],
+                                       StoreSettings(tmp_path / "eagle_features", "float32", 4))
+    assert "feature store: reusing" in capsys.readouterr().out
+    for example, features in zip(examples, stored, strict=True):
+        with torch.no_grad():
+            full = target.model(input_ids=example.input_ids[None]).last_hidden_state[0]
+        torch.testing.assert_close(features["features"], full, rtol=1e-4, atol=1e-4)
 
 
 def test_feature_store_is_sized_first_reused_and_rebuilt_when_its_key_changes(tiny_setup, tmp_path, capsys):
