@@ -42,7 +42,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from data.models import cache_dir, resolve_model_path
+from data.models import cache_dir, resolve_model_path, stores_experts_apart
 from decode.engines import InteropError, llamacpp
 from decode.publish.bundle import record_measured
 from decode.publish.serving import head_method
@@ -512,16 +512,17 @@ def inputs(settings: InteropSettings) -> tuple[Path, Path | None, dict[str, Any]
 
 
 def vllm_side(section: InteropSection, python: Path, venv: Path, jobs: dict[str, dict]) -> dict[str, dict]:
-    """Every job in its own vLLM engine; the W4 job is not applicable where vLLM's CPU build has no W4 kernel."""
+    """Every job in its own vLLM engine; the W4 job is not applicable where vLLM's CPU build has no W4 kernel for it."""
     from decode.engines.vllm_venv import w4_kernel_missing
 
     log = section.out.with_name("vllm.log")
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("")
+    missing = w4_kernel_missing(stores_experts_apart(jobs["w4"]["llm"]["model"])) if "w4" in jobs else None
     vllm = {name: run_engine(python, venv, name, job, section.threads, log) for name, job in jobs.items()
-            if name != "w4" or not w4_kernel_missing()}
+            if name != "w4" or not missing}
     if "w4" in jobs:
-        vllm.setdefault("w4", {"name": "w4", "not_applicable": w4_kernel_missing()})
+        vllm.setdefault("w4", {"name": "w4", "not_applicable": missing})
     return vllm
 
 

@@ -64,16 +64,20 @@ def ensure_venv(venv: Path) -> Path:
     return venv_python(venv)
 
 
-def w4_kernel_missing() -> str | None:
-    """Why vLLM's CPU build cannot run a GPTQ W4 model on this CPU, or None: its W4A16 kernel (`cpu_gemm_wna16`)
-    is compiled only into the AVX-512 build, so on an AVX2-only CPU the first forward fails. Read from the CPU's own
-    flags, not torch's: forcing torch's AVX2 paths on an AVX-512 host does not change which build vLLM loads."""
+def w4_kernel_missing(experts: bool = False) -> str | None:
+    """Why vLLM's CPU build cannot run a GPTQ W4 model (`experts`: one with routed experts) on this CPU, or None: its
+    W4A16 kernel (`cpu_gemm_wna16`) is compiled only into the AVX-512 build, so on an AVX2-only CPU the first forward
+    fails, and its int4 kernel for routed experts runs on AMX tiles only (no other WNA16 MoE backend takes a CPU).
+    Read from the CPU's own flags, not torch's: forcing torch's AVX2 paths on an AVX-512 host does not change which
+    build vLLM loads."""
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         return None
     if "avx2" in flags.split() and "avx512f" not in flags.split():
         return "vLLM's CPU W4A16 kernel needs AVX-512 and this CPU has AVX2 only"
+    if experts and "amx_tile" not in flags.split():
+        return "vLLM's CPU W4A16 kernel for routed experts needs AMX and this CPU has none"
     return None
 
 

@@ -185,14 +185,16 @@ def test_acceptance_check_fails_an_engine_that_accepts_nothing():
     assert interop.acceptance_check(wanted, "b", "vLLM", 1.0, {"chain": {"acceptance_length": 1.0}})["passed"] is False
 
 
-def test_the_w4_kernel_is_missing_only_on_a_cpu_without_avx512(monkeypatch, tmp_path):
+def test_the_w4_kernel_is_missing_without_avx512_and_for_experts_without_amx(monkeypatch, tmp_path):
     from decode.engines import vllm_venv as vllm
 
     real_open = Path.read_text
-    for flags, missing in (("fpu avx2 fma", True), ("fpu avx2 avx512f avx512bw", False)):
+    for flags, dense, experts in (("fpu avx2 fma", True, True), ("fpu avx2 avx512f avx512bw", False, True),
+                                  ("fpu avx2 avx512f amx_bf16 amx_tile", False, False)):
         monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: f"processor: 0\nflags\t: {flags}\n"
                             if str(self) == "/proc/cpuinfo" else real_open(self, *a, **k))
-        assert (vllm.w4_kernel_missing() is not None) == missing
+        assert (vllm.w4_kernel_missing() is not None) == dense
+        assert (vllm.w4_kernel_missing(experts=True) is not None) == experts
 
 
 def test_each_engines_speedups_go_into_the_bundle_and_a_slower_artifact_is_said(tmp_path):
@@ -334,8 +336,8 @@ def test_real_vllm_serves_a_mixture_of_experts_w4_model_and_its_dense_head(chat_
 
     assert engine("eagle", {"llm": llm | {"speculative_config": head}, **decode})["tokens"] == engine(
         "ar", {"llm": llm, **decode})["tokens"]
-    if w4_kernel_missing():
-        pytest.skip(w4_kernel_missing())
+    if w4_kernel_missing(experts=True):
+        pytest.skip(w4_kernel_missing(experts=True))
     w4_run = engine("w4", {"llm": llm | {"model": str(w4_folder), "dtype": "bfloat16"},
                            "teacher_forced": [[p, t] for p, t in zip(prompts, ours)]})
     assert agreement(w4_run["teacher_forced"]) >= 0.7
