@@ -105,9 +105,10 @@ def test_the_w4_model_loads_back_whole_with_the_weights_gptq_computed(quantized)
         got, want = w4(ids).logits, reference(ids).logits
     close = (got - want).abs().amax(-1) < 0.05 * want.abs().max()  # per position
     # A router picks experts by a margin the bf16 activations may cross: a position routed apart is far off, while a
-    # module at its random init (or an expert's) is off at most positions.
+    # module at its random init (or an expert's) is off at most positions. No argmax check: within this bound the
+    # picks differ only at the tiny random models' near-ties, which bf16 rounding flips more or less often by CPU
+    # kind (gpt-oss: at most 4 of 40 positions on SPR, 5 on Zen 4).
     assert close.float().mean() >= (0.9 if routes_to_experts(w4) else 1.0)
-    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
 
 
 def test_a_w4_chain_decodes_exactly_like_transformers_generate(quantized):
