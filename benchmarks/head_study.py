@@ -50,6 +50,7 @@ VARIANTS = {
                                  "dataset_bf16_1100", "the time it saves spent on data"),
     "epochs_8": Variant(("train.epochs=8",), note="longer on the same store"),
     "loss_all": Variant(("train.loss_tokens=all",), note="loss on every stored token"),
+    "ce_1": Variant(("train.ce_weight=1.0",), note="the token loss weighted as the feature loss"),
     "verifier_init_last": Variant(("train.replies=verifier", "train.init=target_last_layer"), "verifier"),
 }
 
