@@ -101,13 +101,13 @@ def gemm_choice(gemm: Any, device: torch.device) -> str | None:
 
 def backend_of(d: DecodeSection, device: torch.device) -> Backend:
     """How the run's models run: nothing packed and nothing native without decode.fast, nothing packed off the CPU;
-    decode.w4_kernel either way; decode.backend=static: every model level on the compiled static runner (the GPU's
-    code path on any device), nothing native, a CPU's linears and attention on the project's kernels where
-    decode.fast packs them; eager: nothing compiled on CUDA. Backend checks its own values; a wrong one is named by
-    its config key."""
+    decode.w4_kernel either way; decode.backend=static (aoti): every model level on the compiled static runner (the
+    GPU's code path on any device; aoti: compiled ahead of time), nothing native, a CPU's linears and attention on
+    the project's kernels where decode.fast packs them; eager: nothing compiled on CUDA. Backend checks its own
+    values; a wrong one is named by its config key."""
     gemm = gemm_choice(d.gemm, device)
     try:
-        if d.backend == "static":
+        if d.backend in ("static", "aoti"):
             return Backend(gemm if d.fast else None, w4_kernel=d.w4_kernel, runner=d.backend)
         if not d.fast:
             return Backend(w4_kernel=d.w4_kernel, runner=d.backend)

@@ -19,7 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from decode.engine.runner import HeadRunner, HFHeadRunner, HFRunner, Prepared, PreparedHead, Runner
 
 NATIVE = ("auto", "on", "off")
-RUNNERS = ("auto", "static", "eager")
+RUNNERS = ("auto", "static", "aoti", "eager")
 W4_KERNELS = ("auto", "gptqmodel", "int4pack")
 
 
@@ -43,7 +43,8 @@ class Backend:
     `w4_kernel`: what runs a GPTQ W4 model's linears (see `int4pack`). `runner`: auto (CUDA: the compiled static
     runners, decode.backends.static; a CPU: as above), static (the compiled static runners on every device, as on
     CUDA, nothing native: a CPU runs the GPU's code path, its packed linears and attention on the project's kernels
-    as torch operators) or eager (nothing compiled: on CUDA
+    as torch operators), aoti (the same runners compiled ahead of time by AOTInductor, decode.backends.aoti: no
+    Python between a call and its kernels) or eager (nothing compiled: on CUDA
     the hand-captured static runner, heads on their own forward). The compiled runners' models and heads run their
     sibling linears (q/k/v, gate/up) as one product each (decode.backends.siblings)."""
 
@@ -147,7 +148,13 @@ class Backend:
 
     def compiled(self, cuda: bool) -> bool:
         """Whether a level on CUDA (`cuda`) or a CPU runs the compiled static runners."""
-        return self.runner == "static" or (cuda and self.runner == "auto")
+        return self.runner in ("static", "aoti") or (cuda and self.runner == "auto")
+
+    @property
+    def compiler(self) -> str:
+        """What compiles the compiled runners' forwards: AOTInductor (decode.backends.aoti) or torch.compile's
+        inductor."""
+        return "aoti" if self.runner == "aoti" else "inductor"
 
     def _runner_factory(self, model: PreTrainedModel) -> Callable[[], Runner]:
         hf = functools.partial(HFRunner, model)
@@ -155,7 +162,7 @@ class Backend:
         if self.compiled(cuda):  # graphs on CUDA
             from decode.backends.static import static_runners
 
-            return static_runners(model)
+            return static_runners(model, backend=self.compiler)
         if cuda:  # a static KV cache and CUDA graphs of the eager forward
             from decode.backends.cuda import cuda_runners
 
@@ -184,7 +191,7 @@ class Backend:
         if self.compiled(next(head.parameters()).device.type == "cuda"):
             from decode.backends.static import CompiledHeadRunner
 
-            return functools.partial(CompiledHeadRunner, head)
+            return functools.partial(CompiledHeadRunner, head, backend=self.compiler)
         if not (self.gemm and on_cpu(head)) or self.native_fp32 == "off":
             return functools.partial(HFHeadRunner, head)
         from decode.backends.cpu.eagle_head import head_unsupported, native_head_runners

@@ -17,6 +17,7 @@ and skip the graph (or copy the buffer), while the hand capture already replays 
 H200 for the eager forward)."""
 from __future__ import annotations
 
+import functools
 import os
 import types
 import weakref
@@ -57,18 +58,35 @@ def compile_options(backend: str | Callable, device: torch.device) -> dict[str, 
     return options
 
 
+def use_project_cache() -> None:
+    """Inductor's compiled code cached under the project's cache dir, unless TORCHINDUCTOR_CACHE_DIR names another
+    folder: inductor sets that variable to its own default the first time anything asks it for its cache (some
+    imports do), so its default is taken as unset."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.path.abspath(default_cache_dir())):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
+
+
 COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module: {(forward, backend): its compiled form}
 
 
 def compiled_for(module: torch.nn.Module, forward: Callable, backend: str | Callable,
                  device: torch.device) -> Callable:
-    """`forward` compiled for calls on `module`, shared by every runner of it (only the first compiles a width). Its
+    """`forward` compiled for calls on `module` by `backend` (torch.compile's, or "aoti": decode.backends.aoti),
+    shared by every runner of it (only the first compiles a width). Its
     compiled entries are its own: dynamo keeps them on a function's code object, and this is a copy of `forward`
     with a code object of its own, so that a runner of another module, whose guards on its module are skipped alike,
-    can never run this one's graphs. Inductor's compiled code is cached on disk under the project's cache dir (unless
-    its own TORCHINDUCTOR_CACHE_DIR says where): a later process loads it."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    can never run this one's graphs. Inductor's compiled code is cached on disk (`use_project_cache`): a later process
+    loads it."""
+    use_project_cache()
     per_module = COMPILED.setdefault(module, {})
+    if (forward, backend) not in per_module and backend == "aoti":
+        from decode.backends.aoti import AheadOfTime
+
+        options = compile_options("inductor", device)
+        per_module[forward, backend] = AheadOfTime(forward, {key: options[key] for key in options
+                                                             if key.startswith("aot_inductor.")})
     if (forward, backend) not in per_module:
         own = types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__,
                                  forward.__defaults__, forward.__closure__)
@@ -250,7 +268,8 @@ def config_buffers(config, length: int, dtype: torch.dtype,
     return kv_buffers(config.num_hidden_layers, heads, length, dim, dtype, device)
 
 
-def static_runners(model: PreTrainedModel, widths: tuple[int, ...] | None = None,
-                   max_length: int | None = None) -> Callable[[], Runner]:
-    """New compiled static runners of `model`, or HFRunners where the static runner cannot run it (said once, why)."""
-    return cuda_runners(model, widths, max_length, CompiledRunner)
+def static_runners(model: PreTrainedModel, widths: tuple[int, ...] | None = None, max_length: int | None = None,
+                   backend: str = "inductor") -> Callable[[], Runner]:
+    """New compiled static runners of `model` (compiled by `backend`), or HFRunners where the static runner cannot
+    run it (said once, why)."""
+    return cuda_runners(model, widths, max_length, functools.partial(CompiledRunner, backend=backend))

@@ -273,11 +273,32 @@ def test_the_backend_setting_puts_every_model_level_on_it(model):
     assert chosen.prepare(model).new_runner.func is CompiledRunner  # made, it would compile every width
     assert chosen.drafting(chosen.prepare(model)).prepare(model).new_runner.func is CompiledRunner
     assert chosen.prepare_head(EagleHead(model).eval()).new_runner.func is CompiledHeadRunner
+    ahead = backend("aoti")  # the same runners, compiled by AOTInductor
+    assert (ahead.runner, ahead.gemm, ahead.native_fp32) == ("aoti", "auto", "off")
+    assert ahead.prepare(model).new_runner.keywords == {"backend": "aoti"}
+    assert ahead.prepare_head(EagleHead(model).eval()).new_runner.keywords == {"backend": "aoti"}
+    assert chosen.prepare(model).new_runner.keywords == {"backend": "inductor"}
     assert backend("auto").runner == "auto" and backend("auto").gemm is not None  # a CPU's fast path, as before
     assert backend("eager").gemm is not None and not backend("eager").compiled(cuda=True)
     assert backend("auto").compiled(cuda=True) and not backend("auto").compiled(cuda=False)
-    with pytest.raises(DecodeError, match="decode.backend must be one of auto, static, eager, got 'graphs'"):
+    with pytest.raises(DecodeError, match="decode.backend must be one of auto, static, aoti, eager, got 'graphs'"):
         backend("graphs")
+
+
+def test_inductor_caches_under_the_projects_cache_dir_unless_told_otherwise(model, monkeypatch, tmp_path):
+    """Inductor sets TORCHINDUCTOR_CACHE_DIR to its default the first time it is asked for its cache, which imports
+    do before any runner is made: taken as the user's choice, the project's cache dir was never used."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
+
+    from data.models import cache_dir
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    inductor_cache_dir()  # as an import does
+    static.compiled_for(model, decoder_forward, LIGHT, torch.device("cpu"))
+    assert inductor_cache_dir() == str(cache_dir() / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    static.compiled_for(model, decoder_forward, LIGHT, torch.device("cpu"))
+    assert inductor_cache_dir() == str(tmp_path)
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ __all__ = ["MAX_LENGTH", "WIDTHS", "StaticRunner", "cuda_runners", "unsupported"
 
 
 def cuda_runners(model: PreTrainedModel, widths: tuple[int, ...] | None = None, max_length: int | None = None,
-                 runner: type[StaticRunner] = StaticRunner) -> Callable[[], Runner]:
+                 runner: Callable[..., Runner] = StaticRunner) -> Callable[[], Runner]:
     """New static graph runners of `model` (`runner`, StaticRunner or a subclass: graphs for `widths`, a cache of
     `max_length` positions), or HFRunners where it cannot run them (said once, with why)."""
     why = unsupported(model)

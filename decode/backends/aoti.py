@@ -1,0 +1,95 @@
+"""A static runner's forward compiled ahead of time by AOTInductor (`backend="aoti"`, CPU): each shape of its inputs
+exported once (torch.export) and compiled into a shared library whose C++ runs every kernel of the forward. A call
+hands the library its inputs and nothing else: no dynamo frame, no guards and no Python fetching each of the module's
+tensors (torch.compile's entry does that at every call, for every weight). The library reads the module's own tensors
+(handed over user-managed: never copied) and writes the KV cache's buffers, which are its inputs, in place; so a
+keep or a rollback between calls stays the runner's own Python."""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+CACHE_TENSORS = ("slots", "key_length")  # a StaticKV's per-call tensors, inputs of the exported forward
+
+
+class Exported(torch.nn.Module):
+    """`forward(module, cache, *args)` as a module whose inputs are tensors only: the cache's per-call tensors, the
+    tensor arguments and the KV buffers (keys, values of each layer, in order); `args`' other values are fixed."""
+
+    def __init__(self, forward: Callable, module: torch.nn.Module, cache, args: tuple):
+        super().__init__()
+        self.run, self.module, self.cache = forward, module, cache
+        self.fixed = [None if isinstance(a, torch.Tensor) else a for a in args]
+
+    def forward(self, *inputs: torch.Tensor) -> object:
+        present = [name for name in CACHE_TENSORS if getattr(self.cache, name) is not None]
+        for name, tensor in zip(present, inputs):
+            setattr(self.cache, name, tensor)
+        tensors = iter(inputs[len(present):])
+        args = [next(tensors) if a is None else a for a in self.fixed]
+        kv = list(tensors)
+        self.cache.buffers = list(zip(kv[0::2], kv[1::2]))
+        return self.run(self.module, self.cache, *args)
+
+
+def call_inputs(cache, args: tuple) -> list[torch.Tensor]:
+    """An exported forward's inputs, in Exported's order."""
+    present = [getattr(cache, name) for name in CACHE_TENSORS if getattr(cache, name) is not None]
+    return [*present, *(a for a in args if isinstance(a, torch.Tensor)), *(t for pair in cache.buffers for t in pair)]
+
+
+def shape_key(cache, args: tuple) -> tuple:
+    """What selects a compiled library: every input's shape and dtype, and the fixed arguments."""
+    tensors = tuple((tuple(t.shape), t.dtype) for t in call_inputs(cache, args))
+    return tensors, tuple(None if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def library_constants(program: torch.export.ExportedProgram, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors a compiled library reads, under the names it gives them: parameters and buffers by their names
+    (the module's, under Exported's `module.`), lifted tensor attributes (packed weights) as `_tensor_constant<i>`
+    in the program's order of them."""
+    named = {f"module.{name}": t for name, t in (*module.named_parameters(), *module.named_buffers())}
+    lifted = [spec.target for spec in program.graph_signature.input_specs
+              if spec.kind == torch.export.graph_signature.InputKind.CONSTANT_TENSOR]
+    return named | {f"_tensor_constant{i}": program.constants[name] for i, name in enumerate(lifted)}
+
+
+def compile_library(forward: Callable, module: torch.nn.Module, cache, args: tuple,
+                    options: dict[str, object]) -> Callable:
+    """`forward(module, cache, *args)` exported for these inputs' shapes and compiled by AOTInductor; the loaded
+    library, holding the module's tensors (not copies)."""
+    held = {name: getattr(cache, name) for name in ("buffers", *CACHE_TENSORS)}  # tracing sets them to its own
+    try:
+        with torch.inference_mode(False), torch.no_grad():
+            example = tuple(t.clone() if t.is_inference() else t for t in call_inputs(cache, args))
+            program = torch.export.export(Exported(forward, module, cache, args), example, strict=False)
+    finally:
+        for name, value in held.items():
+            setattr(cache, name, value)
+    with tempfile.TemporaryDirectory() as folder:
+        path = torch._inductor.aoti_compile_and_package(
+            program, package_path=str(Path(folder) / "forward.pt2"),
+            inductor_configs={**options, "aot_inductor.package_constants_in_so": False})
+        library = torch._inductor.aoti_load_package(path)
+    constants = library_constants(program, module)
+    library.load_constants({name: constants[name] for name in library.get_constant_fqns()},
+                           check_full_update=True, user_managed=True)
+    return library
+
+
+class AheadOfTime:
+    """A forward compiled by AOTInductor per shape of its inputs: called as torch.compile's result is,
+    `compiled(module, cache, *args)`; the first call of a shape compiles it (a runner's warm-up)."""
+
+    def __init__(self, forward: Callable, options: dict[str, object]):
+        self.forward, self.options = forward, options
+        self.libraries: dict[tuple, Callable] = {}
+
+    def __call__(self, module: torch.nn.Module, cache, *args) -> object:
+        key = shape_key(cache, args)
+        if key not in self.libraries:
+            self.libraries[key] = compile_library(self.forward, module, cache, args, self.options)
+        return self.libraries[key](*call_inputs(cache, args))
