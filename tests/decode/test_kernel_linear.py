@@ -73,3 +73,16 @@ def test_a_greedy_chain_on_the_compiled_w4_runner_is_ar_on_it(w4):  # noqa: F811
     assert chain.generate(prompt, 24).tokens == autoregressive(prepared, prompt, 24).tokens
     assert counter.frame_count == 4  # one graph per width, traced whole: no graph break on the operators
 
+
+
+@pytest.mark.slow
+def test_a_greedy_chain_on_the_ahead_of_time_w4_runner_is_ar_on_it(w4):  # noqa: F811
+    """The int4 tiles (int8 activations) called from an AOTInductor library (decode.backend=aoti)."""
+    model = on_kernels(w4, "int8")
+    pack(model, "avx2")
+    prepared = Prepared(model, functools.partial(CompiledRunner, model, (1, 8), 128, True, "aoti"),
+                        model.get_output_embeddings())
+    prompt = text(12, seed=3)[0].tolist()
+    chain = Chain([ModelLevel("w4", prepared), NgramLevel("n", draft={"length": 5})])
+    assert chain.generate(prompt, 24).tokens == autoregressive(prepared, prompt, 24).tokens
+    assert any(isinstance(m, KernelLinear) for m in model.modules())
