@@ -41,10 +41,9 @@ def call_inputs(cache, args: tuple) -> list[torch.Tensor]:
     return [*present, *(a for a in args if isinstance(a, torch.Tensor)), *(t for pair in cache.buffers for t in pair)]
 
 
-def shape_key(cache, args: tuple) -> tuple:
+def shape_key(inputs: list[torch.Tensor], args: tuple) -> tuple:
     """What selects a compiled library: every input's shape and dtype, and the fixed arguments."""
-    tensors = tuple((tuple(t.shape), t.dtype) for t in call_inputs(cache, args))
-    return tensors, tuple(None if isinstance(a, torch.Tensor) else a for a in args)
+    return tuple((t.shape, t.dtype) for t in inputs), tuple(None if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def library_constants(program: torch.export.ExportedProgram, module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -57,10 +56,28 @@ def library_constants(program: torch.export.ExportedProgram, module: torch.nn.Mo
     return named | {f"_tensor_constant{i}": program.constants[name] for i, name in enumerate(lifted)}
 
 
+class Library:
+    """A compiled forward, loaded: called with its flat inputs (the loaded package's own call parses its input and
+    output specs and flattens the inputs again at every call). It holds the tensors it reads: they are handed to it
+    user-managed, not copied."""
+
+    def __init__(self, package: str, constants: dict[str, torch.Tensor]):
+        from torch.utils import _pytree
+
+        self.loader = torch._inductor.aoti_load_package(package).loader
+        self.constants = {name: constants[name] for name in self.loader.get_constant_fqns()}
+        self.loader.load_constants(self.constants, False, True, True)  # not inactive; check all are given; user-managed
+        self.outputs = _pytree.treespec_loads(self.loader.get_call_spec()[1])
+
+    def __call__(self, inputs: list[torch.Tensor]) -> object:
+        from torch.utils import _pytree
+
+        return _pytree.tree_unflatten(self.loader.boxed_run(inputs), self.outputs)
+
+
 def compile_library(forward: Callable, module: torch.nn.Module, cache, args: tuple,
-                    options: dict[str, object]) -> Callable:
-    """`forward(module, cache, *args)` exported for these inputs' shapes and compiled by AOTInductor; the loaded
-    library, holding the module's tensors (not copies)."""
+                    options: dict[str, object]) -> Library:
+    """`forward(module, cache, *args)` exported for these inputs' shapes and compiled by AOTInductor, loaded."""
     held = {name: getattr(cache, name) for name in ("buffers", *CACHE_TENSORS)}  # tracing sets them to its own
     try:
         with torch.inference_mode(False), torch.no_grad():
@@ -73,11 +90,7 @@ def compile_library(forward: Callable, module: torch.nn.Module, cache, args: tup
         path = torch._inductor.aoti_compile_and_package(
             program, package_path=str(Path(folder) / "forward.pt2"),
             inductor_configs={**options, "aot_inductor.package_constants_in_so": False})
-        library = torch._inductor.aoti_load_package(path)
-    constants = library_constants(program, module)
-    library.load_constants({name: constants[name] for name in library.get_constant_fqns()},
-                           check_full_update=True, user_managed=True)
-    return library
+        return Library(path, library_constants(program, module))
 
 
 class AheadOfTime:
@@ -86,10 +99,11 @@ class AheadOfTime:
 
     def __init__(self, forward: Callable, options: dict[str, object]):
         self.forward, self.options = forward, options
-        self.libraries: dict[tuple, Callable] = {}
+        self.libraries: dict[tuple, Library] = {}
 
     def __call__(self, module: torch.nn.Module, cache, *args) -> object:
-        key = shape_key(cache, args)
+        inputs = call_inputs(cache, args)
+        key = shape_key(inputs, args)
         if key not in self.libraries:
             self.libraries[key] = compile_library(self.forward, module, cache, args, self.options)
-        return self.libraries[key](*call_inputs(cache, args))
+        return self.libraries[key](inputs)

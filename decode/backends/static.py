@@ -109,13 +109,12 @@ class Pieces:
                               "not fit (a larger max_length, or a shorter prompt or max_new_tokens)")
         if positions is None:
             positions = torch.arange(cached, cached + width, device=self.device)[None]
-        if mask is None:
-            mask = static_mask(None, cached, width, cached + width, self.dtype).to(self.device)
-        return [self._piece(ids[:, i: i + widest], mask[..., i: i + widest, : cached + i + widest],
+        return [self._piece(ids[:, i: i + widest],  # no mask: causal, made for each piece
+                            None if mask is None else mask[..., i: i + widest, : cached + i + widest],
                             positions[:, i: i + widest], None if features is None else features[:, i: i + widest])
                 for i in range(0, width, widest)]
 
-    def _piece(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+    def _piece(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor,
                features: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         """One forward of at most max(widths) tokens after the cached ones, padded to the next width."""
         width, cached = ids.shape[1], self.cache.length
