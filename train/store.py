@@ -80,10 +80,16 @@ def _features(model: PreTrainedModel, sequences: list[torch.Tensor], batch: int,
 
 @dataclass(frozen=True)
 class FeatureSource:
-    """The model the head's features come from (the target, or the W4 model) and its weights hash."""
+    """The model the head's features come from (the target, or the W4 model) and its weights hash; `compute_dtype`:
+    the dtype of a copy of it that computes the store instead (None: the model itself)."""
 
     model: PreTrainedModel
     weights_hash: str
+    compute_dtype: torch.dtype | None = None
+
+    def computing_model(self) -> PreTrainedModel:
+        """The model that computes the store, copied only now: a store that exists needs no copy."""
+        return self.model if self.compute_dtype is None else copy.deepcopy(self.model).to(self.compute_dtype)
 
 
 @dataclass(frozen=True)
@@ -102,7 +108,7 @@ def computing_in(source: FeatureSource, compute: str) -> FeatureSource:
     in bfloat16), or a bfloat16 copy of it, whose store is keyed apart (its features are another function's)."""
     if compute == "model" or source.model.dtype == torch.bfloat16:
         return source
-    return FeatureSource(copy.deepcopy(source.model).to(torch.bfloat16), f"{source.weights_hash}|bfloat16")
+    return FeatureSource(source.model, f"{source.weights_hash}|bfloat16", torch.bfloat16)
 
 
 def build_or_load(source: FeatureSource, sequences: list[torch.Tensor], settings: StoreSettings,
@@ -114,7 +120,7 @@ def build_or_load(source: FeatureSource, sequences: list[torch.Tensor], settings
     key = store_key(source.weights_hash, sequences, settings.dtype, aux_layers)
     folder = settings.root / key
     if not (folder / "meta.json").is_file():
-        _build(source.model, sequences, key, replace(settings, aux_layers=aux_layers), share, known)
+        _build(source.computing_model(), sequences, key, replace(settings, aux_layers=aux_layers), share, known)
     elif share.rank == 0:
         meta = json.loads((folder / "meta.json").read_text())
         print(f"feature store: reusing {folder} (built at {meta.get('tokens_per_s', 0):,.0f} tokens/s on "

@@ -388,10 +388,14 @@ def test_a_store_computed_in_bfloat16_is_keyed_apart_and_near_the_exact_one(tiny
     source, settings = FeatureSource(target, "h"), StoreSettings(tmp_path, "float32", 4)
     assert eagle.store.computing_in(source, "model") is source
     in_bf16 = eagle.store.computing_in(source, "bfloat16")
-    assert in_bf16.model.dtype == torch.bfloat16 and target.dtype == torch.float32
+    assert in_bf16.computing_model().dtype == torch.bfloat16 and target.dtype == torch.float32
     exact = eagle.store.build_or_load(source, seqs, settings)
     approximate = eagle.store.build_or_load(in_bf16, seqs, settings)
     assert len(list(tmp_path.iterdir())) == 1  # the exact store was removed, not read: another key
+    with pytest.MonkeyPatch.context() as patch:  # a store that exists is read without a copy of the model
+        patch.setattr(eagle.store.FeatureSource, "computing_model", lambda self: pytest.fail("copied the model"))
+        assert torch.equal(eagle.store.build_or_load(in_bf16, seqs, settings)[0]["features"],
+                           approximate[0]["features"])
     for e, a in zip(exact, approximate, strict=True):
         error = (e["features"] - a["features"]).norm(dim=-1) / e["features"].norm(dim=-1)
         assert 0 < error.max() < 0.05
