@@ -6,7 +6,8 @@ static runner (its kernels inside, a width compiled for each k), timed side by s
 runner in one process (a level's forward of k tokens after a 256-token context, LM head included, medians of
 interleaved repeats). Each row's ms per byte streamed (routed experts only) is given as a ratio to the default's.
 
-    python -m benchmarks.families [--families qwen3 gemma2 phi3 mistral qwen3_moe] [--ks 1 4] [--repeats 20]"""
+    python -m benchmarks.families [--families qwen3 gemma2 phi3 mistral qwen3_moe] [--ks 1 4] [--repeats 20]
+        [--backend inductor|aoti]"""
 from __future__ import annotations
 
 import argparse
@@ -55,9 +56,9 @@ def routed_bytes(model: torch.nn.Module) -> float:
     return sum(p.nbytes for p in model.parameters()) - experts * (1 - share)
 
 
-def levels(family: str, widths: tuple[int, ...]) -> dict[str, ModelLevel]:
+def levels(family: str, widths: tuple[int, ...], backend: str) -> dict[str, ModelLevel]:
     """The family's model as `auto` runs it today and, unless it refuses the model, on the compiled runner, `widths`
-    compiled (two copies: preparing packs in place)."""
+    compiled by `backend` (inductor: torch.compile; aoti: AOTInductor), two copies: preparing packs in place."""
     model = family_model(family)
     today = Backend("avx2").prepare(copy.deepcopy(model))
     rows = {f"{family}, {type(today.new_runner()).__name__}": ModelLevel("today", today)}
@@ -66,8 +67,8 @@ def levels(family: str, widths: tuple[int, ...]) -> dict[str, ModelLevel]:
         print(f"  {family}: the compiled runner refuses it ({why})")
         return rows
     compiled = Backend("avx2", runner="static").prepare(model)
-    runner = CompiledRunner(compiled.model, widths)
-    return rows | {f"{family}, compiled": ModelLevel("compiled", compiled, compute=LevelCompute(runner))}
+    runner = CompiledRunner(compiled.model, widths, backend=backend)
+    return rows | {f"{family}, {backend}": ModelLevel("compiled", compiled, compute=LevelCompute(runner))}
 
 
 def report(times: dict[str, dict[int, float]], sizes: dict[str, float], base: str) -> None:
@@ -83,6 +84,7 @@ def main() -> None:
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--backend", choices=("inductor", "aoti"), default="inductor")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     context = load_tokenizer(DEFAULT_MODEL)(" ".join(["The quick brown fox jumps over the lazy dog."] * 64)).input_ids
@@ -93,7 +95,7 @@ def main() -> None:
     sizes = {base: routed_bytes(default.model)}
     print(f"{args.threads} threads, context {len(context)}, {args.repeats} repeats; ratios to the default's row")
     for family in args.families:
-        family_levels = levels(family, tuple(sorted(set(args.ks))))
+        family_levels = levels(family, tuple(sorted(set(args.ks))), args.backend)
         sizes |= {name: routed_bytes(level.model) for name, level in family_levels.items()}
         family_steps = {name: level_forward(level, context) for name, level in family_levels.items()}
         report(medians(interleaved_ms({base: steps[base], **family_steps}, args.ks, args.repeats)), sizes, base)

@@ -41,11 +41,12 @@ class Backend:
     unpacked). `native_fp32`: whether an fp32 Llama-family model runs the native CPU runner (auto, on, off);
     `native_w4` the same for a GPTQ W4 model, on `activations` (int8, fp32). Off the CPU all three are moot.
     `w4_kernel`: what runs a GPTQ W4 model's linears (see `int4pack`). `runner`: auto (CUDA: the compiled static
-    runners, decode.backends.static; a CPU: as above), static (the compiled static runners on every device, as on
-    CUDA, nothing native: a CPU runs the GPU's code path, its packed linears and attention on the project's kernels
-    as torch operators), aoti (the same runners compiled ahead of time by AOTInductor, decode.backends.aoti: no
-    Python between a call and its kernels) or eager (nothing compiled: on CUDA
-    the hand-captured static runner, heads on their own forward). The compiled runners' models and heads run their
+    runners, decode.backends.static; a CPU: the native runner where it runs the level, else the compiled runners
+    compiled ahead of time), static (the compiled static runners on every device, as on CUDA, nothing native: a CPU
+    runs the GPU's code path, its packed linears and attention on the project's kernels as torch operators), aoti
+    (the same runners compiled ahead of time by AOTInductor, decode.backends.aoti: no Python between a call and its
+    kernels) or eager (nothing compiled: on CUDA the hand-captured static runner, heads on their own forward; on a
+    CPU the native runner or transformers' forward). The compiled runners' models and heads run their
     sibling linears (q/k/v, gate/up) as one product each (decode.backends.siblings)."""
 
     gemm: str | None = None
@@ -67,8 +68,10 @@ class Backend:
                                                    f"got {self.activations!r}")
 
     def drafting(self, target: Prepared) -> "Backend":
-        """The backend of a chain's other levels: fp32 ones run natively where they can when the target does."""
-        return dataclasses.replace(self, native_fp32="auto" if runs_natively(target) else "off")
+        """The backend of a chain's other levels: fp32 ones run natively where they can, else compiled, when the
+        target runs either; beside a target on transformers' forward, on theirs."""
+        fast = runs_natively(target) or runs_static(target)
+        return dataclasses.replace(self, native_fp32="auto" if fast else "off")
 
     def int4pack(self, device: torch.device | str) -> bool:
         """Whether a GPTQ W4 model on `device` runs torch's own int4 kernels (decode.backends.int4pack): where asked
@@ -91,7 +94,8 @@ class Backend:
     def prepare(self, model: PreTrainedModel) -> Prepared:
         """`model` made fast on its device (CPU: linears packed in place; the packed copies are an inference-time
         cache) and how it runs. ValueError where `native_*=on` cannot run it."""
-        if self.gemm and on_cpu(model) and self.compiled(cuda=False):  # W4: the project's int4 tiles, compiled
+        compiled = self.compiles(model)
+        if self.gemm and on_cpu(model) and compiled:  # W4: the project's int4 tiles, compiled
             from decode.backends.cpu.kernel_linear import int4_on_kernels
 
             int4_on_kernels(model, self.activations)
@@ -99,12 +103,12 @@ class Backend:
             from decode.backends.cpu import pack
 
             pack(model, self.gemm)
-        if self.compiled(next(model.parameters()).device.type == "cuda"):  # q/k/v and gate/up: one kernel each
+        if compiled:  # q/k/v and gate/up: one kernel each
             from decode.backends.siblings import stack_siblings
 
             ids = torch.arange(2, 6, device=model.device)[None] % model.get_input_embeddings().num_embeddings
             stack_siblings(model, lambda: model(input_ids=ids, use_cache=False))
-        new_runner = self._runner_factory(model)
+        new_runner = self._runner_factory(model, compiled)
         return Prepared(model, new_runner, _fast_lm_head(model.get_output_embeddings(), new_runner))
 
     def prepare_head(self, head: nn.Module, weights: str | None = None) -> PreparedHead:
@@ -113,11 +117,12 @@ class Backend:
         models may run natively (`native_fp32` auto or on) and it can, else its own forward (said on stderr).
         `weights: int8`: on the native runner, fc, the layer and the LM head rows on int8 rows (elsewhere the head
         keeps its own weights, said on stderr)."""
+        compiled = self.compiles(head, is_head=True)
         if self.gemm and on_cpu(head):
             from decode.backends.cpu import pack
 
             pack(head, self.gemm)
-        if self.compiled(next(head.parameters()).device.type == "cuda"):
+        if compiled:
             from decode.backends.siblings import stack_siblings
 
             weight = head.fc.weight
@@ -126,7 +131,7 @@ class Backend:
         vocab = getattr(head, "draft_vocab", None)
         rows = None if vocab is None or not hasattr(head, "draft_rows") else self.linear(head, head.draft_rows())
         int8 = weights == "int8" and on_cpu(head) and _int8_problem(head) is None
-        new_runner = self._head_runner_factory(head, int8)
+        new_runner = self._head_runner_factory(head, int8, compiled)
         if int8 and _native_head(new_runner):
             from decode.backends.cpu.eagle_head import int8_linear
 
@@ -147,22 +152,52 @@ class Backend:
         return packed_or_plain(linear, self.gemm)
 
     def compiled(self, cuda: bool) -> bool:
-        """Whether a level on CUDA (`cuda`) or a CPU runs the compiled static runners."""
+        """Whether a level on CUDA (`cuda`) or a CPU runs the compiled static runners whatever the model: where asked,
+        and on CUDA unless eager (`compiles` adds a CPU's models that the native runner will not run)."""
         return self.runner in ("static", "aoti") or (cuda and self.runner == "auto")
 
-    @property
-    def compiler(self) -> str:
-        """What compiles the compiled runners' forwards: AOTInductor (decode.backends.aoti) or torch.compile's
-        inductor."""
-        return "aoti" if self.runner == "aoti" else "inductor"
+    def compiles(self, module: nn.Module, is_head: bool = False) -> bool:
+        """Whether `module` (a level's model, or a draft head) runs the compiled static runners: where `compiled`
+        says, and under auto on a CPU where its linears are packed, the project's kernels build and the native
+        runner will not run it (said on stderr, why)."""
+        if self.compiled(next(module.parameters()).device.type == "cuda"):
+            return True
+        if self.runner != "auto" or not (self.gemm and on_cpu(module)):
+            return False
+        from decode.backends.cpu.kernels import kernel_ops
+        from decode.backends.cuda.runner import quantized_experts
+        from decode.backends.int4pack import is_int4pack
 
-    def _runner_factory(self, model: PreTrainedModel) -> Callable[[], Runner]:
+        declined = is_int4pack(module) or quantized_experts(module) or kernel_ops()[0] is None
+        why = None if declined else self._native_problem(module, is_head)
+        if why is not None:
+            what = "the draft head" if is_head else module.name_or_path
+            print(f"decode: {what} runs the compiled runner, ahead of time (native runner: {why})", file=sys.stderr)
+        return why is not None
+
+    def compiler(self, cuda: bool) -> str:
+        """What compiles the compiled runners' forwards: AOTInductor (decode.backends.aoti; asked, or auto on a CPU)
+        or torch.compile's inductor."""
+        return "aoti" if self.runner == "aoti" or (self.runner == "auto" and not cuda) else "inductor"
+
+    def _native_problem(self, module: nn.Module, is_head: bool) -> str | None:
+        """Why the native runner, where its setting leaves the choice to the backend (`auto`), will not run `module`;
+        None where it will, or where the setting decides (`on`: native; `off`: transformers' forward)."""
+        from decode.backends.cpu.eagle_head import head_unsupported
+        from decode.backends.cpu.llama import is_quantized, unsupported
+
+        setting = "native_w4" if not is_head and is_quantized(module) else "native_fp32"
+        if getattr(self, setting) != "auto":
+            return None
+        return head_unsupported(module) if is_head else unsupported(module)
+
+    def _runner_factory(self, model: PreTrainedModel, compiled: bool) -> Callable[[], Runner]:
         hf = functools.partial(HFRunner, model)
         cuda = next(model.parameters()).device.type == "cuda"
-        if self.compiled(cuda):  # graphs on CUDA
+        if compiled:  # graphs on CUDA
             from decode.backends.static import static_runners
 
-            return static_runners(model, backend=self.compiler)
+            return static_runners(model, backend=self.compiler(cuda))
         if cuda:  # a static KV cache and CUDA graphs of the eager forward
             from decode.backends.cuda import cuda_runners
 
@@ -187,11 +222,12 @@ class Backend:
         print(f"decode: {model.name_or_path} runs the eager HF forward (native runner: {why})", file=sys.stderr)
         return hf
 
-    def _head_runner_factory(self, head: nn.Module, int8: bool) -> Callable[[], HeadRunner]:
-        if self.compiled(next(head.parameters()).device.type == "cuda"):
+    def _head_runner_factory(self, head: nn.Module, int8: bool, compiled: bool) -> Callable[[], HeadRunner]:
+        if compiled:
             from decode.backends.static import CompiledHeadRunner
 
-            return functools.partial(CompiledHeadRunner, head, backend=self.compiler)
+            cuda = next(head.parameters()).device.type == "cuda"
+            return functools.partial(CompiledHeadRunner, head, backend=self.compiler(cuda))
         if not (self.gemm and on_cpu(head)) or self.native_fp32 == "off":
             return functools.partial(HFHeadRunner, head)
         from decode.backends.cpu.eagle_head import head_unsupported, native_head_runners

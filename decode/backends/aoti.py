@@ -3,14 +3,24 @@ exported once (torch.export) and compiled into a shared library whose C++ runs e
 hands the library its inputs and nothing else: no dynamo frame, no guards and no Python fetching each of the module's
 tensors (torch.compile's entry does that at every call, for every weight). The library reads the module's own tensors
 (handed over user-managed: never copied) and writes the KV cache's buffers, which are its inputs, in place; so a
-keep or a rollback between calls stays the runner's own Python."""
+keep or a rollback between calls stays the runner's own Python.
+
+The compiled libraries are cached on disk under the project's cache dir, keyed by the exported program (its graph with
+every tensor's shape, dtype and strides, and its signature), the compile's options, torch's version and the vector ISA
+the C++ was compiled for: not by the weights, which the library is handed when loaded. A later process, or another
+model of the same shapes, exports (seconds) and loads; only a new shape compiles."""
 from __future__ import annotations
 
+import hashlib
+import os
 import tempfile
 from pathlib import Path
 from typing import Callable
 
 import torch
+from torch.utils import _pytree
+
+from data.models import cache_dir
 
 CACHE_TENSORS = ("slots", "key_length")  # a StaticKV's per-call tensors, inputs of the exported forward
 
@@ -25,7 +35,7 @@ class Exported(torch.nn.Module):
         self.fixed = [None if isinstance(a, torch.Tensor) else a for a in args]
 
     def forward(self, *inputs: torch.Tensor) -> object:
-        present = [name for name in CACHE_TENSORS if getattr(self.cache, name) is not None]
+        present = cache_inputs(self.cache)
         for name, tensor in zip(present, inputs):
             setattr(self.cache, name, tensor)
         tensors = iter(inputs[len(present):])
@@ -35,10 +45,15 @@ class Exported(torch.nn.Module):
         return self.run(self.module, self.cache, *args)
 
 
+def cache_inputs(cache) -> list[str]:
+    """The names of the cache's per-call tensors this call has (a forward that reads no prefix has no key length)."""
+    return [name for name in CACHE_TENSORS if getattr(cache, name) is not None]
+
+
 def call_inputs(cache, args: tuple) -> list[torch.Tensor]:
     """An exported forward's inputs, in Exported's order."""
-    present = [getattr(cache, name) for name in CACHE_TENSORS if getattr(cache, name) is not None]
-    return [*present, *(a for a in args if isinstance(a, torch.Tensor)), *(t for pair in cache.buffers for t in pair)]
+    return [*(getattr(cache, name) for name in cache_inputs(cache)), *(a for a in args if isinstance(a, torch.Tensor)),
+            *(t for pair in cache.buffers for t in pair)]
 
 
 def shape_key(inputs: list[torch.Tensor], args: tuple) -> tuple:
@@ -62,22 +77,47 @@ class Library:
     user-managed, not copied."""
 
     def __init__(self, package: str, constants: dict[str, torch.Tensor]):
-        from torch.utils import _pytree
-
         self.loader = torch._inductor.aoti_load_package(package).loader
         self.constants = {name: constants[name] for name in self.loader.get_constant_fqns()}
         self.loader.load_constants(self.constants, False, True, True)  # not inactive; check all are given; user-managed
         self.outputs = _pytree.treespec_loads(self.loader.get_call_spec()[1])
 
     def __call__(self, inputs: list[torch.Tensor]) -> object:
-        from torch.utils import _pytree
-
         return _pytree.tree_unflatten(self.loader.boxed_run(inputs), self.outputs)
+
+
+def program_key(program: torch.export.ExportedProgram, options: dict[str, object]) -> str:
+    """What a compiled library depends on, hashed: the program's graph with each tensor's shape, dtype, strides and
+    device, its signature (which input is which parameter, buffer or constant), the options, torch's version and the
+    vector ISA inductor compiles the C++ for (a cache dir shared between CPU kinds, or ATEN_CPU_CAPABILITY=avx2,
+    gets a library of its own)."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    graph = program.graph_module.print_readable(print_output=False, include_stride=True, include_device=True)
+    settings = sorted((str(key), repr(value)) for key, value in options.items())
+    text = "\n".join([graph, str(program.graph_signature), repr(settings), torch.__version__, str(pick_vec_isa())])
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def compiled_package(program: torch.export.ExportedProgram, options: dict[str, object]) -> Path:
+    """The program's compiled package, from the disk cache or compiled into it (in a temporary file renamed into
+    place: a killed compile or a second process compiling the same key leaves no partial package)."""
+    path = cache_dir() / "aoti" / f"{program_key(program, options)}.pt2"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as folder:
+        package = torch._inductor.aoti_compile_and_package(
+            program, package_path=str(Path(folder) / path.name),
+            inductor_configs={**options, "aot_inductor.package_constants_in_so": False})
+        os.replace(package, path)
+    return path
 
 
 def compile_library(forward: Callable, module: torch.nn.Module, cache, args: tuple,
                     options: dict[str, object]) -> Library:
-    """`forward(module, cache, *args)` exported for these inputs' shapes and compiled by AOTInductor, loaded."""
+    """`forward(module, cache, *args)` exported for these inputs' shapes, compiled by AOTInductor (or found compiled
+    on disk), loaded with the module's tensors."""
     held = {name: getattr(cache, name) for name in ("buffers", *CACHE_TENSORS)}  # tracing sets them to its own
     try:
         with torch.inference_mode(False), torch.no_grad():
@@ -86,11 +126,7 @@ def compile_library(forward: Callable, module: torch.nn.Module, cache, args: tup
     finally:
         for name, value in held.items():
             setattr(cache, name, value)
-    with tempfile.TemporaryDirectory() as folder:
-        path = torch._inductor.aoti_compile_and_package(
-            program, package_path=str(Path(folder) / "forward.pt2"),
-            inductor_configs={**options, "aot_inductor.package_constants_in_so": False})
-        return Library(path, library_constants(program, module))
+    return Library(str(compiled_package(program, options)), library_constants(program, module))
 
 
 class AheadOfTime:

@@ -28,6 +28,7 @@ from transformers import PreTrainedModel
 from transformers.utils.output_capturing import maybe_install_capturing_hooks
 
 from data.models import cache_dir
+from decode.backends.aoti import AheadOfTime
 from decode.backends.cpu.attention import KERNEL_ATTENTION
 from decode.backends.cuda import cuda_runners
 from decode.backends.cuda.runner import (MAX_LENGTH, WIDTHS, CapturedGraphs, StaticKV, StaticRunner, decoder_forward,
@@ -46,15 +47,20 @@ def dynamo_limits() -> dict[str, object]:
 
 
 def compile_options(backend: str | Callable, device: torch.device) -> dict[str, object]:
-    """torch.compile's options for the runners. Guards on the module's own parameters, buffers and attributes are
+    """The compile's options for the runners. On a CPU the project's operators are called through their C shims
+    from C++: inductor's C++ wrapper (no Python between a forward's kernels) or AOTInductor's library (`aoti`, whose
+    only options these are). torch.compile's guards on the module's own parameters, buffers and attributes are
     skipped (`compiled_for` gives each module entries of its own, so nothing else can match them): a forward's
-    inputs are all that changes, and the module's hundreds of tensors were checked at every call. On a CPU,
-    inductor's graph is called from C++ (its C++ wrapper: no Python between a forward's kernels), which calls the
-    project's operators through their C shims."""
+    inputs are all that changes, and the module's hundreds of tensors were checked at every call."""
+    shims: dict[str, object] = {}
+    if device.type == "cpu":
+        from decode.backends.cpu.kernels import c_shims
+        shims = {"aot_inductor.custom_ops_to_c_shims": c_shims()}
+    if backend == "aoti":
+        return shims
     options: dict[str, object] = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
     if backend == "inductor" and device.type == "cpu":
-        from decode.backends.cpu.kernels import c_shims
-        options |= {"cpp_wrapper": True, "aot_inductor.custom_ops_to_c_shims": c_shims()}
+        options |= {"cpp_wrapper": True, **shims}
     return options
 
 
@@ -81,18 +87,20 @@ def compiled_for(module: torch.nn.Module, forward: Callable, backend: str | Call
     loads it."""
     use_project_cache()
     per_module = COMPILED.setdefault(module, {})
-    if (forward, backend) not in per_module and backend == "aoti":
-        from decode.backends.aoti import AheadOfTime
-
-        options = compile_options("inductor", device)
-        per_module[forward, backend] = AheadOfTime(forward, {key: options[key] for key in options
-                                                             if key.startswith("aot_inductor.")})
     if (forward, backend) not in per_module:
-        own = types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__,
-                                 forward.__defaults__, forward.__closure__)
-        per_module[forward, backend] = torch.compile(own, fullgraph=True, dynamic=False, backend=backend,
-                                                     options=compile_options(backend, device))
+        per_module[forward, backend] = compile_forward(forward, backend, device)
     return per_module[forward, backend]
+
+
+def compile_forward(forward: Callable, backend: str | Callable, device: torch.device) -> Callable:
+    """`forward` compiled by AOTInductor (`aoti`) or torch.compile's `backend`: a copy of `forward` with a code object
+    of its own (see `compiled_for`)."""
+    options = compile_options(backend, device)
+    if backend == "aoti":
+        return AheadOfTime(forward, options)
+    own = types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__,
+                             forward.__defaults__, forward.__closure__)
+    return torch.compile(own, fullgraph=True, dynamic=False, backend=backend, options=options)
 
 
 class Pieces:
@@ -134,7 +142,9 @@ class Pieces:
     def _call(self, key: tuple[int, ...], *args: object) -> tuple[torch.Tensor | None, ...]:
         """The compiled forward: at a key's (width's) first call it compiles (the warm-up) under the runners' limits,
         at every later one a recompile is an error (the stance raises before any limit is read, so a warm call, the
-        hot path, patches nothing else)."""
+        hot path, patches nothing else; an ahead-of-time library has no dynamo, so nothing to guard)."""
+        if key in self.warm and isinstance(self.compiled, AheadOfTime):
+            return self.compiled(*args)
         if key in self.warm:
             with torch.compiler.set_stance("fail_on_recompile"):
                 return self.compiled(*args)

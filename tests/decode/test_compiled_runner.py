@@ -193,9 +193,10 @@ def test_greedy_chains_on_it_are_ar_on_it(model, drafter):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Backend, "compiled", lambda self, cuda: True)
         patch.setattr(Backend, "_runner_factory",
-                      lambda self, m: functools.partial(CompiledRunner, m, (1, 16), 256, True, LIGHT))
+                      lambda self, m, compiled: functools.partial(CompiledRunner, m, (1, 16), 256, True, LIGHT))
         patch.setattr(Backend, "_head_runner_factory",
-                      lambda self, head, int8: functools.partial(CompiledHeadRunner, head, (1, 16), 256, LIGHT))
+                      lambda self, head, int8, compiled: functools.partial(CompiledHeadRunner, head, (1, 16), 256,
+                                                                           LIGHT))
         chain = build_chain([{"kind": "model"}, *CHAINS[drafter]], target, tokenizer=None)
     assert all(isinstance(level.runner, CompiledRunner) for level in chain.levels if isinstance(level, ModelLevel))
     assert all(isinstance(level.model.model.layers[0].mlp.up_proj, SiblingLinear)
@@ -276,6 +277,7 @@ def test_the_backend_setting_puts_every_model_level_on_it(model):
     ahead = backend("aoti")  # the same runners, compiled by AOTInductor
     assert (ahead.runner, ahead.gemm, ahead.native_fp32) == ("aoti", "auto", "off")
     assert ahead.prepare(model).new_runner.keywords == {"backend": "aoti"}
+    assert backend("auto").compiler(cuda=False) == "aoti" and backend("auto").compiler(cuda=True) == "inductor"
     assert ahead.prepare_head(EagleHead(model).eval()).new_runner.keywords == {"backend": "aoti"}
     assert chosen.prepare(model).new_runner.keywords == {"backend": "inductor"}
     assert backend("auto").runner == "auto" and backend("auto").gemm is not None  # a CPU's fast path, as before

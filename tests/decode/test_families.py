@@ -1,7 +1,9 @@
 """Every family polyspec promises (tests/family_models.py) decodes exactly, past its sliding window where it has one:
 each chain kind's greedy output equals transformers' own `generate` on the same model (near-ties excused by the
-suite's rule, lossless_fixtures.greedy_equal), with the target prepared as the apps prepare it; and each family runs
-where it should: the native CPU runner, or transformers' forward with the reason said in one line."""
+suite's rule, lossless_fixtures.greedy_equal), with the target prepared as the apps prepare it under
+`decode.backend=eager`; and each family runs where it should: the native CPU runner, or transformers' forward with the
+reason said in one line. Under `auto` (slow: AOTInductor compiles) every family the native runner does not run runs
+the compiled runner, ahead of time, and decodes exactly on it."""
 from __future__ import annotations
 
 import copy
@@ -70,7 +72,7 @@ def family(request, tmp_path_factory) -> Family:
     assert len(prompt) > 2 * WINDOW
     with torch.no_grad():
         reference = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
-    target = Backend("auto", native_fp32="auto").prepare(copy.deepcopy(model))
+    target = Backend("auto", native_fp32="auto", runner="eager").prepare(copy.deepcopy(model))
     return Family(request.param, root, target, tokenizer, prompt, reference[0, len(prompt):].tolist())
 
 
@@ -106,3 +108,23 @@ def test_chain_greedy_equals_transformers_generate(family, chain):
     assert ties <= 1, f"{family.name}, {chain}: {ties} near-ties; fp32 tiny models should almost never tie"
     if NOISY in str(CHAINS[chain]):  # the noisy copy's drafts are accepted in part: rollbacks and kept tree paths
         assert 0 < generation.stats.levels[0].accepted < generation.stats.levels[0].proposed, generation.stats.levels
+
+
+@pytest.mark.slow
+def test_under_auto_each_family_the_native_runner_refuses_decodes_exactly_ahead_of_time_compiled(family, capsys):
+    """A model tree drafted by the noisy copy (rollbacks and kept tree paths), both levels on the compiled runner
+    compiled by AOTInductor (the copy's libraries loaded from disk: the same shapes), saying why in one line each."""
+    from decode.backends.static import CompiledRunner
+
+    target = Backend("auto", native_fp32="auto").prepare(load_model(str(family.root / "target"))[0])
+    if NATIVE_PROBLEM[family.name] is None:
+        assert runs_natively(target) == (native_kernels()[0] is not None)
+        return
+    assert target.new_runner.func is CompiledRunner and target.new_runner.keywords == {"backend": "aoti"}
+    built = build_chain(CHAINS["model tree"], target, family.tokenizer, RunLayout(family.root), gemm="auto")
+    assert all(isinstance(level.runner, CompiledRunner) for level in built.levels)
+    generation = built.generate(family.prompt, NEW_TOKENS, eos_token_id=family.tokenizer.eos_token_id)
+    assert greedy_equal(target, family.prompt, generation.tokens, ref=family.reference)[0], family.name
+    assert 0 < generation.stats.levels[0].accepted < generation.stats.levels[0].proposed, generation.stats.levels
+    said = [line for line in capsys.readouterr().err.splitlines() if "compiled runner" in line]
+    assert len(said) == 2 and all(NATIVE_PROBLEM[family.name] in line for line in said), said

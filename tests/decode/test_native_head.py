@@ -12,6 +12,7 @@ from decode_fixtures import tiny_model
 from decode.backends import Backend
 from decode.backends.cpu.eagle_head import NativeHeadRunner, head_unsupported, int8_problem, native_head_runners
 from decode.backends.cpu.llama import NativeInt8Linear, native_kernels
+from decode.backends.static import CompiledHeadRunner
 from decode.engine.runner import HFHeadRunner
 from decode.engine.tree import Tree
 from heads.eagle import EagleHead
@@ -136,8 +137,13 @@ def test_the_backend_runs_a_head_natively_where_fp32_models_may_and_says_why_not
         assert isinstance(Backend("avx2", native_fp32=native).prepare_head(head).new_runner(), expected), native
     assert isinstance(Backend(None, native_fp32="auto").prepare_head(EagleHead.for_target(target)).new_runner(),
                       HFHeadRunner)  # nothing packed: the head's own forward, as a target's
-    eagle3 = Eagle3Head.for_target(target).eval()
-    assert isinstance(Backend("avx2", native_fp32="auto").prepare_head(eagle3).new_runner(), HFHeadRunner)
+    eagle3 = Eagle3Head.for_target(target).eval()  # under auto: the compiled head runner, ahead of time
+    factory = Backend("avx2", native_fp32="auto").prepare_head(eagle3).new_runner
+    assert factory.func is CompiledHeadRunner and factory.keywords == {"backend": "aoti"}
+    assert "the draft head runs the compiled runner, ahead of time (native runner: method 'eagle3'" in \
+        capsys.readouterr().err
+    eager = Backend("avx2", native_fp32="auto", runner="eager")
+    assert isinstance(eager.prepare_head(Eagle3Head.for_target(target).eval()).new_runner(), HFHeadRunner)
     assert "the draft head runs its own forward (native runner: method 'eagle3'" in capsys.readouterr().err
 
 

@@ -135,7 +135,8 @@ def test_built_eagle_chains_on_it_are_token_identical_to_ar(model, monkeypatch, 
     aux states the runner captures) drafting trees below a middle level that keeps features."""
     from decode_fixtures import build_chain
 
-    monkeypatch.setattr(backends.Backend, "_runner_factory", lambda self, m: functools.partial(StaticRunner, m))
+    monkeypatch.setattr(backends.Backend, "_runner_factory",
+                        lambda self, m, compiled: functools.partial(StaticRunner, m))
     levels = [{"kind": "model"}, {"kind": "model", "model": "target", "layers": 3, "mu": 2},
               {"kind": "eagle", "path": "untrained", "method": method, "features": "nearest", "draft": TREE}]
     chain = build_chain(levels, configured(model), tokenizer=None)

@@ -111,9 +111,10 @@ def test_the_w4_model_loads_back_whole_with_the_weights_gptq_computed(quantized)
     assert close.float().mean() >= (0.9 if routes_to_experts(w4) else 1.0)
 
 
-def test_a_w4_chain_decodes_exactly_like_transformers_generate(quantized):
-    """target <- W4 <- prompt lookup (conf's w4_lookup) on the family's target as the apps prepare it: greedy output
-    equal to transformers' own `generate` on the plain model."""
+def w4_chain(quantized: Quantized, runner: str, native_w4: str) -> tuple[object, object]:
+    """target <- W4 <- prompt lookup (conf's w4_lookup) on the family's target as the apps prepare it under
+    `decode.backend=runner` and `decode.native=native_w4`, and its greedy generation, checked equal to transformers'
+    own `generate` on the plain model (its near-ties excused, at most one)."""
     from decode.backends import Backend, runs_natively
     from decode.chains.build import ChainBuilder, LevelSettings
     from decode.engine.spec import ChainSpec
@@ -123,8 +124,9 @@ def test_a_w4_chain_decodes_exactly_like_transformers_generate(quantized):
     prompt = body + body[:4] + body
     with torch.no_grad():
         reference = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
-    target = Backend("auto", native_fp32="auto").prepare(model)
-    backend = Backend("avx2" if runs_natively(target) else None)
+    target = Backend("auto", native_fp32="auto", runner=runner).prepare(model)
+    gemm = "avx2" if runner != "eager" or runs_natively(target) else None
+    backend = Backend(gemm, native_w4=native_w4, runner=runner)
     chain = ChainBuilder(target, tokenizer, settings=LevelSettings(backend=backend)).build(ChainSpec.parse([
         {"kind": "model"}, {"kind": "model", "name": "w4", "model": str(quantized.w4), "mu": 4, "lm_head": "int8"},
         {"kind": "ngram", "max_ngram": 3, "draft": {"mode": "chain", "length": 4}}]))
@@ -132,6 +134,30 @@ def test_a_w4_chain_decodes_exactly_like_transformers_generate(quantized):
     ok, ties = greedy_equal(target, prompt, generation.tokens, ref=reference[0, len(prompt):].tolist())
     assert ok and ties <= 1, f"{quantized.family}: the W4 chain's output differs from transformers' generate"
     assert generation.stats.levels[1].forward_calls > 0  # the W4 level verified drafts
+    return chain, generation
+
+
+def test_a_w4_chain_decodes_exactly_like_transformers_generate(quantized):
+    """Under `decode.backend=eager`: native where it runs, else transformers' forward."""
+    w4_chain(quantized, "eager", "off")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["phi3", "qwen3_moe"])
+def test_under_auto_a_w4_level_the_native_runner_declines_runs_ahead_of_time_on_the_int4_tiles(quantize_family,
+                                                                                                family):
+    """Phi-3 (projections GPTQModel split, stacked again): target and W4 level on the compiled runner, compiled by
+    AOTInductor, the W4 level's linears on the project's int4 tiles. Qwen3-MoE's W4 level (each expert's linears
+    apart, run in a loop over the experts routed to, which no graph captures) stays on transformers' forward."""
+    from decode.backends.cuda.runner import on_kernels
+    from decode.backends.static import CompiledRunner
+    from decode.engine.runner import HFRunner
+
+    chain, _ = w4_chain(quantize_family(family), "auto", "auto")
+    target, w4 = chain.levels[:2]
+    assert isinstance(target.runner, CompiledRunner)
+    assert isinstance(w4.runner, CompiledRunner if family == "phi3" else HFRunner) and on_kernels(w4.model) == (
+        family == "phi3")
 
 
 def test_phi3_fused_projections_are_stored_whole(phi3):

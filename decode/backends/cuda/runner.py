@@ -37,9 +37,18 @@ def unsupported(model: PreTrainedModel) -> str | None:
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if isinstance(rope, dict) and ("dynamic" in str(rope.get("rope_type")) or rope.get("rope_type") == "longrope"):
         return f"{rope['rope_type']} rotary scaling (computed from the sequence)"
+    if quantized_experts(model):
+        return "a quantized model's routed experts (a loop over the experts a batch routes to: data-dependent)"
     if getattr(config, "quantization_config", None) is not None and not (is_int4pack(model) or on_kernels(model)):
         return "quantized weights (their kernels' graph capture is unchecked)"
     return None
+
+
+def quantized_experts(model: torch.nn.Module) -> bool:
+    """Whether `model` is quantized and routes tokens through experts (their quantized linears one module each,
+    run in a loop over the experts routed to, which no graph captures)."""
+    experts = any(name.rsplit(".", 1)[-1] == "experts" for name, _ in model.named_modules())
+    return experts and getattr(model.config, "quantization_config", None) is not None
 
 
 def on_kernels(model: torch.nn.Module) -> bool:
