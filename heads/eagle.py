@@ -334,11 +334,13 @@ class EagleHead(DraftHead):
         attention_mask: torch.Tensor | None = None,
         *,
         compute_logits: bool = True,
+        **attention: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
         """(predicted features [B,T,h], logits [B,T,V], cache). `attention_mask` is an additive float mask
         [B,1,T,past+T] (tree drafting); None means causal after the cached prefix. Positions default to
         past..past+T-1. The cache (e.g. DynamicCache) is extended in place. `compute_logits=False` returns
-        None for logits (training applies the LM head to the loss positions only)."""
+        None for logits (training applies the LM head to the loss positions only). `attention`: passed to the
+        layer's attention (a static cache's `key_length`: decode.backends.cpu.attention)."""
         position_ids, attention_mask = self.step_inputs(input_ids, past_key_values, position_ids, attention_mask)
         dtype = self.fc.weight.dtype
         x = self.fc(torch.cat([self.embed_tokens(input_ids).to(dtype), features.to(dtype)], dim=-1))
@@ -349,6 +351,7 @@ class EagleHead(DraftHead):
             past_key_values=past_key_values,
             use_cache=past_key_values is not None,
             position_embeddings=self.position_embeddings(x, position_ids),
+            **attention,
         )
         out = out[0] if isinstance(out, tuple) else out  # MLP output + residual: the predicted feature, no final norm
         hidden = out.to(self.lm_head.weight.dtype)

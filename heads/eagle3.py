@@ -84,9 +84,10 @@ class Eagle3Head(DraftHead):
 
     def forward(self, input_ids: torch.LongTensor, features: torch.Tensor, past_key_values: Any = None,
                 position_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None, *,
-                compute_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+                compute_logits: bool = True, **attention: Any) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
         """(pre-norm output g' [B,T,h], logits [B,T,draft vocab], cache). `features`: the verifier's aux states
-        [B,T,3h] (fused by fc) or the head's previous output [B,T,h]. Masks, positions and cache as EagleHead's."""
+        [B,T,3h] (fused by fc) or the head's previous output [B,T,h]. Masks, positions, cache and `attention` as
+        EagleHead's."""
         position_ids, attention_mask = self.step_inputs(input_ids, past_key_values, position_ids, attention_mask)
         dtype = self.fc.weight.dtype
         g = features.to(dtype)
@@ -96,7 +97,7 @@ class Eagle3Head(DraftHead):
         x = torch.cat([layer.input_layernorm(self.embed_tokens(input_ids).to(dtype)), layer.hidden_norm(g)], dim=-1)
         attended = layer.self_attn(hidden_states=x, attention_mask=attention_mask, position_ids=position_ids,
                                    past_key_values=past_key_values, use_cache=past_key_values is not None,
-                                   position_embeddings=self.position_embeddings(g, position_ids))[0]
+                                   position_embeddings=self.position_embeddings(g, position_ids), **attention)[0]
         h = g + attended  # the residual is g before hidden_norm (norm_before_residual: false)
         out = h + layer.mlp(layer.post_attention_layernorm(h))
         return out, self.logits(out) if compute_logits else None, past_key_values

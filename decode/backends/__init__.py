@@ -114,7 +114,8 @@ class Backend:
     def prepare_head(self, head: nn.Module, weights: str | None = None) -> PreparedHead:
         """A draft head as it runs here: packed in place on the CPU, its draft-vocabulary LM head rows on the packed
         product (None: the head computes its logits as it is), and the native runner for an EAGLE-2 head where fp32
-        models may run natively (`native_fp32` auto or on) and it can, else its own forward (said on stderr).
+        models may run natively (`native_fp32` auto or on) and it can, else under auto the compiled head runner,
+        else its own forward (said on stderr).
         `weights: int8`: on the native runner, fc, the layer and the LM head rows on int8 rows (elsewhere the head
         keeps its own weights, said on stderr)."""
         compiled = self.compiles(head, is_head=True)
@@ -122,6 +123,11 @@ class Backend:
             from decode.backends.cpu import pack
 
             pack(head, self.gemm)
+        if compiled and on_cpu(head):  # attention as a packed model's: the kernel reads the keys written, not the span
+            from decode.backends.cpu.attention import use_packed_attention
+            from decode.backends.cpu.dense import packed_with
+
+            use_packed_attention(head.config, packed_with(head))
         if compiled:
             from decode.backends.siblings import stack_siblings
 

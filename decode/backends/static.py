@@ -32,7 +32,7 @@ from decode.backends.aoti import AheadOfTime
 from decode.backends.cpu.attention import KERNEL_ATTENTION
 from decode.backends.cuda import cuda_runners
 from decode.backends.cuda.runner import (MAX_LENGTH, WIDTHS, CapturedGraphs, StaticKV, StaticRunner, decoder_forward,
-                                        extend, kv_buffers, static_mask)
+                                        extend, key_length_of, kv_buffers, static_mask)
 from decode.engine.errors import DecodeError
 from decode.engine.runner import Runner
 
@@ -212,7 +212,7 @@ def head_forward(head: torch.nn.Module, cache: StaticKV, ids: torch.Tensor, posi
     """A draft head's (EAGLE-2's, EAGLE-3's) forward on a StaticKV (its slots set): the features its next step
     feeds back."""
     return head(ids, features, past_key_values=cache, position_ids=positions, attention_mask=mask,
-                compute_logits=False)[:1]
+                compute_logits=False, **key_length_of(cache))[:1]
 
 
 class CompiledHeadRunner(Pieces, CapturedGraphs):
@@ -230,6 +230,7 @@ class CompiledHeadRunner(Pieces, CapturedGraphs):
         self.cache = HeadKV(head.config, max_length + self.widths[-1])
         self.cache.buffers = config_buffers(head.config, self.cache.max_length, self.dtype, self.device)
         self.warm: set[tuple[int, ...]] = set()
+        self.reads_prefix = head.config._attn_implementation == KERNEL_ATTENTION
         self.compiled = compiled_for(head, head_forward, backend, self.device)
         self.warm_up()
 
@@ -265,6 +266,7 @@ class CompiledHeadRunner(Pieces, CapturedGraphs):
 
     def _run(self, ids, positions, mask, slots, features) -> tuple[torch.Tensor]:
         self.cache.slots = slots
+        self.cache.key_length = slots[-1:] + 1 if self.reads_prefix else None
         return self._call((ids.shape[1], features.shape[-1]), self.head, self.cache, ids, positions, mask, features)
 
 

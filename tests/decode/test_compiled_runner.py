@@ -150,6 +150,29 @@ def test_the_runners_compile_limits_are_their_own(model):
 
 
 @pytest.mark.parametrize("kind", HEADS)
+def test_a_packed_heads_compiled_steps_read_the_keys_written_as_its_own_forward_does(model, kind):
+    """Packed on the kernels, a compiled head attends on `attend` over the keys its cache holds (its key length),
+    not its whole span: through a rollback its steps are its own forward's (HFHeadRunner, sdpa). A length one short
+    (the newest key missed) differs; keys past the length are masked off either way."""
+    from decode.backends.cpu.attention import KERNEL_ATTENTION
+    from decode.engine.runner import HFHeadRunner
+
+    head = HEADS[kind](model).eval()
+    prepared = Backend("avx2", runner="static").prepare_head(copy.deepcopy(head))
+    assert prepared.head.config._attn_implementation == KERNEL_ATTENTION
+    runners = (CompiledHeadRunner(prepared.head, (1, 4), 64, backend=LIGHT), HFHeadRunner(head))
+    gen, outs = torch.Generator().manual_seed(0), [[], []]
+    for width, crop in ((3, None), (1, None), (4, 6), (2, None), (1, 7), (4, None)):
+        ids = torch.randint(0, VOCAB, (1, width), generator=gen)
+        features = torch.randn(1, width, head.feature_size, generator=gen)
+        for runner, out in zip(runners, outs):
+            if crop is not None:
+                runner.crop(crop)
+            out.append(runner.forward(ids, features, None, None))
+    assert max_difference(*outs) < 1e-4
+
+
+@pytest.mark.parametrize("kind", HEADS)
 def test_a_head_runner_compiles_when_made_and_never_while_drafting(model, kind):
     """A compile in a chain's first draft landed in its timed head steps (seconds a step in decode.bench)."""
     counter, head = CompileCounter(), HEADS[kind](model).eval()

@@ -74,6 +74,15 @@ def packed_attention(config: Any, product: str | None) -> str | None:
     return None
 
 
+def use_packed_attention(config: Any, product: str | None) -> None:
+    """A module that is no transformers model (a draft head's layer, reading `config` at every call) on the
+    attention a model packed on `product` runs (`packed_attention`; None: nothing packed, its own)."""
+    implementation = packed_attention(config, product) if product is not None else None
+    if implementation is not None:
+        register()
+        config._attn_implementation = implementation
+
+
 def unpacked_attention(config: Any) -> str:
     """transformers' attention for a model no longer packed: eager where scores are softcapped, else sdpa."""
     return "eager" if softcapped(config) else "sdpa"

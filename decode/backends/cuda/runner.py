@@ -126,13 +126,19 @@ def kv_buffers(layers: int, heads: int, length: int, dim: int, dtype: torch.dtyp
             for _ in range(layers)]
 
 
+def key_length_of(cache: StaticKV) -> dict[str, torch.Tensor]:
+    """The attention's keyword for a cache that knows how many of its keys are written (none for one that does not):
+    an attention that reads only those is told so."""
+    return {} if cache.key_length is None else {"key_length": cache.key_length}
+
+
 def decoder_forward(decoder: torch.nn.Module, cache: StaticKV, ids: torch.Tensor, positions: torch.Tensor,
                     mask: torch.Tensor, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A decoder's forward on a StaticKV (its slots and span set): the last hidden states, and those entering
     `layers` side by side (None for no layers). One function: the compiled runner compiles what this one runs.
     A cache that knows how many of its keys are written (`key_length`) tells the attention, which may read only
     those; one whose layers differ in window (`mask_types`) takes a stack of masks, one a type."""
-    extra = {} if cache.key_length is None else {"key_length": cache.key_length}
+    extra = key_length_of(cache)
     masks = mask if cache.mask_types is None else dict(zip(cache.mask_types, mask.split(1), strict=True))
     out = decoder(input_ids=ids, attention_mask=masks, position_ids=positions, past_key_values=cache, use_cache=True,
                   output_hidden_states=bool(layers), **extra)
