@@ -269,9 +269,13 @@ def runs_natively(prepared: Prepared) -> bool:
 
 def runs_static(prepared: Prepared) -> bool:
     """Whether a prepared model runs the static runner (compiled or not)."""
+    return _static(prepared.new_runner)
+
+
+def _static(new_runner: Callable[[], Runner]) -> bool:
     from decode.backends.cuda.runner import StaticRunner
 
-    func = getattr(prepared.new_runner, "func", None)
+    func = getattr(new_runner, "func", None)
     return isinstance(func, type) and issubclass(func, StaticRunner)
 
 
@@ -294,11 +298,12 @@ def _native(new_runner: Callable[[], Runner]) -> bool:
 
 
 def _fast_lm_head(head: nn.Module, new_runner: Callable[[], Runner]) -> nn.Module:
-    """The native int8 kernel for an int8 LM head (`lm_head: int8`) beside the native runner, else `head`."""
+    """The native int8 kernel for an int8 LM head (`lm_head: int8`) beside the native runner or a CPU's compiled one
+    (the LM head runs after the runner, on its output), else `head` (aten's int8 product on bf16 activations)."""
     from decode.backends.cpu.int8 import Int8RowLinear
 
-    if not isinstance(head, Int8RowLinear) or not _native(new_runner):
+    if not isinstance(head, Int8RowLinear) or not (_native(new_runner) or _static(new_runner)):
         return head
-    from decode.backends.cpu.llama import NativeInt8Linear
+    from decode.backends.cpu.llama import NativeInt8Linear, native_kernels
 
-    return NativeInt8Linear(head)
+    return NativeInt8Linear(head) if native_kernels()[0] is not None else head

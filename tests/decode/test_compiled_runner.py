@@ -20,7 +20,9 @@ from test_static_runner import TREE, VOCAB, leaky_mask, max_difference, needs_cu
 from torch._dynamo.testing import CompileCounter
 
 import decode.backends.static as static
-from decode.backends import Backend
+from decode.backends import Backend, with_lm_head
+from decode.backends.cpu.int8 import Int8RowLinear
+from decode.backends.cpu.llama import NativeInt8Linear
 from decode.backends.cuda import StaticRunner
 from decode.backends.cuda.runner import decoder_forward
 from decode.backends.int4pack import Int4Linear, pack
@@ -303,6 +305,8 @@ def test_the_backend_setting_puts_every_model_level_on_it(model):
     assert backend("auto").compiler(cuda=False) == "aoti" and backend("auto").compiler(cuda=True) == "inductor"
     assert ahead.prepare_head(EagleHead(model).eval()).new_runner.keywords == {"backend": "aoti"}
     assert chosen.prepare(model).new_runner.keywords == {"backend": "inductor"}
+    int8_head = with_lm_head(ahead.prepare(copy.deepcopy(model)), Int8RowLinear(copy.deepcopy(model.lm_head)))
+    assert isinstance(int8_head.lm_head, NativeInt8Linear)  # lm_head: int8 on the native kernel, as beside native
     assert backend("auto").runner == "auto" and backend("auto").gemm is not None  # a CPU's fast path, as before
     assert backend("eager").gemm is not None and not backend("eager").compiled(cuda=True)
     assert backend("auto").compiled(cuda=True) and not backend("auto").compiled(cuda=False)

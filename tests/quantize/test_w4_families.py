@@ -149,6 +149,7 @@ def test_under_auto_a_w4_level_the_native_runner_declines_runs_ahead_of_time_on_
     """Phi-3 (projections GPTQModel split, stacked again): target and W4 level on the compiled runner, compiled by
     AOTInductor, the W4 level's linears on the project's int4 tiles. Qwen3-MoE's W4 level (each expert's linears
     apart, run in a loop over the experts routed to, which no graph captures) stays on transformers' forward."""
+    from decode.backends.cpu.llama import NativeInt8Linear
     from decode.backends.cuda.runner import on_kernels
     from decode.backends.static import CompiledRunner
     from decode.engine.runner import HFRunner
@@ -158,6 +159,7 @@ def test_under_auto_a_w4_level_the_native_runner_declines_runs_ahead_of_time_on_
     assert isinstance(target.runner, CompiledRunner)
     assert isinstance(w4.runner, CompiledRunner if family == "phi3" else HFRunner) and on_kernels(w4.model) == (
         family == "phi3")
+    assert isinstance(w4.lm_head, NativeInt8Linear) == (family == "phi3")  # lm_head: int8 on the native kernel
 
 
 def test_phi3_fused_projections_are_stored_whole(phi3):
