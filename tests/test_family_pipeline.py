@@ -1,6 +1,8 @@
 """Each family a user brings beside Llama's, through every stage as the apps run them, on a tiny random model:
 train.eagle (an EAGLE-2 and an EAGLE-3 head) -> quantize.w4 -> decode.generate with chain=polybasic (target <- W4 <-
-each head) and chain=w4_lookup, each printing "outputs identical" (equal to the target decoding alone)."""
+each head) and chain=w4_lookup, each printing "outputs identical" (equal to the target decoding alone). GPT-NeoX
+decodes as `decode.backend=auto` does (the compiled runner, ahead of time, for every level but the native ones); the
+other families on transformers' forward (`eager`): tests/decode/test_families.py decodes each on the compiled runner."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -27,8 +29,9 @@ def compose(*overrides: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss", "gpt_neox"])
-def test_every_stage_runs_and_decodes_exactly(family, chat_file, tmp_path, capsys):
+@pytest.mark.parametrize("family, backend", [("mixtral", "eager"), ("qwen3_moe", "eager"), ("gpt_oss", "eager"),
+                                             ("gpt_neox", "auto")])
+def test_every_stage_runs_and_decodes_exactly(family, backend, chat_file, tmp_path, capsys):
     import train.eagle as eagle
     import train.settings as train_settings
     from decode.generate import run as generate
@@ -37,7 +40,8 @@ def test_every_stage_runs_and_decodes_exactly(family, chat_file, tmp_path, capsy
     from quantize.w4 import run as quantize
 
     source = tiny_family_model(family, tmp_path / "source")
-    common = [f"model.name={source}", f"data.source={chat_file}", f"run_dir={tmp_path / 'run'}", *SMALL]
+    common = [f"model.name={source}", f"data.source={chat_file}", f"run_dir={tmp_path / 'run'}",
+              f"decode.backend={backend}", *SMALL]
     for method in ("eagle", "eagle3"):
         eagle.train(train_settings.of(compose(*common, f"train={method}")))
     quantize(w4_of(compose(*common)))
