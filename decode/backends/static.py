@@ -106,8 +106,8 @@ def compile_forward(forward: Callable, backend: str | Callable, device: torch.de
 class Pieces:
     """What the compiled runners share: a forward cut into pieces of at most max(widths) tokens after the cached ones,
     each padded to the next width and run by `_run` (compiled) or `_replay` (a CUDA graph of it), under the
-    no-recompile rule (`_call`). A user sets cache (a StaticKV), widths, max_length, dtype, device, graph_widths, warm
-    and compiled."""
+    no-recompile rule (`_call`). A user sets cache (a StaticKV), widths, max_length, dtype, device, graph_widths, warm,
+    reads_prefix and compiled."""
 
     def _pieces(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None,
                 features: torch.Tensor | None = None) -> list[tuple[torch.Tensor | None, ...]]:
@@ -138,6 +138,12 @@ class Pieces:
         out = self._replay(inputs) if rows in self.graph_widths else self._run(*inputs)
         self.cache.length = cached + width
         return tuple(None if x is None else x[:, :width] for x in out)
+
+    def _write_at(self, slots: torch.Tensor) -> None:
+        """The cache's slots for a piece and, where the attention is the kernel's (`reads_prefix`), the keys written
+        once it runs: the kernel reads no further."""
+        self.cache.slots = slots
+        self.cache.key_length = slots[-1:] + 1 if self.reads_prefix else None
 
     def _call(self, key: tuple[int, ...], *args: object) -> tuple[torch.Tensor | None, ...]:
         """The compiled forward: at a key's (width's) first call it compiles (the warm-up) under the runners' limits,
@@ -193,8 +199,7 @@ class CompiledRunner(Pieces, StaticRunner):
         return torch.cat([hidden for hidden, _ in pieces], dim=1)
 
     def _run(self, ids, positions, mask, slots) -> tuple[torch.Tensor, torch.Tensor | None]:
-        self.cache.slots = slots
-        self.cache.key_length = slots[-1:] + 1 if self.reads_prefix else None
+        self._write_at(slots)
         return self._call((ids.shape[1],), self.decoder, self.cache, ids, positions, mask, self.layers)
 
 
@@ -265,8 +270,7 @@ class CompiledHeadRunner(Pieces, CapturedGraphs):
         return torch.cat([hidden for hidden, in self._pieces(ids, mask, positions, features)], dim=1)
 
     def _run(self, ids, positions, mask, slots, features) -> tuple[torch.Tensor]:
-        self.cache.slots = slots
-        self.cache.key_length = slots[-1:] + 1 if self.reads_prefix else None
+        self._write_at(slots)
         return self._call((ids.shape[1], features.shape[-1]), self.head, self.cache, ids, positions, mask, features)
 
 

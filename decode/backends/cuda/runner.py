@@ -47,8 +47,9 @@ def unsupported(model: PreTrainedModel) -> str | None:
 def quantized_experts(model: torch.nn.Module) -> bool:
     """Whether `model` is quantized and routes tokens through experts (their quantized linears one module each,
     run in a loop over the experts routed to, which no graph captures)."""
-    experts = any(name.rsplit(".", 1)[-1] == "experts" for name, _ in model.named_modules())
-    return experts and getattr(model.config, "quantization_config", None) is not None
+    from heads.eagle import routes_to_experts
+
+    return getattr(model.config, "quantization_config", None) is not None and routes_to_experts(model)
 
 
 def on_kernels(model: torch.nn.Module) -> bool:
