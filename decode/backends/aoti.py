@@ -23,6 +23,9 @@ from torch.utils import _pytree
 from data.models import cache_dir
 
 CACHE_TENSORS = ("slots", "key_length")  # a StaticKV's per-call tensors, inputs of the exported forward
+# Every library reads the module's tensors handed over at load: none packaged, none frozen or folded into its code.
+# freezing and max_autotune are process-wide inductor config that other libraries set (GPTQModel's int4 linear does)
+LIBRARY_CONFIG = {"aot_inductor.package_constants_in_so": False, "freezing": False, "max_autotune": False}
 
 
 class Exported(torch.nn.Module):
@@ -102,14 +105,14 @@ def program_key(program: torch.export.ExportedProgram, options: dict[str, object
 def compiled_package(program: torch.export.ExportedProgram, options: dict[str, object]) -> Path:
     """The program's compiled package, from the disk cache or compiled into it (in a temporary file renamed into
     place: a killed compile or a second process compiling the same key leaves no partial package)."""
+    options = {**options, **LIBRARY_CONFIG}
     path = cache_dir() / "aoti" / f"{program_key(program, options)}.pt2"
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as folder:
         package = torch._inductor.aoti_compile_and_package(
-            program, package_path=str(Path(folder) / path.name),
-            inductor_configs={**options, "aot_inductor.package_constants_in_so": False})
+            program, package_path=str(Path(folder) / path.name), inductor_configs=options)
         os.replace(package, path)
     return path
 

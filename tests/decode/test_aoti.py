@@ -84,6 +84,21 @@ def test_another_model_of_the_same_shapes_loads_the_compiled_library_from_disk_w
                           sequence(StaticRunner(other, ()))) < 1e-4
 
 
+def test_a_library_compiled_where_inductor_freezes_still_reads_the_weights_it_is_handed(monkeypatch, tmp_path):
+    """GPTQModel's int4 linear sets inductor's process-wide `freezing` and `max_autotune`: a library compiled then had
+    the first model's weights frozen into it and asked for them by names no other process hands over (KeyError)."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(aoti, "cache_dir", lambda: tmp_path)
+    with monkeypatch.context() as frozen:
+        frozen.setattr(inductor_config, "freezing", True)
+        frozen.setattr(inductor_config, "max_autotune", True)
+        sequence(CompiledRunner(tiny_model(seed=0, vocab=VOCAB, layers=2), (4,), 256, backend="aoti"))
+    other = tiny_model(seed=1, vocab=VOCAB, layers=2)
+    assert max_difference(sequence(CompiledRunner(other, (4,), 256, backend="aoti")),
+                          sequence(StaticRunner(other, ()))) < 1e-4
+
+
 def test_the_library_key_names_the_vector_isa_the_options_and_the_shapes(monkeypatch):
     """A cache dir shared by an AVX-512 host and an AVX2 one (or ATEN_CPU_CAPABILITY=avx2) must not hand one the
     other's library; nor may other options or another shape find it."""
